@@ -1,0 +1,73 @@
+"""Naming a user's function the way JAX does: `name at file:line`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import types
+from typing import Any, Callable
+
+
+def unwrap_callable(fn: Any) -> Any:
+    """Follow partials, bound methods, `nn.Module`s and callable objects to a function."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        elif isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
+            return fn
+        elif hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        elif not isinstance(fn, type) and hasattr(type(fn), "forward") and hasattr(fn, "_call_impl"):
+            fn = type(fn).forward  # an nn.Module
+        elif not isinstance(fn, type) and hasattr(type(fn), "__call__"):
+            fn = type(fn).__call__
+        else:
+            return fn
+    return fn
+
+
+def fn_code(fn: Any) -> types.CodeType | None:
+    """The code object behind `fn`, or None for builtins and other code-less callables."""
+    return getattr(unwrap_callable(fn), "__code__", None)
+
+
+def describe(fn: Callable[..., Any]) -> str:
+    """`name at file:line` for a user function; the repr of anything else."""
+    base = unwrap_callable(fn)
+    code = getattr(base, "__code__", None)
+    name = getattr(base, "__qualname__", None) or getattr(base, "__name__", None) or repr(fn)
+    if code is None:
+        return str(name)
+    filename = code.co_filename
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            filename = rel
+    except ValueError:
+        pass
+    return f"{name} at {filename}:{code.co_firstlineno}"
+
+
+def short_name(fn: Callable[..., Any]) -> str:
+    base = unwrap_callable(fn)
+    return str(getattr(base, "__name__", None) or type(fn).__name__)
+
+
+def callable_param_count(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments `fn` accepts, or None if unknown or variadic."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n

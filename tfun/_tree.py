@@ -1,0 +1,236 @@
+"""Pytrees over optree, in tfun's own registry namespace ``"tfun"``.
+
+Tuples, lists, dicts (flattened in sorted-key order, as JAX does), `OrderedDict`,
+`defaultdict`, `NamedTuple`s and registered dataclasses are nodes; `None` is a node with
+no children (an empty subtree), exactly as in JAX. Everything else is a leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import optree
+from optree import PyTreeSpec
+
+NAMESPACE = "tfun"
+
+T = TypeVar("T")
+Leaf = Any
+PyTree = Any
+KeyPath = optree.PyTreeAccessor
+PyTreeDef = PyTreeSpec
+
+__all__ = [
+    "PyTreeDef",
+    "KeyPath",
+    "tree_map",
+    "tree_map_with_path",
+    "tree_leaves",
+    "tree_structure",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_unflatten",
+    "tree_all",
+    "treedef_is_leaf",
+    "register_pytree_node",
+    "register_dataclass",
+    "keystr",
+]
+
+
+def tree_flatten(
+    tree: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    none_is_leaf: bool = False,
+) -> tuple[list[Leaf], PyTreeSpec]:
+    """Flatten `tree` into its leaves and a `PyTreeDef` that rebuilds it.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `is_leaf`: optional predicate; a subtree for which it returns `True` is a leaf.
+    - `none_is_leaf`: treat `None` as a leaf instead of an empty subtree (JAX's default
+      is an empty subtree, and so is tfun's).
+
+    **Returns:** `(leaves, treedef)`.
+    """
+    return optree.tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_unflatten(treedef: PyTreeSpec, leaves: Iterable[Leaf]) -> PyTree:
+    """Rebuild a pytree from `treedef` (from `tree_flatten`) and an iterable of leaves."""
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def tree_leaves(
+    tree: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    none_is_leaf: bool = False,
+) -> list[Leaf]:
+    """The leaves of `tree`, in flattening order."""
+    return optree.tree_leaves(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_structure(
+    tree: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    none_is_leaf: bool = False,
+) -> PyTreeSpec:
+    """The `PyTreeDef` of `tree`: its structure with the leaves left out."""
+    return optree.tree_structure(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_flatten_with_path(
+    tree: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    none_is_leaf: bool = False,
+) -> tuple[list[tuple[KeyPath, Leaf]], PyTreeSpec]:
+    """Like `tree_flatten`, but each leaf comes with its key path.
+
+    **Returns:** `([(path, leaf), ...], treedef)`; format a path with `keystr`.
+    """
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(
+        tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE
+    )
+    return list(zip(accessors, leaves)), treedef
+
+
+def tree_map(
+    f: Callable[..., Any],
+    tree: PyTree,
+    *rest: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    none_is_leaf: bool = False,
+) -> PyTree:
+    """Apply `f` to the leaves of `tree` (and the matching leaves of each of `rest`).
+
+    `rest` must have `tree`'s structure (or have it as a prefix, as in JAX). Returns a
+    pytree of `tree`'s structure holding `f(leaf, *rest_leaves)`.
+    """
+    return optree.tree_map(f, tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_map_with_path(
+    f: Callable[..., Any],
+    tree: PyTree,
+    *rest: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    none_is_leaf: bool = False,
+) -> PyTree:
+    """Like `tree_map`, but `f` is called as `f(path, leaf, *rest_leaves)`."""
+    return optree.tree_map_with_accessor(
+        f, tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE
+    )
+
+
+def tree_all(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> bool:
+    """`all(tree_leaves(tree))`."""
+    return all(tree_leaves(tree, is_leaf))
+
+
+def treedef_is_leaf(treedef: PyTreeSpec) -> bool:
+    """Whether `treedef` is the structure of a single leaf."""
+    return treedef.is_leaf()
+
+
+def keystr(path: Sequence[Any]) -> str:
+    """Format a key path as Python accessor code, e.g. `['h'][1].weight`.
+
+    Accepts a path from `tree_flatten_with_path` / `tree_map_with_path`, or a plain tuple
+    of keys (strings format as `['key']`, integers as `[i]`).
+    """
+    if isinstance(path, optree.PyTreeAccessor):
+        return path.codify("")
+    out = []
+    for k in path:
+        if isinstance(k, optree.PyTreeEntry):
+            out.append(k.codify(""))
+        elif isinstance(k, int):
+            out.append(f"[{k}]")
+        else:
+            out.append(f"[{k!r}]")
+    return "".join(out)
+
+
+def register_pytree_node(
+    cls: type[T],
+    flatten_fn: Callable[[T], tuple[Iterable[Any], Any]],
+    unflatten_fn: Callable[[Any, Iterable[Any]], T],
+) -> type[T]:
+    """Register `cls` as a pytree node, with JAX's calling convention.
+
+    **Arguments:**
+
+    - `cls`: the type to register.
+    - `flatten_fn`: `x -> (children, aux_data)`; `aux_data` must be hashable and is part
+      of the structure.
+    - `unflatten_fn`: `(aux_data, children) -> x`.
+
+    **Returns:** `cls`, so it can be used inline.
+    """
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
+    return cls
+
+
+def register_dataclass(
+    cls: type[T] | None = None,
+    *,
+    data_fields: Sequence[str] | None = None,
+    meta_fields: Sequence[str] | None = None,
+) -> Any:
+    """Register a dataclass as a pytree node: its data fields are children.
+
+    Usable as `@register_dataclass` or `register_dataclass(cls, data_fields=[...],
+    meta_fields=[...])` (JAX's `jax.tree_util.register_dataclass`). By default every field
+    is a data field, except fields declared with `metadata={"static": True}`, which are
+    meta fields: hashable, part of the structure, not leaves. Key paths show fields as
+    `.name`.
+    """
+
+    def register(c: type[T]) -> type[T]:
+        if not dataclasses.is_dataclass(c):
+            from ._errors import ArgumentTypeError
+
+            raise ArgumentTypeError(
+                f"tfun.tree.register_dataclass: {c.__qualname__} is not a dataclass.\n"
+                "Decorate it with @dataclasses.dataclass first (below @register_dataclass)."
+            )
+        fields = [f for f in dataclasses.fields(c)]
+        if data_fields is None and meta_fields is None:
+            data = [f.name for f in fields if not f.metadata.get("static", False)]
+            meta = [f.name for f in fields if f.metadata.get("static", False)]
+        else:
+            data = list(data_fields or [])
+            meta = list(meta_fields or [])
+            declared = {f.name for f in fields if f.init}
+            missing = declared - set(data) - set(meta)
+            if missing:
+                from ._errors import ArgumentValueError
+
+                raise ArgumentValueError(
+                    f"tfun.tree.register_dataclass: fields {sorted(missing)} of {c.__qualname__} are "
+                    "in neither data_fields nor meta_fields.\nList every init field in one of them."
+                )
+
+        def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...], list[str]]:
+            return [getattr(x, n) for n in data], tuple(getattr(x, n) for n in meta), data
+
+        def unflatten(aux: tuple[Any, ...], children: Iterable[Any]) -> Any:
+            kwargs = dict(zip(data, children))
+            kwargs.update(zip(meta, aux))
+            return c(**kwargs)
+
+        optree.register_pytree_node(
+            c, flatten, unflatten, path_entry_type=optree.GetAttrEntry, namespace=NAMESPACE  # type: ignore[arg-type]
+        )
+        return c
+
+    if cls is None:
+        return register
+    return register(cls)
