@@ -7,6 +7,7 @@ from . import errors as errors
 from . import tree as tree
 
 # --- lax (issue 2) ---
+from . import lax as lax
 
 # --- transforms (issue 3) ---
 
@@ -22,6 +23,7 @@ __all__ = [
     "errors",
     "tree",
     # --- __all__ lax ---
+    "lax",
     # --- __all__ transforms ---
     # --- __all__ jit ---
     # --- __all__ kernels ---

@@ -40,7 +40,7 @@ def describe(fn: Callable[..., Any]) -> str:
     """`name at file:line` for a user function; the repr of anything else."""
     base = unwrap_callable(fn)
     code = getattr(base, "__code__", None)
-    name = getattr(base, "__qualname__", None) or getattr(base, "__name__", None) or repr(fn)
+    name = getattr(base, "__name__", None) or getattr(base, "__qualname__", None) or repr(fn)
     if code is None:
         return str(name)
     filename = code.co_filename

@@ -1,0 +1,264 @@
+"""`cond`, `switch` and `select`: choosing between computations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from .. import _rules
+from .._errors import ArgumentTypeError, ArgumentValueError, format_message
+from .._tree import tree_flatten, tree_unflatten
+from . import _hop
+
+T = TypeVar("T")
+
+_no_operand = object()
+
+
+def _normalize_operands(op: str, operands: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_rules.as_tensor_tree(op, f"operands[{i}]", o) for i, o in enumerate(operands))
+
+
+def _branch_output(op: str, out: Any) -> tuple[Any, list[Any], Any]:
+    leaves, treedef = tree_flatten(out)
+    if not all(type(x) is torch.Tensor or isinstance(x, torch.Tensor) for x in leaves):
+        leaves, treedef = _rules.as_tensor_leaves(op, "the branch output", out)
+        out = tree_unflatten(treedef, leaves)
+    return out, leaves, treedef
+
+
+def _check_branches(
+    op: str,
+    branches: Sequence[Callable[..., Any]],
+    taken: int,
+    operands: tuple[Any, ...],
+    out_leaves: list[Any],
+    out_def: Any,
+    branch_names: Sequence[str],
+) -> None:
+    """First trace: every branch must return the structure and types the taken one did."""
+    for i, b in enumerate(branches):
+        _rules.check_static_side_effects(op, f"{branch_names[i]}", b)
+    for i, b in enumerate(branches):
+        if i == taken:
+            continue
+        try:
+            other_leaves, other_def = _rules.abstract_eval(b, operands)
+        except _rules.AbstractEvalUnavailable:
+            continue  # checked later, when this branch is taken (see the cached signature)
+        names = (branch_names[taken] + " output", branch_names[i] + " output")
+        revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
+        if taken < i:
+            _rules.check_structure(op, "branch outputs", out_def, other_def, root="output", names=names, fn=b, revise=revise)
+            _rules.check_tensors(op, "branch outputs", out_leaves, other_leaves, out_def, root="output", names=names, fn=b, revise=revise)
+        else:
+            names = (names[1], names[0])
+            _rules.check_structure(op, "branch outputs", other_def, out_def, root="output", names=names, fn=branches[taken], revise=revise)
+            _rules.check_tensors(op, "branch outputs", other_leaves, out_leaves, other_def, root="output", names=names, fn=branches[taken], revise=revise)
+
+
+def _run_branch(
+    op: str,
+    branches: Sequence[Callable[..., Any]],
+    taken: int,
+    operands: tuple[Any, ...],
+    branch_names: Sequence[str],
+) -> Any:
+    op_leaves, op_def = tree_flatten(operands)
+    key = (op, tuple(_rules.fn_key(b) for b in branches), _rules.leaf_signature(op_leaves), op_def)
+    expected = _rules.seen(key)
+    branch = branches[taken]
+    if expected is None:
+        out = _rules.checked_call(op, branch_names[taken], branch, operands)
+        out, leaves, treedef = _branch_output(op, out)
+        _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
+        _rules.remember(key, (taken, treedef, _rules.leaf_signature(leaves), leaves))
+        return out
+    out = branch(*operands)
+    out, leaves, treedef = _branch_output(op, out)
+    first_taken, exp_def, exp_sig, exp_leaves = expected
+    if treedef != exp_def or _rules.leaf_signature(leaves) != exp_sig:
+        names = (branch_names[first_taken] + " output", branch_names[taken] + " output")
+        revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
+        _rules.check_structure(op, "branch outputs", exp_def, treedef, root="output", names=names, fn=branch, revise=revise)
+        _rules.check_tensors(op, "branch outputs", exp_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=revise)
+    return out
+
+
+def _as_pred(op: str, pred: Any) -> Any:
+    """JAX's `cond` predicate: a scalar bool, or a scalar number (nonzero is true)."""
+    if isinstance(pred, (bool, int)):
+        return bool(pred)
+    if isinstance(pred, torch.Tensor):
+        if pred.dim() != 0:
+            raise ArgumentTypeError(
+                format_message(
+                    f"{op}: pred must be a scalar (shape ()), but it is {_rules.describe_leaf(pred)}.",
+                    revise="Reduce it to one value, e.g. with `.all()` or `.any()`; for elementwise choice use "
+                    "`tfun.lax.select` or `torch.where`.",
+                )
+            )
+        if pred.dtype == torch.bool:
+            return pred
+        if pred.is_complex() or pred.is_floating_point():
+            raise ArgumentTypeError(
+                f"{op}: pred must be a boolean or integer scalar, but it is {_rules.describe_leaf(pred)}.\n"
+                "Compare it explicitly, e.g. `x > 0`."
+            )
+        return pred != 0
+    raise ArgumentTypeError(
+        f"{op}: pred must be a boolean scalar (a bool tensor of shape () or a Python bool), "
+        f"but got {_rules.describe_leaf(pred)}."
+    )
+
+
+def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *operands: Any, operand: Any = _no_operand) -> T:
+    """Apply `true_fun` or `false_fun` to `operands`, depending on `pred`.
+
+    Semantics, as a Python function:
+
+    ```python
+    def cond(pred, true_fun, false_fun, *operands):
+        if pred:
+            return true_fun(*operands)
+        else:
+            return false_fun(*operands)
+    ```
+
+    Type: `bool -> (a... -> b) -> (a... -> b) -> a... -> b`.
+
+    Both branches must return the same pytree structure, with leaves of the same dtype,
+    shape and device (checked the first time the branches are seen with operands of a
+    given signature, by evaluating the branch not taken on fake tensors). Under
+    `tfun.jit` / `torch.export` this lowers to `torch.cond`, and only then is `pred`
+    allowed to depend on traced data without a device sync.
+
+    **Arguments:**
+
+    - `pred`: a boolean scalar: a Python bool, or a tensor of shape `()` of dtype bool or an
+      integer dtype (nonzero is true, as in JAX).
+    - `true_fun`, `false_fun`: functions of `*operands` with matching outputs.
+    - `*operands`: pytrees passed to the branch (Python scalars become 0-d tensors).
+    - `operand`: the deprecated single-operand keyword form of JAX, accepted for porting.
+
+    **Returns:** the output of the branch taken.
+    """
+    op = "tfun.lax.cond"
+    if operand is not _no_operand:
+        if operands:
+            raise ArgumentTypeError(f"{op}: pass operands positionally or as `operand=`, not both.")
+        operands = (operand,)
+    _rules.check_callable(op, "true_fun", true_fun)
+    _rules.check_callable(op, "false_fun", false_fun)
+    p = _as_pred(op, pred)
+    operands = _normalize_operands(op, operands)
+    if _hop.is_tracing():
+        if not isinstance(p, torch.Tensor):
+            p = torch.tensor(p)
+        return _hop.cond(p, true_fun, false_fun, operands)
+    taken = 0 if bool(p) else 1
+    return _run_branch(op, (true_fun, false_fun), taken, operands, ("true_fun", "false_fun"))
+
+
+def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, operand: Any = _no_operand) -> T:
+    """Apply `branches[index]` to `operands`, with `index` clamped into range.
+
+    Semantics, as a Python function:
+
+    ```python
+    def switch(index, branches, *operands):
+        index = min(max(index, 0), len(branches) - 1)
+        return branches[index](*operands)
+    ```
+
+    Type: `int -> [a... -> b] -> a... -> b`.
+
+    All branches must return the same pytree structure with leaves of the same dtype, shape
+    and device. Out-of-range indices are clamped, exactly as in JAX.
+
+    **Arguments:**
+
+    - `index`: a Python int, or an integer tensor of shape `()`.
+    - `branches`: a non-empty sequence of functions of `*operands`.
+    - `*operands`: pytrees passed to the chosen branch.
+
+    **Returns:** the output of the chosen branch.
+    """
+    op = "tfun.lax.switch"
+    if operand is not _no_operand:
+        if operands:
+            raise ArgumentTypeError(f"{op}: pass operands positionally or as `operand=`, not both.")
+        operands = (operand,)
+    if not isinstance(branches, Sequence) or isinstance(branches, (str, bytes)):
+        raise ArgumentTypeError(
+            f"{op}: branches must be a sequence (list or tuple) of functions, but got {_rules.describe_leaf(branches)}."
+        )
+    branches = tuple(branches)
+    if len(branches) == 0:
+        raise ArgumentValueError(f"{op}: branches must not be empty.")
+    for i, b in enumerate(branches):
+        _rules.check_callable(op, f"branches[{i}]", b)
+    if isinstance(index, bool) or not isinstance(index, (int, torch.Tensor)):
+        raise ArgumentTypeError(f"{op}: index must be an integer scalar, but got {_rules.describe_leaf(index)}.")
+    if isinstance(index, torch.Tensor) and (index.dim() != 0 or index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
+        raise ArgumentTypeError(
+            f"{op}: index must be an integer scalar (an integer tensor of shape ()), but it is "
+            f"{_rules.describe_leaf(index)}."
+        )
+    operands = _normalize_operands(op, operands)
+    n = len(branches)
+    if _hop.is_tracing() and isinstance(index, torch.Tensor):
+        return _hop.switch(index.clamp(0, n - 1), branches, operands)
+    i = min(max(int(index), 0), n - 1)
+    names = [f"branches[{k}]" for k in range(n)]
+    return _run_branch(op, branches, i, operands, names)
+
+
+def select(pred: Any, on_true: T, on_false: T) -> T:
+    """Choose elementwise between `on_true` and `on_false`.
+
+    Semantics (per leaf, elementwise):
+
+    ```python
+    def select(pred, on_true, on_false):
+        return on_true if pred else on_false
+    ```
+
+    Type: `bool[*s] -> a[*s] -> a[*s] -> a[*s]` (JAX's `lax.select`, extended to pytrees:
+    `pred` applies to every leaf).
+
+    **Arguments:**
+
+    - `pred`: a bool tensor of the leaves' shape, or of shape `()` (scalar).
+    - `on_true`, `on_false`: pytrees of the same structure whose corresponding leaves
+      have the same dtype and shape.
+
+    **Returns:** a pytree of the structure of `on_true`.
+    """
+    op = "tfun.lax.select"
+    if isinstance(pred, bool):
+        pred = torch.tensor(pred)
+    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool:
+        raise ArgumentTypeError(
+            f"{op}: pred must be a bool tensor, but got {_rules.describe_leaf(pred)}.\n"
+            "Compare it explicitly, e.g. `x > 0`."
+        )
+    t_leaves, t_def = _rules.as_tensor_leaves(op, "on_true", on_true)
+    f_leaves, f_def = _rules.as_tensor_leaves(op, "on_false", on_false)
+    revise = "Pass on_true and on_false with the same structure and matching tensors."
+    _rules.check_structure(op, "on_true and on_false", t_def, f_def, root="", names=("on_true", "on_false"), fn=None, revise=revise)
+    _rules.check_tensors(op, "on_true and on_false", t_leaves, f_leaves, t_def, root="", names=("on_true", "on_false"), fn=None, revise=revise)
+    out = []
+    for path, a, b in zip(t_def.accessors(), t_leaves, f_leaves):
+        if pred.dim() != 0 and pred.shape != a.shape:
+            raise ArgumentValueError(
+                f"{op}: pred must be a scalar or have the shape of every leaf, but pred is "
+                f"{_rules.tensor_type(pred)} and on_true{path.codify('')} is {_rules.tensor_type(a)}."
+            )
+        out.append(torch.where(pred, a, b))
+    return tree_unflatten(t_def, out)
+
+
+__all__ = ["cond", "switch", "select"]

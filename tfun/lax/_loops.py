@@ -1,0 +1,203 @@
+"""`while_loop` and `fori_loop`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .. import _rules
+from .._errors import ArgumentTypeError
+from .._tree import tree_flatten, tree_structure, tree_unflatten
+from . import _hop
+from ._scan import check_carry, check_unroll, scan
+
+T = TypeVar("T")
+
+
+def _check_pred(op: str, fn: Callable[..., Any], pred: Any) -> None:
+    _rules.check_scalar_predicate(op, "cond_fun's output", pred, fn)
+
+
+def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_val: T) -> T:
+    """Apply `body_fun` while `cond_fun` is true.
+
+    Semantics, as a Python function (JAX's `lax.while_loop`, exactly):
+
+    ```python
+    def while_loop(cond_fun, body_fun, init_val):
+        val = init_val
+        while cond_fun(val):
+            val = body_fun(val)
+        return val
+    ```
+
+    Type: `(c -> bool) -> (c -> c) -> c -> c`.
+
+    `cond_fun` must return a boolean scalar (a bool tensor of shape `()` or a Python bool);
+    `body_fun` must return a value of the structure, dtypes, shapes and devices of
+    `init_val`. Python scalars in `init_val` become 0-d tensors (an `int` becomes int64).
+    The trip count may depend on data. Eagerly each test of `cond_fun` reads one boolean
+    from the device; under `tfun.jit` it lowers to PyTorch's `while_loop` higher-order op.
+
+    **Arguments:**
+
+    - `cond_fun`: `val -> bool scalar`.
+    - `body_fun`: `val -> val`.
+    - `init_val`: the initial loop value, a pytree.
+
+    **Returns:** the final loop value.
+    """
+    op = "tfun.lax.while_loop"
+    _rules.check_callable(op, "cond_fun", cond_fun)
+    _rules.check_callable(op, "body_fun", body_fun)
+    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
+    val = tree_unflatten(treedef, leaves)
+    if _hop.is_tracing():
+        return _hop.while_loop(cond_fun, body_fun, val)
+    key = (op, _rules.fn_key(cond_fun), _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves))
+    if _rules.seen(key) is None:
+        pred = _rules.checked_call(op, "cond_fun", cond_fun, (val,))
+        _check_pred(op, cond_fun, pred)
+        if not pred:
+            _rules.check_static_side_effects(op, "body_fun", body_fun)
+            try:
+                out_leaves, out_def = _rules.abstract_eval(body_fun, (val,))
+            except _rules.AbstractEvalUnavailable:
+                return val
+            check_carry(op, body_fun, treedef, leaves, tree_unflatten(out_def, out_leaves), what="body_fun input and output")
+            _rules.remember(key)
+            return val
+        new = _rules.checked_call(op, "body_fun", body_fun, (val,))
+        check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        _rules.remember(key)
+        val = new
+    is_leaf = treedef.is_leaf()
+    while cond_fun(val):
+        val = body_fun(val)
+        if is_leaf:
+            if not isinstance(val, torch.Tensor):
+                check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+        elif tree_structure(val) != treedef:
+            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+    if _rules.leaf_signature(tree_flatten(val)[0]) != key[4]:
+        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+    return val
+
+
+def _loop_bound(op: str, name: str, v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, torch.Tensor)):
+        if type(v).__module__ == "numpy" and getattr(v, "dtype", None) is not None and v.dtype.kind in "iu":
+            return int(v)
+        raise ArgumentTypeError(
+            f"{op}: lower and upper must be integers (a Python int or an integer tensor of shape ()), but "
+            f"{name} is {_rules.describe_leaf(v)}."
+        )
+    if isinstance(v, torch.Tensor) and (v.dim() != 0 or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
+        raise ArgumentTypeError(
+            f"{op}: lower and upper must be integers (a Python int or an integer tensor of shape ()), but "
+            f"{name} is {_rules.describe_leaf(v)}."
+        )
+    return v
+
+
+def fori_loop(
+    lower: int | torch.Tensor,
+    upper: int | torch.Tensor,
+    body_fun: Callable[[Any, T], T],
+    init_val: T,
+    *,
+    unroll: int | bool | None = None,
+) -> T:
+    """Loop `body_fun` over the integers from `lower` to `upper`.
+
+    Semantics, as a Python function (JAX's `lax.fori_loop`):
+
+    ```python
+    def fori_loop(lower, upper, body_fun, init_val):
+        val = init_val
+        for i in range(lower, upper):
+            val = body_fun(i, val)
+        return val
+    ```
+
+    Type: `int -> int -> (int -> c -> c) -> c -> c`.
+
+    `i` is passed as a 0-d integer tensor (int64 for Python bounds, the promoted dtype of
+    tensor bounds), as JAX passes a traced integer. With Python-int bounds the loop has a
+    static trip count and lowers to `scan` under `tfun.jit`; with tensor bounds it lowers
+    to `while_loop`.
+
+    **Arguments:**
+
+    - `lower`, `upper`: Python ints or integer tensors of shape `()`.
+    - `body_fun`: `(i, val) -> val`.
+    - `init_val`: the initial loop value, a pytree.
+    - `unroll`: accepted for JAX compatibility (positive int or bool; static bounds only).
+
+    **Returns:** the final loop value.
+    """
+    op = "tfun.lax.fori_loop"
+    _rules.check_callable(op, "body_fun", body_fun)
+    lower = _loop_bound(op, "lower", lower)
+    upper = _loop_bound(op, "upper", upper)
+    if unroll is not None:
+        check_unroll(op, unroll)
+    tensors = [v for v in (lower, upper) if isinstance(v, torch.Tensor)]
+    dtype = torch.int64
+    device = torch.device("cpu")
+    if tensors:
+        dtype = tensors[0].dtype if len(tensors) == 1 else torch.promote_types(tensors[0].dtype, tensors[1].dtype)
+        device = tensors[0].device
+    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
+    val = tree_unflatten(treedef, leaves)
+
+    if _hop.is_tracing():
+        if not tensors:
+            n = max(upper - lower, 0)  # type: ignore[operator]
+
+            def step(c: Any, _: Any) -> Any:
+                i, v = c
+                return (i + 1, body_fun(i, v)), None
+
+            (_, val), _ = scan(step, (torch.tensor(lower, dtype=dtype, device=device), val), None, length=n)
+            return val
+        lo = torch.as_tensor(lower, dtype=dtype, device=device)
+        hi = torch.as_tensor(upper, dtype=dtype, device=device)
+
+        def w_cond(c: Any) -> Any:
+            return c[0] < c[1]
+
+        def w_body(c: Any) -> Any:
+            return (c[0] + 1, c[1], body_fun(c[0], c[2]))
+
+        return while_loop(w_cond, w_body, (lo, hi, val))[2]
+
+    lo_i, hi_i = int(lower), int(upper)
+    if hi_i <= lo_i:
+        return val
+    idx = torch.arange(lo_i, hi_i, dtype=dtype, device=device).unbind(0)
+    key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
+    start = 0
+    if _rules.seen(key) is None:
+        new = _rules.checked_call(op, "body_fun", body_fun, (idx[0], val))
+        check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        _rules.remember(key)
+        val = new
+        start = 1
+    is_leaf = treedef.is_leaf()
+    for k in range(start, len(idx)):
+        val = body_fun(idx[k], val)
+        if is_leaf:
+            if not isinstance(val, torch.Tensor):
+                check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+        elif tree_structure(val) != treedef:
+            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+    if _rules.leaf_signature(tree_flatten(val)[0]) != key[3]:
+        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+    return val
+
+
+__all__ = ["while_loop", "fori_loop"]
+
