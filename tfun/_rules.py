@@ -18,6 +18,8 @@ with the same code and signature skip them (`seen`). The cache is keyed on the f
 from __future__ import annotations
 
 import dis
+import os
+import sysconfig
 import types
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -95,7 +97,7 @@ def describe_node(spec: PyTreeSpec) -> str:
     if kind in (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT):
         return f"a {t.__name__} with keys {list(spec.entries())}"
     if kind == optree.PyTreeKind.NAMEDTUPLE:
-        return f"a {t.__name__}({', '.join(map(str, spec.entries()))})"
+        return f"a {t.__name__}({', '.join(t._fields)})"
     name = getattr(t, "__qualname__", str(t))
     return f"a {name} with children {list(spec.entries())}"
 
@@ -106,6 +108,8 @@ def _entry_str(spec: PyTreeSpec, entry: Any) -> str:
         return f"[{entry}]"
     if kind in (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT):
         return f"[{entry!r}]"
+    if kind == optree.PyTreeKind.NAMEDTUPLE:
+        return f".{spec.type._fields[entry]}"
     if isinstance(entry, str):
         return f".{entry}"
     return f"[{entry!r}]"
@@ -468,9 +472,22 @@ def _fingerprint(obj: Any) -> Any:
     return None
 
 
+def _is_user_function(obj: Any) -> bool:
+    if not isinstance(obj, types.FunctionType):
+        return False
+    filename = obj.__code__.co_filename
+    return not (filename.startswith(_LIBRARY_PREFIXES) or "site-packages" in filename or filename.startswith("<frozen"))
+
+
+_LIBRARY_PREFIXES = tuple(
+    {p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"), os.path.dirname(torch.__file__)) if p}
+)
+
+
 def _children(obj: Any) -> list[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         return []
+
     if isinstance(obj, (list, tuple)):
         return [(f"[{i}]", v) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
@@ -568,7 +585,15 @@ class Snapshot:
         frontier = [(name, obj, 0) for name, obj in roots]
         while frontier and len(entries) < _MAX_OBJECTS:
             name, obj, depth = frontier.pop(0)
-            if isinstance(obj, _SKIP_TYPES) or id(obj) in visited:
+            if id(obj) in visited:
+                continue
+            if isinstance(obj, _SKIP_TYPES):
+                if _is_user_function(obj) and depth < _MAX_DEPTH:
+                    # A helper the function calls: what it reaches, the function reaches too.
+                    visited.add(id(obj))
+                    frontier.extend(
+                        (f"{rname} (through `{obj.__name__}`)", r, depth + 1) for rname, r in roots_of(obj)
+                    )
                 continue
             visited.add(id(obj))
             fp = _fingerprint(obj)

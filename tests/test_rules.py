@@ -1,0 +1,410 @@
+"""Every trace-time rule: a test that triggers it (wording pinned) and harmless code that passes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import tfun
+from tfun import lax
+from tfun._rules import clear_cache
+from tfun.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    SideEffectError,
+    StructureMismatchError,
+    TensorMismatchError,
+    TfunError,
+)
+
+from .helpers import Point
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rules_cache():
+    clear_cache()
+    yield
+    clear_cache()
+
+
+def test_error_hierarchy():
+    assert issubclass(StructureMismatchError, TypeError) and issubclass(StructureMismatchError, TfunError)
+    assert issubclass(TensorMismatchError, TypeError) and issubclass(TensorMismatchError, TfunError)
+    assert issubclass(SideEffectError, RuntimeError) and issubclass(SideEffectError, TfunError)
+    assert issubclass(ArgumentTypeError, TypeError) and issubclass(ArgumentValueError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------
+# Structure match
+# ---------------------------------------------------------------------------------------
+
+
+def test_scan_carry_structure_mismatch_message():
+    def step(carry, x):
+        return {"h": (carry["h"][0], carry["h"][1], x)}, x
+
+    init = {"h": (torch.zeros(()), torch.zeros(()))}
+    with pytest.raises(StructureMismatchError) as e:
+        lax.scan(step, init, torch.arange(3.0))
+    msg = str(e.value)
+    lines = msg.splitlines()
+    assert lines[0] == (
+        "tfun.lax.scan: body carry input and output must have the same pytree structure, but they differ:"
+    )
+    assert lines[1] == "  * carry['h']: input is a tuple of 2, output is a tuple of 3"
+    assert re.fullmatch(r"The function is `step at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3].startswith("Revise `step` so that the carry it returns has the structure of `init`")
+
+
+def test_structure_mismatch_reports_each_difference_with_its_path():
+    def step(c, x):
+        return {"a": [c["a"][0]], "b": Point(c["b"], c["b"])}, None
+
+    init = {"a": [torch.zeros(()), torch.zeros(())], "b": torch.zeros(())}
+    with pytest.raises(StructureMismatchError) as e:
+        lax.scan(step, init, None, length=2)
+    msg = str(e.value)
+    assert "  * carry['a']: input is a list of 2, output is a list of 1" in msg
+    assert "  * carry['b']: input is a leaf, output is a Point(x, y)" in msg
+
+
+def test_cond_branch_structure_mismatch_message():
+    def yes(x):
+        return (x, x)
+
+    def no(x):
+        return [x, x]
+
+    with pytest.raises(StructureMismatchError) as e:
+        lax.cond(torch.tensor(True), yes, no, torch.ones(2))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "tfun.lax.cond: branch outputs must have the same pytree structure, but they differ:"
+    assert lines[1] == "  * output: true_fun output is a tuple of 2, false_fun output is a list of 2"
+    assert "`no at " in lines[2]
+
+
+def test_cond_checks_the_branch_not_taken():
+    # JAX traces both branches; tfun evaluates the untaken one on fake tensors.
+    with pytest.raises(TensorMismatchError) as e:
+        lax.cond(False, lambda x: x.sum(), lambda x: x, torch.ones(3))
+    assert "true_fun output is float32[] on cpu, false_fun output is float32[3] on cpu (shapes differ)" in str(e.value)
+
+
+def test_switch_branch_mismatch_names_branches():
+    branches = [lambda x: x, lambda x: x.double(), lambda x: x]
+    with pytest.raises(TensorMismatchError) as e:
+        lax.switch(0, branches, torch.ones(2))
+    assert (
+        "  * output: branches[0] output is float32[2] on cpu, branches[1] output is float64[2] on cpu (dtypes differ)"
+        in str(e.value)
+    )
+
+
+def test_while_loop_body_mismatch():
+    with pytest.raises(StructureMismatchError, match=r"tfun\.lax\.while_loop: body_fun input and output must have the same pytree structure"):
+        lax.while_loop(lambda v: v[0] < 3, lambda v: (v[0] + 1,), (0, 1.0))
+
+
+def test_fori_loop_dtype_mismatch():
+    with pytest.raises(TensorMismatchError) as e:
+        lax.fori_loop(0, 3, lambda i, v: v * 1.5, 1)
+    assert "  * carry: input is int64[] on cpu, output is float32[] on cpu (dtypes differ)" in str(e.value)
+
+
+def test_associative_scan_combine_mismatch():
+    with pytest.raises(StructureMismatchError, match="combine function input and output must have the same pytree structure"):
+        lax.associative_scan(lambda a, b: (a[0] + b[0],), (torch.ones(4), torch.ones(4)))
+    with pytest.raises(TensorMismatchError, match="combine function input and output"):
+        lax.associative_scan(lambda a, b: (a + b).sum(0, keepdim=True), torch.ones(4))
+
+
+def test_mismatch_appearing_after_the_first_step_is_caught():
+    def step(c, x):
+        return (c if x < 2 else c.unsqueeze(0)), x
+
+    with pytest.raises(TensorMismatchError, match=r"carry: input is float32\[\] on cpu, output is float32\[1,1\] on cpu \(shapes differ\)"):
+        lax.scan(step, torch.zeros(()), torch.arange(4.0))
+
+
+def test_y_changing_shape_between_steps():
+    def step(c, x):
+        return c, torch.zeros(int(x) + 1)
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.scan(step, torch.zeros(()), torch.arange(3.0))
+    assert "step 0 gives float32[1] on cpu, step 1 gives float32[2] on cpu" in str(e.value)
+
+
+def test_scan_body_must_return_pair():
+    with pytest.raises(ArgumentTypeError, match=r"the body function must return a pair \(carry, y\)"):
+        lax.scan(lambda c, x: c, torch.zeros(()), torch.arange(3.0))
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------
+
+
+def test_cond_pred_must_be_scalar():
+    with pytest.raises(ArgumentTypeError) as e:
+        lax.cond(torch.tensor([True, False]), lambda: 0, lambda: 1)
+    assert str(e.value).splitlines()[0] == "tfun.lax.cond: pred must be a scalar (shape ()), but it is bool[2] on cpu."
+
+
+def test_cond_pred_float_rejected():
+    with pytest.raises(ArgumentTypeError, match="pred must be a boolean or integer scalar"):
+        lax.cond(torch.tensor(1.0), lambda: 0, lambda: 1)
+
+
+def test_while_cond_fun_must_return_bool_scalar():
+    with pytest.raises(ArgumentTypeError) as e:
+        lax.while_loop(lambda v: v, lambda v: v - 1, torch.tensor(3))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.while_loop: cond_fun's output must be a boolean scalar (a bool tensor of shape ()), "
+        "but it is int64[] on cpu."
+    )
+    assert "<lambda> at" in lines[1]
+
+
+def test_switch_index_must_be_integer():
+    with pytest.raises(ArgumentTypeError, match=r"tfun\.lax\.switch: index must be an integer scalar"):
+        lax.switch(torch.tensor(0.5), [lambda: 0], )
+    with pytest.raises(ArgumentValueError, match="branches must not be empty"):
+        lax.switch(0, [])
+
+
+def test_scan_xs_lengths_must_agree():
+    with pytest.raises(ArgumentValueError) as e:
+        lax.scan(lambda c, x: (c, None), 0.0, {"a": torch.zeros(3), "b": torch.zeros(4, 2)})
+    msg = str(e.value)
+    assert msg.splitlines()[0] == (
+        "tfun.lax.scan: xs leaves and `length` must agree on the size of axis 0, but they do not:"
+    )
+    assert "  * xs['a']: float32[3] on cpu (size 3)" in msg
+    assert "  * xs['b']: float32[4,2] on cpu (size 4)" in msg
+
+
+def test_scan_length_must_match_xs():
+    with pytest.raises(ArgumentValueError, match=r"  \* length argument: 5"):
+        lax.scan(lambda c, x: (c, None), 0.0, torch.zeros(3), length=5)
+
+
+def test_scan_needs_length_without_xs():
+    with pytest.raises(ArgumentValueError, match="xs has no leaves, so `length` must be given"):
+        lax.scan(lambda c, x: (c, None), 0.0, None)
+
+
+def test_scan_unroll_validated():
+    with pytest.raises(ArgumentValueError, match=r"unroll must be >= 1 \(or a bool\), but got 0"):
+        lax.scan(lambda c, x: (c, None), 0.0, torch.zeros(3), unroll=0)
+
+
+def test_scan_rejects_non_tensor_leaves():
+    with pytest.raises(ArgumentTypeError, match=r"every leaf of init must be a tensor or a Python scalar, but init\['k'\] is a str"):
+        lax.scan(lambda c, x: (c, None), {"k": "text"}, torch.zeros(3))
+
+
+def test_associative_scan_axis_range():
+    with pytest.raises(ArgumentValueError, match=r"axis=2 is out of range for tensors of rank 2 \(valid: -2 to 1\)"):
+        lax.associative_scan(lambda a, b: a + b, torch.zeros(3, 4), axis=2)
+
+
+def test_fori_loop_bounds_must_be_integers():
+    with pytest.raises(ArgumentTypeError, match="lower and upper must be integers"):
+        lax.fori_loop(0.0, 3, lambda i, v: v, 0)
+
+
+def test_map_batch_size_validated():
+    with pytest.raises(ArgumentValueError, match="batch_size must be >= 1"):
+        lax.map(lambda x: x, torch.zeros(3), batch_size=0)
+
+
+def test_not_callable():
+    with pytest.raises(ArgumentTypeError, match="tfun.lax.scan: f must be callable"):
+        lax.scan(3, 0.0, torch.zeros(2))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# Side effects
+# ---------------------------------------------------------------------------------------
+
+HISTORY: list = []
+COUNTER = 0
+TABLE: dict = {}
+
+
+def test_list_append_to_global_refused():
+    def step(c, x):
+        HISTORY.append(x)
+        return c, None
+
+    with pytest.raises(SideEffectError) as e:
+        lax.scan(step, 0.0, torch.zeros(3))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "tfun.lax.scan: the body function must not have side effects, but it does:"
+    assert lines[1] == "  * it mutates global `HISTORY` (a list: 0 items before the call, 1 after)"
+    assert "`step at " in lines[2]
+    assert lines[3].startswith("Revise `step` so that it only returns values")
+    HISTORY.clear()
+
+
+def test_dict_write_to_closure_refused():
+    cache: dict = {}
+
+    def body(v):
+        cache["last"] = v
+        return v + 1
+
+    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `cache` \(through `body`\) \(a dict: 0 items before the call, 1 after\)"):
+        lax.fori_loop(0, 2, lambda i, v: body(v), 0)
+
+
+def test_set_add_refused():
+    seen: set = set()
+
+    def f(x):
+        seen.add(1)
+        return x
+
+    with pytest.raises(SideEffectError, match="it mutates nonlocal `seen` \\(a set"):
+        lax.map(f, torch.zeros(2))
+
+
+def test_attribute_assignment_refused():
+    class Box:
+        pass
+
+    box = Box()
+    box.value = 0
+
+    def f(x):
+        box.value = x
+        return x
+
+    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `box` \(a .*Box: its attributes changed\)"):
+        lax.cond(True, f, f, torch.zeros(2))
+
+
+def test_global_rebinding_refused():
+    def step(c, x):
+        global COUNTER
+        COUNTER += 1
+        return c, None
+
+    with pytest.raises(SideEffectError) as e:
+        lax.scan(step, 0.0, torch.zeros(3))
+    assert "  * rebinds global `COUNTER` (line" in str(e.value)
+    assert COUNTER == 0  # refused before the body ran
+
+
+def test_nonlocal_rebinding_refused():
+    total = 0
+
+    def body(v):
+        nonlocal total
+        total = total + 1
+        return v
+
+    with pytest.raises(SideEffectError, match="rebinds nonlocal `total`"):
+        lax.while_loop(lambda v: v < 2, body, 0)
+
+
+def test_inplace_write_to_closed_over_tensor_refused():
+    w = torch.zeros(3)
+
+    def step(c, x):
+        w.add_(x)
+        return c, None
+
+    with pytest.raises(SideEffectError, match=r"it writes in place to nonlocal `w`, a tensor it did not create \(version 0 -> 1\)"):
+        lax.scan(step, 0.0, torch.ones(2, 3))
+
+
+def test_inplace_write_to_input_refused():
+    def step(c, x):
+        c.mul_(2)
+        return c, None
+
+    with pytest.raises(SideEffectError, match="it writes in place to its argument 0"):
+        lax.scan(step, torch.ones(2), None, length=2)
+
+
+def test_inplace_write_to_module_parameter_refused():
+    lin = torch.nn.Linear(2, 2)
+
+    def step(c, x):
+        with torch.no_grad():
+            lin.weight.zero_()
+        return c, None
+
+    with pytest.raises(SideEffectError, match=r"it writes in place to nonlocal `lin`\.weight"):
+        lax.scan(step, torch.ones(2), None, length=2)
+
+
+def test_inplace_write_to_module_buffer_refused():
+    bn = torch.nn.BatchNorm1d(2)  # training mode updates running stats in place
+
+    with pytest.raises(SideEffectError, match=r"it writes in place to nonlocal `bn`\.num_batches_tracked, a tensor it did not create"):
+        lax.map(lambda x: bn(x), torch.ones(3, 4, 2))
+
+
+def test_harmless_code_is_accepted():
+    lin = torch.nn.Linear(3, 3)
+    scale = torch.tensor(2.0)
+    LOOKUP = {"k": 1.0}
+
+    def step(c, x):
+        local = []  # a fresh local list may be mutated
+        local.append(x)
+        d = {}
+        d["a"] = x
+        buf = torch.zeros(3)  # in place on a fresh tensor is fine
+        buf.add_(x)
+        y = lin(buf) * scale * LOOKUP["k"]  # module calls, reading closures
+        z = HISTORY_LEN + len(local)  # reading a global
+        return c + y.sum() + z, y
+
+    c, ys = lax.scan(step, torch.zeros(()), torch.ones(4, 3))
+    assert ys.shape == (4, 3)
+    assert torch.isfinite(c)
+
+
+HISTORY_LEN = 0
+
+
+def test_printing_is_allowed(capsys):
+    def step(c, x):
+        print("step", int(x))
+        return c + x, None
+
+    lax.scan(step, torch.zeros(()), torch.arange(2.0))
+    assert "step 0" in capsys.readouterr().out
+
+
+def test_rules_run_once_per_signature(monkeypatch):
+    from tfun import _rules
+
+    calls = []
+    real = _rules.Snapshot.__init__
+
+    def counting(self, roots):
+        calls.append(1)
+        real(self, roots)
+
+    monkeypatch.setattr(_rules.Snapshot, "__init__", counting)
+
+    def forward(x):
+        # A closure re-created on every call, as in nn.Module.forward.
+        return lax.scan(lambda c, xi: (c + xi, c), torch.zeros(2), x)
+
+    forward(torch.ones(5, 2))
+    first = len(calls)
+    assert first >= 1
+    for _ in range(3):
+        forward(torch.ones(5, 2))
+    assert len(calls) == first  # cached on the code object and signature
+    forward(torch.ones(6, 1))  # new signature: rules run again
+    assert len(calls) > first
