@@ -87,7 +87,7 @@ def describe_node(spec: PyTreeSpec) -> str:
         return "a leaf"
     if spec.kind == optree.PyTreeKind.NONE:
         return "None"
-    t = spec.type
+    t: Any = spec.type
     n = spec.num_children
     kind = spec.kind
     if kind == optree.PyTreeKind.TUPLE:
@@ -109,7 +109,7 @@ def _entry_str(spec: PyTreeSpec, entry: Any) -> str:
     if kind in (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT):
         return f"[{entry!r}]"
     if kind == optree.PyTreeKind.NAMEDTUPLE:
-        return f".{spec.type._fields[entry]}"
+        return f".{getattr(spec.type, '_fields')[entry]}"
     if isinstance(entry, str):
         return f".{entry}"
     return f"[{entry!r}]"
@@ -592,7 +592,8 @@ class Snapshot:
                     # A helper the function calls: what it reaches, the function reaches too.
                     visited.add(id(obj))
                     frontier.extend(
-                        (f"{rname} (through `{obj.__name__}`)", r, depth + 1) for rname, r in roots_of(obj)
+                        (f"{rname} (through `{getattr(obj, '__name__', '?')}`)", r, depth + 1)
+                        for rname, r in roots_of(obj)
                     )
                 continue
             visited.add(id(obj))
@@ -678,7 +679,7 @@ def abstract_eval(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[A
     except ImportError as e:  # pragma: no cover
         raise AbstractEvalUnavailable(str(e)) from e
     try:
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if getattr(torch._C, "_functorch").peek_interpreter_stack() is not None:
             raise AbstractEvalUnavailable("functorch transform active")
     except AttributeError:
         pass

@@ -23,6 +23,8 @@ KeyPath = optree.PyTreeAccessor
 PyTreeDef = PyTreeSpec
 
 __all__ = [
+    "NAMESPACE",
+    "PyTreeSpec",
     "PyTreeDef",
     "KeyPath",
     "tree_map",

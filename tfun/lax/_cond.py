@@ -38,6 +38,7 @@ def _check_branches(
     out_def: Any,
     branch_names: Sequence[str],
 ) -> None:
+    branch_names = list(branch_names)
     """First trace: every branch must return the structure and types the taken one did."""
     for i, b in enumerate(branches):
         _rules.check_static_side_effects(op, f"{branch_names[i]}", b)
@@ -66,6 +67,7 @@ def _run_branch(
     operands: tuple[Any, ...],
     branch_names: Sequence[str],
 ) -> Any:
+    branch_names = list(branch_names)
     op_leaves, op_def = tree_flatten(operands)
     key = (op, tuple(_rules.fn_key(b) for b in branches), _rules.leaf_signature(op_leaves), op_def)
     expected = _rules.seen(key)

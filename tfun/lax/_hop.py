@@ -17,12 +17,614 @@ integer tensor already clamped):
 - `map(f, xs) -> ys`
 - `associative_scan(fn, elems, reverse: bool, axis: int) -> out`
 
-Until the lowering lands (issue 4), `is_tracing()` is False and the ops run their eager
-implementation, which Dynamo traces by unrolling.
+How the lowering works (torch 2.11-2.13):
+
+- Every function handed to a HOP is wrapped so that it takes and returns *flat* lists of
+  tensors in tfun's pytree order (optree namespace "tfun"); the user function sees tfun
+  pytrees. Outputs whose structure is not known in advance (cond/switch outputs, scan's
+  `ys`, map's output) are returned in the user's own structure and rebuilt by Dynamo.
+- HOP bodies may not return a tensor that aliases an input or another output; the wrapper
+  clones such outputs (`return c, c` is legal in tfun).
+- tfun's rules run while the body is traced: a carry whose structure, dtype or shape
+  differs from `init`, or cond branches with different outputs, raise
+  `StructureMismatchError` / `TensorMismatchError`. Dynamo cannot trace the message
+  formatting, so the wrapper computes a small *constant* description of both sides and
+  hands it to `_escape_*` helpers that Dynamo runs as plain Python
+  (`torch._dynamo.assume_constant_result`). Dynamo reports such an exception wrapped in
+  `torch._dynamo.exc.Unsupported`/`UncapturedHigherOrderOpError`; `tfun.jit` unwraps it
+  (`unwrap_dynamo_error`).
+- Known torch 2.13 limitations: `x.T` inside a cond branch triggers a spurious Dynamo
+  aliasing error (use `x.t()` / `x.mT`); `associative_scan` on the CPU lowers to torch's
+  "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node).
 """
 
 from __future__ import annotations
 
+import ast
+import collections
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._errors import StructureMismatchError, TensorMismatchError, format_message
+from .._tree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "is_tracing",
+    "cond",
+    "switch",
+    "while_loop",
+    "scan",
+    "map",
+    "associative_scan",
+    "unwrap_dynamo_error",
+]
+
+# ----------------------------------------------------------------------------------------
+# Feature detection (torch 2.11 - 2.13)
+# ----------------------------------------------------------------------------------------
+
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+
 
 def is_tracing() -> bool:
-    return False
+    """True under `torch.compile` (Dynamo) and `torch.export.export` (strict and non-strict).
+
+    `torch.compiler.is_compiling()` is True in all three on torch 2.11-2.13 (Dynamo
+    constant-folds it to True; non-strict export sets the flag while it traces), and False
+    in eager mode and under plain `torch.func` transforms. About 0.1 us per call.
+    """
+    return _is_compiling()
+
+
+def _torch_cond() -> Callable[..., Any]:
+    return torch.cond
+
+
+def _torch_scan() -> Callable[..., Any]:
+    from torch._higher_order_ops.scan import scan as _scan
+
+    return _scan
+
+
+def _torch_while_loop() -> Callable[..., Any]:
+    fn = getattr(torch, "while_loop", None)
+    if fn is None:
+        from torch._higher_order_ops.while_loop import while_loop as fn
+    return fn
+
+
+def _torch_map() -> Callable[..., Any]:
+    from torch._higher_order_ops.map import map as _map
+
+    return _map
+
+
+def _torch_associative_scan() -> Callable[..., Any]:
+    from torch._higher_order_ops.associative_scan import associative_scan as _as
+
+    return _as
+
+
+# ----------------------------------------------------------------------------------------
+# Escape hatches: plain Python run by Dynamo at trace time with constant arguments
+# ----------------------------------------------------------------------------------------
+
+_assume_constant = getattr(torch._dynamo, "assume_constant_result", lambda f: f)
+
+# key -> {label: description}; entries are small tuples of constants. Bounded.
+_EXCHANGE: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+_EXCHANGE_MAX = 256
+_KEYS = itertools.count(1)
+
+
+@_assume_constant
+def _escape_new_key() -> int:
+    return next(_KEYS)
+
+
+@_assume_constant
+def _escape_exchange(key: int, label: str, desc: Any, code: Any, op: str, what: str, root: str, revise: str) -> Any:
+    """Record `desc` for branch `label` of the HOP call `key`. If another branch recorded a
+    different description, return `(is_structural, message)`; else None."""
+    d = _EXCHANGE.setdefault(key, {})
+    _EXCHANGE.move_to_end(key)
+    while len(_EXCHANGE) > _EXCHANGE_MAX:
+        _EXCHANGE.popitem(last=False)
+    d[label] = desc
+    for other, odesc in d.items():
+        if other != label and odesc != desc:
+            names = (f"{other} output", f"{label} output")
+            return _mismatch(op, what, root, names, odesc, desc, code, revise)
+    return None
+
+
+@_assume_constant
+def _escape_message(op: str, what: str, root: str, names: Any, a: Any, b: Any, code: Any, revise: str) -> Any:
+    """`(is_structural, message)` for a mismatch between descriptions `a` and `b`."""
+    return _mismatch(op, what, root, tuple(names), a, b, code, revise)
+
+
+def _mismatch(op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, code: Any, revise: str) -> Any:
+    structural = a[0] != b[0]
+    revise = revise.replace("{name}", code.co_name if code is not None else "the function")
+    return structural, _format_mismatch("structure" if structural else "tensor", op, what, root, names, a, b, code, revise)
+
+
+# ----------------------------------------------------------------------------------------
+# Constant descriptions of pytrees (computed in traced code, formatted in plain Python)
+# ----------------------------------------------------------------------------------------
+
+
+def _skeleton(td: Any) -> Any:
+    """A tuple of constants with `td`'s shape: None for a leaf, else (type, entries, children)."""
+    if td.is_leaf():
+        return None
+    return (td.type, tuple(td.entries()), tuple(_skeleton(c) for c in td.children()))
+
+
+def _leaf_desc(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(s if isinstance(s, int) else None for s in x.shape), x.device)
+    return (type(x),)
+
+
+def _describe(td: Any, leaves: Sequence[Any]) -> Any:
+    return (_skeleton(td), tuple(_leaf_desc(x) for x in leaves))
+
+
+def _code_of(fn: Any) -> Any:
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+            continue
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return code
+        inner = getattr(fn, "__func__", None)
+        if inner is not None:
+            fn = inner
+            continue
+        if isinstance(fn, torch.nn.Module):
+            fn = type(fn).forward
+            continue
+        return None
+    return None
+
+
+def _fn_text(code: Any) -> str | None:
+    if code is None:
+        return None
+    import os
+
+    filename = code.co_filename
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            filename = rel
+    except ValueError:
+        pass
+    return f"{code.co_name} at {filename}:{code.co_firstlineno}"
+
+
+def _node_text(sk: Any) -> str:
+    if sk is None:
+        return "a leaf"
+    t, entries, children = sk
+    n = len(children)
+    if t is type(None):
+        return "None"
+    if t is tuple:
+        return f"a tuple of {n}"
+    if t is list:
+        return f"a list of {n}"
+    if isinstance(t, type) and issubclass(t, dict):
+        return f"a {t.__name__} with keys {list(entries)}"
+    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
+        return f"a {t.__name__}({', '.join(t._fields)})"
+    return f"a {getattr(t, '__qualname__', t)} with children {list(entries)}"
+
+
+def _entry_text(sk: Any, entry: Any) -> str:
+    t = sk[0]
+    if t in (tuple, list) or t is collections.deque:
+        return f"[{entry}]"
+    if isinstance(t, type) and issubclass(t, dict):
+        return f"[{entry!r}]"
+    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
+        return f".{t._fields[entry]}" if isinstance(entry, int) else f".{entry}"
+    if isinstance(entry, str):
+        return f".{entry}"
+    return f"[{entry!r}]"
+
+
+def _structure_diffs(a: Any, b: Any, path: str) -> list[tuple[str, Any, Any]]:
+    if a == b:
+        return []
+    if a is None or b is None or a[0] is not b[0] or a[1] != b[1]:
+        return [(path, a, b)]
+    out: list[tuple[str, Any, Any]] = []
+    for entry, ca, cb in zip(a[1], a[2], b[2]):
+        out.extend(_structure_diffs(ca, cb, path + _entry_text(a, entry)))
+    return out or [(path, a, b)]
+
+
+def _leaf_paths(sk: Any, path: str = "") -> list[str]:
+    if sk is None:
+        return [path]
+    out: list[str] = []
+    for entry, child in zip(sk[1], sk[2]):
+        out.extend(_leaf_paths(child, path + _entry_text(sk, entry)))
+    return out
+
+
+def _dtype_text(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _leaf_text(d: Any) -> str:
+    if len(d) == 1:
+        t = d[0]
+        return {bool: "a Python bool", int: "a Python int", float: "a Python float"}.get(t, f"a {t.__qualname__}")
+    dtype, shape, device = d
+    dims = ",".join("?" if s is None else str(s) for s in shape)
+    return f"{_dtype_text(dtype)}[{dims}] on {device}"
+
+
+def _format_mismatch(
+    kind: str, op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, code: Any, revise: str
+) -> str:
+    (ska, la), (skb, lb) = a, b
+    fn = _fn_text(code)
+    if kind == "structure" or ska != skb:
+        bullets = [
+            f"{root}{p}: {names[0]} is {_node_text(x)}, {names[1]} is {_node_text(y)}"
+            for p, x, y in _structure_diffs(ska, skb, "")
+        ]
+        return format_message(
+            f"{op}: {what} must have the same pytree structure, but they differ:",
+            bullets,
+            function=fn,
+            revise=revise,
+        )
+    bullets = []
+    for p, x, y in zip(_leaf_paths(ska), la, lb):
+        if x == y:
+            continue
+        if len(x) == 1 or len(y) == 1:
+            diffs = ["kinds"]
+        else:
+            diffs = [n + "s" for n, u, v in zip(("dtype", "shape", "device"), x, y) if u != v]
+        bullets.append(f"{root}{p}: {names[0]} is {_leaf_text(x)}, {names[1]} is {_leaf_text(y)} ({' and '.join(diffs)} differ)")
+    return format_message(
+        f"{op}: {what} must have the same dtype, shape and device, but they differ:",
+        bullets,
+        function=fn,
+        revise=revise,
+    )
+
+
+def _raise_mismatch(op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, fn: Any, revise: str) -> None:
+    _raise(_escape_message(op, what, root, names, a, b, _code_of(fn), revise))
+
+
+def _raise(result: Any) -> None:
+    structural, msg = result
+    if structural:
+        raise StructureMismatchError(msg)
+    raise TensorMismatchError(msg)
+
+
+# ----------------------------------------------------------------------------------------
+# Leaf normalization and aliasing
+# ----------------------------------------------------------------------------------------
+
+
+def _as_tensor(x: Any, like: Any = None) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (bool, int, float, complex)):
+        if like is not None:
+            return torch.tensor(x, dtype=like.dtype, device=like.device)
+        return torch.tensor(x)
+    return x
+
+
+def _view_root(t: torch.Tensor) -> torch.Tensor:
+    base = t._base
+    return t if base is None else base
+
+
+def _unalias(outs: list[Any], ins: Sequence[Any]) -> list[Any]:
+    """Clone outputs that are (views of) inputs or of earlier outputs: HOP bodies may not alias."""
+    seen = [_view_root(t) for t in ins if isinstance(t, torch.Tensor)]
+    result = []
+    for t in outs:
+        if isinstance(t, torch.Tensor):
+            root = _view_root(t)
+            if t._base is not None or any(root is s for s in seen):
+                t = t.clone()
+                root = t
+            seen.append(root)
+        result.append(t)
+    return result
+
+
+def _check_result(
+    op: str, what: str, root: str, fn: Any, in_td: Any, in_leaves: Sequence[Any], out: Any, revise: str
+) -> list[Any]:
+    """Flatten `out`, check it against (in_td, in_leaves) and return its leaves as tensors
+    with the dtype of the corresponding input leaf where they were Python scalars."""
+    leaves, td = tree_flatten(out)
+    if td != in_td:
+        _raise_mismatch(op, what, root, ("input", "output"), _describe(in_td, in_leaves), _describe(td, leaves), fn, revise)
+    leaves = [_as_tensor(x, ref) for x, ref in zip(leaves, in_leaves)]
+    for x, ref in zip(leaves, in_leaves):
+        if not isinstance(x, torch.Tensor) or x.dtype != ref.dtype or x.shape != ref.shape or x.device != ref.device:
+            _raise_mismatch(op, what, root, ("input", "output"), _describe(in_td, in_leaves), _describe(td, leaves), fn, revise)
+    return leaves
+
+
+# ----------------------------------------------------------------------------------------
+# cond / switch
+# ----------------------------------------------------------------------------------------
+
+
+_REVISE_BRANCHES = (
+    "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, "
+    "shape and device."
+)
+_REVISE_CARRY = (
+    "Revise `{name}` so that the carry it returns has the structure of `init`, with tensors of the same "
+    "dtype, shape and device."
+)
+
+
+def _branch(op: str, fn: Any, key: int, label: str, op_td: Any, n_ops: int) -> Callable[..., Any]:
+    def branch(*flat: Any) -> Any:
+        operands = tree_unflatten(op_td, list(flat))
+        out = fn(*operands)
+        leaves, td = tree_flatten(out)
+        leaves = [_as_tensor(x) for x in leaves]
+        bad = _escape_exchange(key, label, _describe(td, leaves), _code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
+        if bad is not None:
+            _raise(bad)
+        leaves = _unalias(leaves, flat)
+        return tree_unflatten(td, leaves)
+
+    return branch
+
+
+def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+    """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
+    flat, op_td = tree_flatten(tuple(operands))
+    key = _escape_new_key()
+    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", op_td, len(flat))
+    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", op_td, len(flat))
+    return _torch_cond()(pred, t, f, tuple(flat))
+
+
+def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
+    """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
+    branches = tuple(branches)
+    flat, op_td = tree_flatten(tuple(operands))
+    key = _escape_new_key()
+    wrapped = [
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", op_td, len(flat)) for i, b in enumerate(branches)
+    ]
+    cond_ = _torch_cond()
+
+    def build(lo: int, hi: int) -> Callable[..., Any]:
+        if hi - lo == 1:
+            return wrapped[lo]
+        mid = (lo + hi) // 2
+        left, right = build(lo, mid), build(mid, hi)
+
+        def node(*args: Any) -> Any:
+            return cond_(index < mid, left, right, tuple(args))
+
+        return node
+
+    if len(wrapped) == 1:
+        return wrapped[0](*flat)
+    return build(0, len(wrapped))(*flat)
+
+
+# ----------------------------------------------------------------------------------------
+# while_loop
+# ----------------------------------------------------------------------------------------
+
+
+def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
+    """`torch.while_loop` over the flat leaves of `init_val`."""
+    op = "tfun.lax.while_loop"
+    leaves, td = tree_flatten(init_val)
+    leaves = [x.contiguous() for x in leaves]
+    if not leaves:
+        # nothing is carried: the loop cannot change anything observable
+        return init_val
+
+    def c(*flat: Any) -> Any:
+        p = cond_fun(tree_unflatten(td, list(flat)))
+        if not isinstance(p, torch.Tensor):
+            p = torch.tensor(bool(p), device=flat[0].device)
+        return p
+
+    def b(*flat: Any) -> Any:
+        out = body_fun(tree_unflatten(td, list(flat)))
+        new = _check_result(
+            op,
+            "body_fun input and output",
+            "carry",
+            body_fun,
+            td,
+            flat,
+            out,
+            _REVISE_CARRY,
+        )
+        new = [x.contiguous() for x in new]
+        return tuple(_unalias(new, flat))
+
+    out = _torch_while_loop()(c, b, tuple(leaves))
+    return tree_unflatten(td, list(out))
+
+
+# ----------------------------------------------------------------------------------------
+# scan
+# ----------------------------------------------------------------------------------------
+
+
+def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
+    """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
+    op = "tfun.lax.scan"
+    c_leaves, c_td = tree_flatten(init)
+    c_leaves = [x.contiguous() for x in c_leaves]
+    x_leaves, x_td = tree_flatten(xs)
+    n_c = len(c_leaves)
+    revise = _REVISE_CARRY
+
+    def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
+        carry = tree_unflatten(c_td, list(carry_flat)[:n_c])
+        x = tree_unflatten(x_td, list(x_flat)[: len(x_leaves)])
+        res = f(carry, x)
+        if not isinstance(res, (tuple, list)) or len(res) != 2:
+            raise StructureMismatchError(
+                format_message(
+                    f"{op}: the body must return a pair (new_carry, y).",
+                    function=_fn_text(_code_of(f)),
+                    revise="Return `(new_carry, y)`; use `None` for y if there is none.",
+                )
+            )
+        new_c, y = res
+        new_leaves = _check_result(op, "body carry input and output", "carry", f, c_td, carry_flat[:n_c], new_c, revise)
+        new_leaves = [t.contiguous() for t in new_leaves]
+        y_leaves, y_td = tree_flatten(y)
+        y_leaves = [_as_tensor(t) for t in y_leaves]
+        ins = list(carry_flat) + list(x_flat)
+        outs = _unalias(new_leaves + y_leaves, ins)
+        if n_c == 0:
+            outs = [carry_flat[0].clone()] + outs  # the placeholder carry
+        return list(outs[: max(n_c, 1)]), tree_unflatten(y_td, outs[max(n_c, 1) :])
+
+    if length == 0:
+        return _scan_empty(f, init, xs, x_leaves, x_td)
+    dev = (c_leaves + x_leaves)[0].device if (c_leaves or x_leaves) else torch.device("cpu")
+    init_flat = c_leaves if n_c else [torch.zeros((), device=dev)]
+    xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
+    carry_flat, ys = _torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
+    return tree_unflatten(c_td, list(carry_flat)[:n_c]), ys
+
+
+def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> tuple[Any, Any]:
+    """Zero steps: the final carry is `init`; `ys` have a leading axis of size 0."""
+    x0 = tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves])
+    _, y = f(init, x0)
+    y_leaves, y_td = tree_flatten(y)
+    ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in map(_as_tensor, y_leaves)]
+    return init, tree_unflatten(y_td, ys)
+
+
+# ----------------------------------------------------------------------------------------
+# map
+# ----------------------------------------------------------------------------------------
+
+
+def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.lax.map
+    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+    x_leaves, x_td = tree_flatten(xs)
+
+    def body(x_flat: list[Any]) -> Any:
+        y = f(tree_unflatten(x_td, list(x_flat)))
+        y_leaves, y_td = tree_flatten(y)
+        y_leaves = _unalias([_as_tensor(t) for t in y_leaves], x_flat)
+        return tree_unflatten(y_td, y_leaves)
+
+    return _torch_map()(body, list(x_leaves))
+
+
+# ----------------------------------------------------------------------------------------
+# associative_scan
+# ----------------------------------------------------------------------------------------
+
+#: Use the fused "pointwise" mode of torch's associative_scan for CUDA inputs. The combine
+#: function must then contain only pointwise ops; set to False to always use "generic".
+POINTWISE_ON_CUDA = True
+
+
+def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
+    """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
+    op = "tfun.lax.associative_scan"
+    leaves, td = tree_flatten(elems)
+    n = len(leaves)
+    cuda = all(x.device.type == "cuda" for x in leaves)
+    mode = "pointwise" if (cuda and POINTWISE_ON_CUDA) else "generic"
+
+    def combine(a: list[Any], b: list[Any]) -> Any:
+        out = fn(tree_unflatten(td, list(a)), tree_unflatten(td, list(b)))
+        out_leaves, out_td = tree_flatten(out)
+        if out_td != td or len(out_leaves) != n:
+            _raise_mismatch(
+                op,
+                "combine function input and output",
+                "elems",
+                ("input", "output"),
+                _describe(td, a),
+                _describe(out_td, out_leaves),
+                fn,
+                "Revise `{name}` to return a pytree like its inputs, combining them elementwise.",
+            )
+        return _unalias([_as_tensor(t, r) for t, r in zip(out_leaves, a)], list(a) + list(b))
+
+    out = _torch_associative_scan()(combine, list(leaves), dim=axis, reverse=reverse, combine_mode=mode)
+    return tree_unflatten(td, list(out))
+
+
+# ----------------------------------------------------------------------------------------
+# Errors raised inside Dynamo tracing
+# ----------------------------------------------------------------------------------------
+
+
+def unwrap_dynamo_error(exc: BaseException) -> BaseException | None:
+    """The tfun error that Dynamo wrapped in `exc`, rebuilt, or None.
+
+    An exception raised while Dynamo traces user code surfaces as
+    `torch._dynamo.exc.Unsupported` / `UncapturedHigherOrderOpError` whose cause is an
+    `Observed<Name>Error` carrying only the text `raised exception Name('message')`.
+    """
+    try:
+        import torch._dynamo.exc as dexc
+    except ImportError:  # pragma: no cover
+        return None
+    from .._errors import TfunError
+
+    inverse = {v: k for k, v in getattr(dexc, "observed_exception_map", {}).items()}
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, TfunError):
+            return e
+        real = inverse.get(type(e))
+        if real is not None and isinstance(real, type) and issubclass(real, TfunError):
+            rebuilt = real(*_parse_observed_args(e, real.__name__))
+            rebuilt.__cause__ = None
+            return rebuilt
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _parse_observed_args(e: BaseException, name: str) -> tuple[Any, ...]:
+    text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+    prefix = "raised exception "
+    if text.startswith(prefix):
+        text = text[len(prefix) :]
+    if text.startswith(name + "(") and text.endswith(")"):
+        try:
+            value = ast.literal_eval(text[len(name) :])
+        except (ValueError, SyntaxError):
+            return (text,)
+        return value if isinstance(value, tuple) else (value,)
+    return (text,)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -53,7 +53,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     _rules.check_callable(op, "cond_fun", cond_fun)
     _rules.check_callable(op, "body_fun", body_fun)
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
-    val = tree_unflatten(treedef, leaves)
+    val: Any = tree_unflatten(treedef, leaves)
     if _hop.is_tracing():
         return _hop.while_loop(cond_fun, body_fun, val)
     key = (op, _rules.fn_key(cond_fun), _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves))
@@ -74,21 +74,24 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         _rules.remember(key)
         val = new
     is_leaf = treedef.is_leaf()
-    while cond_fun(val):
-        val = body_fun(val)
+    cf = cast(Callable[[Any], Any], cond_fun)
+    bf = cast(Callable[[Any], Any], body_fun)
+    while cf(val):
+        val = bf(val)
         if is_leaf:
-            if not isinstance(val, torch.Tensor):
+            if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
                 check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
         elif tree_structure(val) != treedef:
             check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[4]:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
-    return val
+    return cast(T, val)
 
 
 def _loop_bound(op: str, name: str, v: Any) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, torch.Tensor)):
-        if type(v).__module__ == "numpy" and getattr(v, "dtype", None) is not None and v.dtype.kind in "iu":
+        kind = getattr(getattr(v, "dtype", None), "kind", None)
+        if type(v).__module__ == "numpy" and kind is not None and kind in "iu":
             return int(v)
         raise ArgumentTypeError(
             f"{op}: lower and upper must be integers (a Python int or an integer tensor of shape ()), but "
@@ -144,18 +147,18 @@ def fori_loop(
     upper = _loop_bound(op, "upper", upper)
     if unroll is not None:
         check_unroll(op, unroll)
-    tensors = [v for v in (lower, upper) if isinstance(v, torch.Tensor)]
+    tensors: list[torch.Tensor] = [v for v in (lower, upper) if isinstance(v, torch.Tensor)]
     dtype = torch.int64
     device = torch.device("cpu")
     if tensors:
         dtype = tensors[0].dtype if len(tensors) == 1 else torch.promote_types(tensors[0].dtype, tensors[1].dtype)
         device = tensors[0].device
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
-    val = tree_unflatten(treedef, leaves)
+    val: Any = tree_unflatten(treedef, leaves)
 
     if _hop.is_tracing():
         if not tensors:
-            n = max(upper - lower, 0)  # type: ignore[operator]
+            n = max(int(upper) - int(lower), 0)
 
             def step(c: Any, _: Any) -> Any:
                 i, v = c
@@ -187,16 +190,17 @@ def fori_loop(
         val = new
         start = 1
     is_leaf = treedef.is_leaf()
+    bf2 = cast(Callable[[Any, Any], Any], body_fun)
     for k in range(start, len(idx)):
-        val = body_fun(idx[k], val)
+        val = bf2(idx[k], val)
         if is_leaf:
-            if not isinstance(val, torch.Tensor):
+            if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
                 check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
         elif tree_structure(val) != treedef:
             check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[3]:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
-    return val
+    return cast(T, val)
 
 
 __all__ = ["while_loop", "fori_loop"]

@@ -16,7 +16,7 @@ X = TypeVar("X")
 Y = TypeVar("Y")
 
 
-def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:
+def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # noqa: A001
     """Map `f` over the leading axis of `xs`.
 
     Semantics, as a Python function (JAX's `lax.map`):
@@ -58,7 +58,7 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:
     slices = [x.unbind(0) for x in leaves]
     is_leaf = treedef.is_leaf()
     key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
-    first_x = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
+    first_x: Any = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
     if _rules.seen(key) is None:
         y = _rules.checked_call(op, "function", f, (first_x,))
         _rules.remember(key)
@@ -67,7 +67,8 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:
     y_leaves, y_def = tree_flatten(y)
     y_lists = [[v] for v in y_leaves]
     for i in range(1, n):
-        y = f(slices[0][i] if is_leaf else tree_unflatten(treedef, [s[i] for s in slices]))
+        x_i: Any = slices[0][i] if is_leaf else tree_unflatten(treedef, [s[i] for s in slices])
+        y = f(x_i)
         leaves_i, d = tree_flatten(y)
         if d != y_def:
             _rules.check_structure(
