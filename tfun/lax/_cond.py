@@ -10,7 +10,7 @@ import torch
 from .. import _rules
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_unflatten
-from . import _hop
+from . import _batching, _hop
 
 T = TypeVar("T")
 
@@ -160,8 +160,18 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
         return _hop.cond(p, true_fun, false_fun, operands)
+    if _batching.is_batched(p):
+        # vmap over a data-dependent predicate: both branches, then a per-example select.
+        outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
+        return _select_tree(p, outs[0], outs[1])
     taken = 0 if bool(p) else 1
     return _run_branch(op, (true_fun, false_fun), taken, operands, ("true_fun", "false_fun"))
+
+
+def _select_tree(pred: torch.Tensor, on_true: Any, on_false: Any) -> Any:
+    t_leaves, treedef = tree_flatten(on_true)
+    f_leaves = tree_flatten(on_false)[0]
+    return tree_unflatten(treedef, [torch.where(pred, a, b) for a, b in zip(t_leaves, f_leaves)])
 
 
 def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, operand: Any = _no_operand) -> T:
@@ -213,8 +223,16 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
     n = len(branches)
     if _hop.is_tracing() and isinstance(index, torch.Tensor):
         return _hop.switch(index.clamp(0, n - 1), branches, operands)
-    i = min(max(int(index), 0), n - 1)
     names = [f"branches[{k}]" for k in range(n)]
+    if _batching.is_batched(index):
+        # vmap over a data-dependent index: every branch, then a per-example select.
+        idx = index.clamp(0, n - 1)
+        outs = [_run_branch(op, branches, k, operands, names) for k in range(n)]
+        result = outs[0]
+        for k in range(1, n):
+            result = _select_tree(idx == k, outs[k], result)
+        return result
+    i = min(max(int(index), 0), n - 1)
     return _run_branch(op, branches, i, operands, names)
 
 

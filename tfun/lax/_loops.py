@@ -10,7 +10,7 @@ import torch
 from .. import _rules
 from .._errors import ArgumentTypeError
 from .._tree import tree_flatten, tree_structure, tree_unflatten
-from . import _hop
+from . import _batching, _hop
 from ._scan import check_carry, check_unroll, scan
 
 T = TypeVar("T")
@@ -60,6 +60,8 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     if _rules.seen(key) is None:
         pred = _rules.checked_call(op, "cond_fun", cond_fun, (val,))
         _check_pred(op, cond_fun, pred)
+        if _batching.is_batched(pred):
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves)
         if not pred:
             _rules.check_static_side_effects(op, "body_fun", body_fun)
             try:
@@ -76,7 +78,12 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     is_leaf = treedef.is_leaf()
     cf = cast(Callable[[Any], Any], cond_fun)
     bf = cast(Callable[[Any], Any], body_fun)
-    while cf(val):
+    while True:
+        pred = cf(val)
+        if _batching.is_batched(pred):
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves)
+        if not pred:
+            break
         val = bf(val)
         if is_leaf:
             if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
@@ -86,6 +93,22 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[4]:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
     return cast(T, val)
+
+
+def _batched_while(
+    op: str, cond_fun: Callable[..., Any], body_fun: Callable[..., Any], val: Any, pred: torch.Tensor, treedef: Any, leaves: Any
+) -> Any:
+    """vmap over a data-dependent condition: loop while any example is active, and freeze
+    the examples whose condition is false (JAX's batching rule for while_loop)."""
+    while _batching.any_true(pred):
+        new = body_fun(val)
+        new_leaves, new_def = tree_flatten(new)
+        if new_def != treedef:
+            check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        old_leaves = tree_flatten(val)[0]
+        val = tree_unflatten(treedef, [torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)])
+        pred = cond_fun(val)
+    return val
 
 
 def _loop_bound(op: str, name: str, v: Any) -> Any:
