@@ -1,0 +1,125 @@
+"""tfun.checkpoint / remat: gradients, closures, policies, torch.func composition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun.errors import ArgumentTypeError
+
+D = torch.float64
+
+
+def t(*shape, seed=0, grad=False):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+    return x.requires_grad_(grad)
+
+
+W = t(4, 4, seed=7)
+
+
+def body(x):
+    return torch.tanh(torch.sin(x) @ W).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "policy", [None, tfun.checkpoint_policies.nothing_saveable, tfun.checkpoint_policies.dots_saveable,
+               tfun.checkpoint_policies.dots_with_no_batch_dims_saveable, tfun.checkpoint_policies.everything_saveable]
+)
+def test_backward_matches_and_gradcheck(policy):
+    x = t(3, 4, grad=True)
+    ref = torch.autograd.grad(body(x).sum(), x)[0]
+    got = torch.autograd.grad(tfun.checkpoint(body, policy=policy)(x).sum(), x)[0]
+    assert torch.allclose(got, ref)
+    assert torch.autograd.gradcheck(tfun.checkpoint(body, policy=policy), (x,))
+
+
+def test_closure_over_linear_receives_gradients():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    x = t(3, 4, grad=True)
+    f = lambda v: torch.relu(lin(v)).pow(2).sum()
+    ref = torch.autograd.grad(f(x), [x, lin.weight, lin.bias])
+    got = torch.autograd.grad(tfun.checkpoint(f)(x), [x, lin.weight, lin.bias])
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b)
+    lin.zero_grad()
+    tfun.remat(f)(x).backward()
+    assert torch.allclose(lin.weight.grad, ref[1]) and torch.allclose(lin.bias.grad, ref[2])
+
+
+def test_under_torch_func_grad_and_vmap():
+    x = t(3, 4)
+    ref = tfun.grad(lambda v: body(v).sum())(x)
+    assert torch.allclose(tfun.grad(lambda v: tfun.checkpoint(body)(v).sum())(x), ref)
+    assert torch.allclose(torch.func.grad(lambda v: tfun.checkpoint(body)(v).sum())(x), ref)
+    assert torch.allclose(tfun.vmap(tfun.grad(lambda v: tfun.checkpoint(body)(v).sum()))(x), ref)
+    assert torch.allclose(tfun.grad(lambda v: tfun.vmap(tfun.checkpoint(body))(v).sum())(x), ref)
+    pol = tfun.checkpoint_policies.dots_saveable
+    assert torch.allclose(tfun.grad(lambda v: tfun.checkpoint(body, policy=pol)(v).sum())(x), ref)
+    s = torch.tensor(0.7, dtype=D)
+    gg = tfun.grad(tfun.grad(lambda z: tfun.checkpoint(lambda u: u.sin())(z * z)))(s)
+    assert torch.allclose(gg, tfun.grad(tfun.grad(lambda z: (z * z).sin()))(s))
+
+
+def test_closure_captured_from_enclosing_transform():
+    x, w0 = t(4), t(4, seed=1)
+
+    def outer(w):
+        return tfun.checkpoint(lambda v: (v * w).sin().sum())(x)
+
+    assert torch.allclose(tfun.grad(outer)(w0), x * torch.cos(x * w0))
+    lin = torch.nn.Linear(4, 2).double()
+    params = dict(lin.named_parameters())
+    loss = lambda p, v: torch.func.functional_call(lin, p, (v,)).tanh().sum()
+    g1 = tfun.grad(loss)(params, x)
+    g2 = tfun.grad(lambda p, v: tfun.checkpoint(loss)(p, v))(params, x)
+    assert all(torch.allclose(g1[k], g2[k]) for k in g1)
+
+
+def test_pytrees_static_argnums_and_no_grad_path():
+    def f(d, n):
+        return {"y": d["a"] * n, "n": n}
+
+    x = t(3, grad=True)
+    out = tfun.checkpoint(f, static_argnums=(1,))({"a": x}, 3)
+    assert out["n"] == 3
+    out["y"].sum().backward()
+    assert torch.allclose(x.grad, torch.full((3,), 3.0, dtype=D))
+    with torch.no_grad():
+        assert not tfun.checkpoint(body)(t(2, 4, grad=True)).requires_grad
+
+
+def saved_storages(fn):
+    ptrs = set()
+
+    def pack(x):
+        ptrs.add(x.untyped_storage().data_ptr())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return ptrs
+
+
+def test_saves_only_inputs_and_closed_over_tensors():
+    # what is kept is part of checkpoint's contract; the byte counts are in benchmarks/memory.py
+    x = t(8, 16, grad=True)
+    mats = [t(16, 16, seed=i) for i in range(3)]
+
+    def wide(v):
+        for m in mats:
+            v = torch.tanh(v @ m)
+        return v.sum()
+
+    allowed = {a.untyped_storage().data_ptr() for a in [x, *mats]}
+    assert saved_storages(lambda: tfun.checkpoint(wide)(x)) <= allowed
+    assert not saved_storages(lambda: wide(x)) <= allowed
+    dots = saved_storages(lambda: tfun.checkpoint(wide, policy=tfun.checkpoint_policies.dots_saveable)(x))
+    assert len(dots - allowed) == 3  # the three matmul outputs
+
+
+def test_policy_validation():
+    with pytest.raises(ArgumentTypeError, match="policy must be None or a callable"):
+        tfun.checkpoint(body, policy="dots")

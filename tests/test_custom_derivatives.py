@@ -1,0 +1,247 @@
+"""tfun.custom_vjp / tfun.custom_jvp under autograd, torch.func and tfun transforms."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tfun
+from tfun.errors import StructureMismatchError, TensorMismatchError, ArgumentValueError
+
+D = torch.float64
+
+
+def t(*shape, seed=0, grad=False):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+    return x.requires_grad_(grad)
+
+
+# ---------------------------------------------------------------- custom_vjp fixtures
+
+
+@tfun.custom_vjp
+def scaled_sin(p, y):
+    return torch.sin(p["x"]) * y
+
+
+def scaled_sin_fwd(p, y):
+    return scaled_sin(p, y), (p["x"], y)  # inputs as residuals: bwd stays differentiable
+
+
+def scaled_sin_bwd(res, g):
+    x, y = res
+    return ({"x": torch.cos(x) * g * y}, torch.sin(x) * g)
+
+
+scaled_sin.defvjp(scaled_sin_fwd, scaled_sin_bwd)
+
+
+@functools.partial(tfun.custom_vjp, nondiff_argnums=(0,))
+def clip_grad_apply(fn, x, bound):
+    return fn(x) * bound
+
+
+def clip_fwd(fn, x, bound):
+    return clip_grad_apply(fn, x, bound), (x, bound)
+
+
+def clip_bwd(fn, res, g):
+    x, bound = res
+    _, pull = torch.func.vjp(lambda u: fn(u) * bound, x)
+    (gx,) = pull(g)
+    return (gx.clamp(-1, 1), None)  # None: zero cotangent for `bound`
+
+
+clip_grad_apply.defvjp(clip_fwd, clip_bwd)
+
+
+def test_custom_vjp_backward_and_autograd_grad():
+    x, y = t(3, grad=True), t(3, seed=1, grad=True)
+    scaled_sin({"x": x}, y).sum().backward()
+    assert torch.allclose(x.grad, torch.cos(x) * y) and torch.allclose(y.grad, torch.sin(x))
+    assert torch.autograd.gradcheck(lambda a, b: scaled_sin({"x": a}, b), (x, y))
+    assert torch.autograd.gradgradcheck(lambda a, b: scaled_sin({"x": a}, b), (x, y))
+
+
+def test_custom_vjp_rule_is_used_and_primal_when_not_differentiated():
+    calls = []
+
+    @tfun.custom_vjp
+    def f(x):
+        calls.append("f")
+        return x * 2
+
+    f.defvjp(lambda x: (calls.append("fwd") or x * 2, None), lambda r, g: (g * 100,))
+    assert torch.allclose(tfun.grad(lambda x: f(x).sum())(t(2)), torch.full((2,), 100.0, dtype=D))
+    assert "fwd" in calls
+    calls.clear()
+    f(t(2))
+    assert calls == ["f"]
+
+
+def test_custom_vjp_under_transforms():
+    x, y = t(4, 3), t(4, 3, seed=1)
+    g = tfun.vmap(tfun.grad(lambda a, b: scaled_sin({"x": a}, b).sum()))(x, y)
+    assert torch.allclose(g, torch.cos(x) * y)
+    J = tfun.jacrev(lambda a: scaled_sin({"x": a}, y[0]))(x[0])
+    assert torch.allclose(J, torch.diag(torch.cos(x[0]) * y[0]))
+    gg = tfun.grad(tfun.grad(lambda a: scaled_sin({"x": a}, torch.tensor(2.0, dtype=D))))(torch.tensor(0.3, dtype=D))
+    assert torch.allclose(gg, -2 * torch.sin(torch.tensor(0.3, dtype=D)))
+    tg = torch.func.grad(lambda a: scaled_sin({"x": a}, y[0]).sum())(x[0])
+    assert torch.allclose(tg, torch.cos(x[0]) * y[0])
+
+
+def test_custom_vjp_nondiff_argnums():
+    x = t(5) * 10
+    g = tfun.grad(lambda u: clip_grad_apply(torch.sinh, u, torch.tensor(2.0, dtype=D)).sum())(x)
+    assert torch.allclose(g, (2 * torch.cosh(x)).clamp(-1, 1))
+
+
+def test_custom_vjp_bwd_errors():
+    def bad_bwd(res, g):
+        return g * 2
+
+    @tfun.custom_vjp
+    def f(x):
+        return x * 2
+
+    f.defvjp(lambda x: (x * 2, None), bad_bwd)
+    with pytest.raises(StructureMismatchError) as e:
+        tfun.grad(lambda x: f(x).sum())(t(2))
+    msg = str(e.value)
+    assert msg.startswith(
+        "tfun.custom_vjp: the bwd rule must return a tuple with one entry per differentiable argument (1), "
+        "got a tensor of shape (2,) and dtype torch.float64."
+    )
+    assert re.search(r"The function is `\S*bad_bwd at \S*test_custom_derivatives\.py:\d+`", msg)
+    assert "e.g. `(g_x,)` for one argument" in msg
+
+    @tfun.custom_vjp
+    def h(d):
+        return d["a"] * d["b"].sum()
+
+    h.defvjp(lambda d: (h(d), d), lambda d, g: ({"a": g, "b": g[:1]},))
+    with pytest.raises(TensorMismatchError) as e:
+        tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})
+    assert "  * bwd output[0]['b']: expected a tensor of shape (2,) and dtype torch.float64, got a tensor of shape (1,)" in str(e.value)
+    h.defvjp(lambda d: (h(d), d), lambda d, g: ({"a": g},))
+    with pytest.raises(StructureMismatchError) as e:
+        tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})
+    assert "  * bwd output[0]: expected a dict with keys ['a', 'b'], got a dict with keys ['a']" in str(e.value)
+    with pytest.raises(ArgumentValueError, match="no VJP rule is defined"):
+        tfun.custom_vjp(lambda x: x)(t(1))
+
+
+# ---------------------------------------------------------------- custom_jvp
+
+
+@tfun.custom_jvp
+def softplus(x):
+    return torch.log1p(torch.exp(x))
+
+
+@softplus.defjvp
+def softplus_jvp(primals, tangents):
+    (x,), (tx,) = primals, tangents
+    return softplus(x), torch.sigmoid(x) * tx
+
+
+def test_custom_jvp_forward_and_reverse():
+    x = t(4)
+    out, tan = tfun.jvp(softplus, (x,), (torch.ones_like(x),))
+    assert torch.allclose(tan, torch.sigmoid(x))
+    assert torch.allclose(tfun.grad(lambda u: softplus(u).sum())(x), torch.sigmoid(x))
+    assert torch.allclose(tfun.jacfwd(softplus)(x), tfun.jacrev(softplus)(x))
+    assert torch.allclose(tfun.vmap(softplus)(x), softplus(x))
+    xg = t(4, grad=True)
+    assert torch.autograd.gradcheck(softplus, (xg,)) and torch.autograd.gradgradcheck(softplus, (xg,))
+    s = torch.sigmoid(torch.tensor(0.4, dtype=D))
+    assert torch.allclose(tfun.grad(tfun.grad(softplus))(torch.tensor(0.4, dtype=D)), s * (1 - s))
+
+
+def test_custom_jvp_rule_is_used_and_pytree_nondiff():
+    @functools.partial(tfun.custom_jvp, nondiff_argnums=(1,))
+    def f(d, k):
+        return {"o": d["a"] * k}
+
+    @f.defjvp
+    def f_jvp(k, primals, tangents):
+        (d,), (td,) = primals, tangents
+        return f(d, k), {"o": td["a"] * 7.0}
+
+    x = t(3)
+    _, tan = tfun.jvp(lambda a: f({"a": a}, 2.0), (x,), (torch.ones_like(x),))
+    assert torch.allclose(tan["o"], torch.full((3,), 7.0, dtype=D))
+    assert torch.allclose(tfun.grad(lambda a: f({"a": a}, 2.0)["o"].sum())(x), torch.full((3,), 7.0, dtype=D))
+
+
+def test_custom_jvp_rule_error():
+    @tfun.custom_jvp
+    def f(x):
+        return x * 2
+
+    @f.defjvp
+    def wrong(primals, tangents):
+        return primals[0] * 2, (tangents[0],)
+
+    with pytest.raises(StructureMismatchError) as e:
+        tfun.jvp(f, (t(2),), (t(2),))
+    assert str(e.value).startswith("tfun.custom_jvp: the tangent_out must have the structure of the primal output")
+    assert "wrong at " in str(e.value)
+
+
+# ---------------------------------------------------------------- JAX
+
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def test_jax_custom_vjp_nondiff(jax):
+    jnp = jax.numpy
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def japply(fn, x, bound):
+        return fn(x) * bound
+
+    def jfwd(fn, x, bound):
+        return japply(fn, x, bound), (x, bound)
+
+    def jbwd(fn, res, g):
+        x, bound = res
+        _, pull = jax.vjp(lambda u: fn(u) * bound, x)
+        return (jnp.clip(pull(g)[0], -1, 1), None)
+
+    japply.defvjp(jfwd, jbwd)
+    x = t(6) * 3
+    mine = tfun.grad(lambda u: clip_grad_apply(torch.sinh, u, torch.tensor(2.0, dtype=D)).sum())(x)
+    ref = jax.grad(lambda u: japply(jnp.sinh, u, 2.0).sum())(x.numpy())
+    np.testing.assert_allclose(mine.numpy(), np.asarray(ref), rtol=1e-12)
+
+
+def test_jax_custom_jvp(jax):
+    jnp = jax.numpy
+
+    @jax.custom_jvp
+    def jsp(x):
+        return jnp.log1p(jnp.exp(x))
+
+    @jsp.defjvp
+    def _(primals, tangents):
+        (x,), (tx,) = primals, tangents
+        return jsp(x), jax.nn.sigmoid(x) * tx
+
+    x = t(5)
+    for mine, ref in (
+        (tfun.jvp(softplus, (x,), (x * 2,))[1], jax.jvp(jsp, (x.numpy(),), (x.numpy() * 2,))[1]),
+        (tfun.grad(lambda u: softplus(u).sum())(x), jax.grad(lambda u: jsp(u).sum())(x.numpy())),
+        (tfun.hessian(lambda u: softplus(u).sum())(x), jax.hessian(lambda u: jsp(u).sum())(x.numpy())),
+    ):
+        np.testing.assert_allclose(mine.numpy(), np.asarray(ref), rtol=1e-10)

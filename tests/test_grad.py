@@ -1,0 +1,253 @@
+"""tfun.grad / value_and_grad / jvp / vjp / jacfwd / jacrev / hessian / stop_gradient."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tfun
+from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError
+
+from .helpers import Point, State, assert_tree_allclose, sample_trees
+
+D = torch.float64
+
+
+def t(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=D)
+
+
+def loss(p, x):
+    return (torch.tanh(x @ p["w"] + p["b"]) ** 2).sum()
+
+
+PARAMS = {"w": t(3, 2), "b": t(2, seed=1)}
+X = t(4, 3, seed=2)
+
+
+def autograd_ref(f, args, argnums):
+    args = [tfun.tree.tree_map(lambda a: a.detach().clone().requires_grad_(True), a) for a in args]
+    out = f(*args)
+    leaves = [tfun.tree.tree_leaves(args[i]) for i in argnums]
+    grads = torch.autograd.grad(out, [l for ls in leaves for l in ls])
+    res, pos = [], 0
+    for i, ls in zip(argnums, leaves):
+        res.append(tfun.tree.tree_unflatten(tfun.tree.tree_structure(args[i]), grads[pos : pos + len(ls)]))
+        pos += len(ls)
+    return res
+
+
+def test_grad_pytree_matches_autograd():
+    g = tfun.grad(loss)(PARAMS, X)
+    assert_tree_allclose(g, autograd_ref(loss, [PARAMS, X], [0])[0])
+
+
+def test_grad_argnums_tuple_and_value_and_grad_has_aux():
+    gp, gx = tfun.grad(loss, argnums=(0, 1))(PARAMS, X)
+    ref = autograd_ref(loss, [PARAMS, X], [0, 1])
+    assert_tree_allclose((gp, gx), tuple(ref))
+    (v, aux), g = tfun.value_and_grad(lambda p, x: (loss(p, x), {"n": x.shape[0]}), has_aux=True)(PARAMS, X)
+    assert torch.allclose(v, loss(PARAMS, X)) and aux == {"n": 4}
+    assert_tree_allclose(g, ref[0])
+    g2, aux2 = tfun.grad(lambda x: (x.sin().sum(), x.cos()), has_aux=True)(X)
+    assert torch.allclose(g2, X.cos()) and torch.allclose(aux2, X.cos())
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_grad_over_sample_trees(i):
+    tree = sample_trees(lambda k: t(2, seed=k))[i]
+
+    def f(tr):
+        return sum((leaf**2 * (k + 1)).sum() for k, leaf in enumerate(tfun.tree.tree_leaves(tr)))
+
+    g = tfun.grad(f)(tree)
+    expect = tfun.tree.tree_unflatten(
+        tfun.tree.tree_structure(tree), [2 * leaf * (k + 1) for k, leaf in enumerate(tfun.tree.tree_leaves(tree))]
+    )
+    assert_tree_allclose(g, expect)
+
+
+def test_grad_python_float_and_negative_argnums():
+    assert torch.allclose(tfun.grad(lambda a, b: a * b**2, argnums=-1)(2.0, 3.0), torch.tensor(12.0))
+
+
+def test_compositions():
+    x = t(5)
+    gg = tfun.grad(tfun.grad(lambda s: s**3))(torch.tensor(2.0, dtype=D))
+    assert torch.allclose(gg, torch.tensor(12.0, dtype=D))
+    vg = tfun.vmap(tfun.grad(lambda r: (r**3).sum()))(t(4, 5))
+    assert torch.allclose(vg, 3 * t(4, 5) ** 2)
+    # tfun.grad composes with torch.func too
+    assert torch.allclose(torch.func.grad(lambda u: tfun.grad(lambda v: (v**3).sum())(u).sum())(x), 6 * x)
+
+
+@given(st.integers(1, 4), st.integers(0, 1000))
+def test_grad_property_polynomial(n, seed):
+    x = t(n, seed=seed)
+    assert torch.allclose(tfun.grad(lambda v: (v**4 - 3 * v).sum())(x), 4 * x**3 - 3)
+
+
+def test_jvp_vjp():
+    f = lambda d: {"y": torch.sin(d["a"]) * d["b"], "z": d["a"].sum()}
+    p = {"a": t(3), "b": t(3, seed=1)}
+    tan = {"a": t(3, seed=2), "b": t(3, seed=3)}
+    out, tout = tfun.jvp(f, (p,), (tan,))
+    assert_tree_allclose(out, f(p))
+    assert torch.allclose(tout["y"], torch.cos(p["a"]) * tan["a"] * p["b"] + torch.sin(p["a"]) * tan["b"])
+    out2, vjp_fn = tfun.vjp(f, p)
+    ct = {"y": torch.ones(3, dtype=D), "z": torch.tensor(2.0, dtype=D)}
+    (g,) = vjp_fn(ct)
+    assert torch.allclose(g["a"], torch.cos(p["a"]) * p["b"] + 2) and torch.allclose(g["b"], torch.sin(p["a"]))
+    assert isinstance(vjp_fn(ct), tuple)
+    _, _, aux = tfun.vjp(lambda x: (x * 2, "aux"), t(2), has_aux=True)
+    assert aux == "aux"
+
+
+def test_vjp_integer_primal_and_output():
+    out, fn = tfun.vjp(lambda x, i: (x * i, i), t(2), torch.arange(2))
+    gx, gi = fn((torch.ones(2, dtype=D), torch.zeros(2, dtype=torch.long)))
+    assert torch.allclose(gx, torch.arange(2, dtype=D)) and gi.dtype == torch.long and not gi.any()
+
+
+def test_jacobians_and_hessian():
+    f = lambda d: {"o": d["a"] * d["b"][0].sum()}
+    d = {"a": t(2), "b": [t(3, seed=1)]}
+    for jac in (tfun.jacfwd, tfun.jacrev):
+        J = jac(f)(d)
+        assert J["o"]["a"].shape == (2, 2) and J["o"]["b"][0].shape == (2, 3)
+        assert torch.allclose(J["o"]["b"][0], d["a"][:, None].expand(2, 3))
+    H = tfun.hessian(lambda x: (x**3).sum())(t(3))
+    assert torch.allclose(H, torch.diag(6 * t(3)))
+    H2, aux = tfun.hessian(lambda x, y: ((x * y) ** 2).sum(), argnums=(0, 1), has_aux=False)(t(2), t(2, seed=1)), None
+    assert len(H2) == 2 and len(H2[0]) == 2 and H2[0][1].shape == (2, 2)
+
+
+def test_stop_gradient():
+    g = tfun.grad(lambda x: (x * tfun.stop_gradient({"k": x})["k"]).sum())(t(3))
+    assert torch.allclose(g, t(3))
+    assert tfun.stop_gradient({"a": 1, "b": None}) == {"a": 1, "b": None}
+
+
+# ---------------------------------------------------------------- errors (wording pinned)
+
+
+def test_error_non_scalar_output():
+    def vec(x):
+        return x * 2
+
+    with pytest.raises(ArgumentTypeError) as e:
+        tfun.grad(vec)(t(3))
+    msg = str(e.value)
+    assert msg.startswith("tfun.grad: the function must return a scalar (shape ()) real floating-point tensor.")
+    assert "  * output: a tensor of shape (3,) and dtype torch.float64" in msg
+    assert re.search(r"The function is `\S*vec at \S*test_grad\.py:\d+`\.", msg), msg
+    assert "Reduce the output to a scalar" in msg
+
+
+def test_error_integer_input_names_path():
+    with pytest.raises(ArgumentTypeError) as e:
+        tfun.grad(lambda p: p["w"].sum())({"w": t(2), "n": [torch.arange(3)]})
+    msg = str(e.value)
+    assert msg.startswith("tfun.grad: grad requires real- or complex-valued inputs")
+    assert "  * args[0]['n'][0]: a tensor of shape (3,) and dtype torch.int64" in msg
+    with pytest.raises(ArgumentTypeError, match=r"args\[1\]: a Python int \(3\)"):
+        tfun.grad(lambda x, n: x * n, argnums=1)(1.0, 3)
+
+
+def test_error_argnums():
+    def two(a, b):
+        return (a * b).sum()
+
+    with pytest.raises(ArgumentValueError) as e:
+        tfun.grad(two, argnums=(0, 2))(t(1), t(1))
+    assert str(e.value).startswith(
+        "tfun.grad: argnums=(0, 2) refers to positional argument 2, but the function was called with 2 "
+        "positional arguments."
+    )
+    assert re.search(r"The function is `\S*two at \S*test_grad\.py:\d+`\.", str(e.value))
+    with pytest.raises(ArgumentTypeError, match="argnums must be an int or a tuple of ints"):
+        tfun.grad(two, argnums="0")
+
+
+def test_error_has_aux_and_jvp_vjp_mismatch():
+    with pytest.raises(StructureMismatchError, match=r"with has_aux=True the function must return a pair"):
+        tfun.grad(lambda x: x.sum(), has_aux=True)(t(2))
+    with pytest.raises(StructureMismatchError) as e:
+        tfun.jvp(lambda d: d["a"], ({"a": t(2)},), ({"b": t(2)},))
+    assert "primals[0]: primals has a dict with keys ['a'], tangents has a dict with keys ['b']" in str(e.value)
+    with pytest.raises(TensorMismatchError, match=r"primals\[0\]: primal is a tensor of shape \(2,\)"):
+        tfun.jvp(torch.sin, (t(2),), (t(3),))
+    _, fn = tfun.vjp(lambda x: (x, x), t(2))
+    with pytest.raises(StructureMismatchError, match="primals_out has a tuple of 2 children, cotangent has a list"):
+        fn([t(2), t(2)])
+    with pytest.raises(TensorMismatchError, match=r"cotangent\[1\]: output is a tensor of shape \(2,\)"):
+        fn((t(2), t(3)))
+
+
+# ---------------------------------------------------------------- JAX differential tests
+
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def to_np(tree):
+    return tfun.tree.tree_map(lambda a: a.numpy() if isinstance(a, torch.Tensor) else a, tree)
+
+
+def close_np(a, b):
+    la, lb = tfun.tree.tree_leaves(to_np(a)), tfun.tree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for u, v in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-9, atol=1e-12)
+
+
+def test_jax_grad_value_and_grad(jax):
+    jnp = jax.numpy
+
+    def jloss(p, x):
+        return (jnp.tanh(x @ p["w"] + p["b"]) ** 2).sum()
+
+    jp, jx = to_np(PARAMS), X.numpy()
+    close_np(tfun.grad(loss, argnums=(0, 1))(PARAMS, X), jax.grad(jloss, argnums=(0, 1))(jp, jx))
+    v, g = tfun.value_and_grad(loss)(PARAMS, X)
+    jv, jg = jax.value_and_grad(jloss)(jp, jx)
+    close_np((v, g), (jv, jg))
+
+
+def test_jax_jvp_vjp_jac_hessian(jax):
+    jnp = jax.numpy
+    tf = lambda a, b: {"u": torch.sin(a) * b, "v": (a**2).sum() * b}
+    jf = lambda a, b: {"u": jnp.sin(a) * b, "v": (a**2).sum() * b}
+    a, b, ta, tb = t(3), t(3, seed=1), t(3, seed=2), t(3, seed=3)
+    close_np(tfun.jvp(tf, (a, b), (ta, tb)), jax.jvp(jf, (a.numpy(), b.numpy()), (ta.numpy(), tb.numpy())))
+    ct = {"u": t(3, seed=4), "v": t(3, seed=5)}
+    close_np(tfun.vjp(tf, a, b)[1](ct), jax.vjp(jf, a.numpy(), b.numpy())[1](to_np(ct)))
+    for tj, jj in ((tfun.jacfwd, jax.jacfwd), (tfun.jacrev, jax.jacrev)):
+        close_np(tj(tf, argnums=(0, 1))(a, b), jj(jf, argnums=(0, 1))(a.numpy(), b.numpy()))
+    th = lambda d: (torch.sin(d["x"]) * d["y"][0]).sum()
+    jh = lambda d: (jnp.sin(d["x"]) * d["y"][0]).sum()
+    d = {"x": a, "y": [b]}
+    close_np(tfun.hessian(th)(d), jax.hessian(jh)(to_np(d)))
+
+
+def test_jax_pytree_node_types(jax):
+    # namedtuples and registered dataclasses keep their structure in gradients
+    jnp = jax.numpy
+    pt = Point(t(2), t(2, seed=1))
+    g = tfun.grad(lambda p: (p.x * p.y).sum())(pt)
+    assert isinstance(g, Point)
+    close_np(g, jax.grad(lambda p: (p[0] * p[1]).sum())((pt.x.numpy(), pt.y.numpy())))
+    s = State(t(2), {"k": t(2, seed=1)})
+    gs = tfun.grad(lambda s: (s.h * s.c["k"]).sum())(s)
+    assert isinstance(gs, State) and torch.allclose(gs.h, s.c["k"])
+    _ = jnp

@@ -1,0 +1,140 @@
+"""tfun.vmap: pytree in_axes/out_axes, None, axis_size, errors, JAX differential tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tfun
+from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError
+
+from .helpers import State, assert_tree_allclose
+
+D = torch.float64
+
+
+def t(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+def loop_ref(f, args, in_axes, n):
+    """vmap as a Python loop: slice each mapped leaf, stack outputs on axis 0."""
+    outs = []
+    for i in range(n):
+        sl = tfun.tree.tree_map(lambda ax, a: a if ax is None else a.select(ax, i), in_axes, args, none_is_leaf=True)
+        outs.append(f(*sl))
+    return tfun.tree.tree_map(lambda *xs: torch.stack(xs), *outs)
+
+
+def test_pytree_in_axes_with_none():
+    f = lambda d, s: {"y": d["a"].sum(-1) * s + d["b"], "z": d["a"] * 2}
+    args = ({"a": t(3, 5), "b": t(5, seed=1)}, torch.tensor(2.0, dtype=D))
+    in_axes = ({"a": 1, "b": 0}, None)
+    out = tfun.vmap(f, in_axes=in_axes)(*args)
+    assert_tree_allclose(out, loop_ref(f, args, in_axes, 5))
+    assert out["z"].shape == (5, 3)
+    # a list at the top level reads as a tuple, as in JAX
+    assert_tree_allclose(tfun.vmap(f, in_axes=list(in_axes))(*args), out)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.sampled_from([0, 1, -1]))
+def test_vmap_matches_loop(n, m, ax):
+    x = t(n, m) if ax == 0 else t(m, n)
+    f = lambda p, c: {"s": torch.sin(p["x"]) * c, "k": p["x"].sum()}
+    axis = ax if ax != -1 else 1
+    out = tfun.vmap(f, in_axes=({"x": ax}, None))({"x": x}, torch.tensor(3.0, dtype=D))
+    ref = loop_ref(f, ({"x": x}, torch.tensor(3.0, dtype=D)), ({"x": axis}, None), n)
+    assert_tree_allclose(out, ref)
+
+
+def test_prefix_none_and_dataclass():
+    s = State(t(4, 2), {"k": t(2, seed=1)})
+    out = tfun.vmap(lambda s: s.h * s.c["k"], in_axes=(State(0, None),))(s)
+    assert torch.allclose(out, s.h * s.c["k"])
+
+
+def test_out_axes_and_none():
+    x, w = t(4, 3), t(3, seed=1)
+    y, c = tfun.vmap(lambda a: (a * w, w), out_axes=(1, None))(x)
+    assert y.shape == (3, 4) and torch.allclose(y, (x * w).T) and torch.allclose(c, w)
+    d = tfun.vmap(lambda a: {"p": a, "q": a.sum()}, out_axes={"p": -1, "q": 0})(x)
+    assert d["p"].shape == (3, 4) and d["q"].shape == (4,)
+
+
+def test_axis_size_and_kwargs():
+    out = tfun.vmap(lambda c: c * 2, in_axes=None, axis_size=3)(torch.ones(2))
+    assert out.shape == (3, 2)
+    out = tfun.vmap(lambda a, *, b: a + b)(t(4, 2), b=t(4, 2, seed=1))
+    assert torch.allclose(out, t(4, 2) + t(4, 2, seed=1))
+
+
+def test_compositions_with_grad():
+    x = t(4, 3)
+    assert torch.allclose(tfun.vmap(tfun.grad(lambda r: (r**2).sum()))(x), 2 * x)
+    assert torch.allclose(tfun.grad(lambda r: tfun.vmap(lambda q: (q**3).sum())(r).sum())(x), 3 * x**2)
+    assert tfun.vmap(tfun.vmap(lambda a: a.sum()), in_axes=1)(t(2, 3, 4)).shape == (3, 2)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_in_axes_structure():
+    def fn(d):
+        return d["a"]
+
+    with pytest.raises(StructureMismatchError) as e:
+        tfun.vmap(fn, in_axes=({"a": 0, "c": 1},))({"a": t(2), "b": t(2)})
+    msg = str(e.value)
+    assert msg.startswith("tfun.vmap: in_axes must be a tree prefix of the positional arguments.")
+    assert "  * args[0]: in_axes has a dict with keys ['a', 'c'], the arguments have a dict with keys ['a', 'b']" in msg
+    assert "  * in_axes structure: PyTreeSpec(({'a': *, 'c': *},), NoneIsLeaf)" in msg
+    assert "  * arguments structure: PyTreeSpec(({'a': *, 'b': *},))" in msg
+    assert "fn at " in msg
+    with pytest.raises(StructureMismatchError, match="in_axes is a tuple of 1 entries, but the function was called with 2"):
+        tfun.vmap(lambda a, b: a, in_axes=(0,))(t(2), t(2))
+
+
+def test_error_sizes_and_axes():
+    with pytest.raises(ArgumentValueError) as e:
+        tfun.vmap(lambda a, b: a + b)(t(3), t(4))
+    assert "  * args[0]: axis 0 of a tensor of shape (3,) has size 3" in str(e.value)
+    assert "  * args[1]: axis 0 of a tensor of shape (4,) has size 4" in str(e.value)
+    with pytest.raises(ArgumentValueError, match="no argument is mapped"):
+        tfun.vmap(lambda a: a, in_axes=None)(t(3))
+    with pytest.raises(ArgumentValueError, match=r"in_axes 2 is out of range .*\n  \* args\[0\]\['x'\]"):
+        tfun.vmap(lambda d: d, in_axes=({"x": 2},))({"x": t(3, 2)})
+    with pytest.raises(ArgumentTypeError, match=r"every leaf of in_axes must be an int or None.\n  \* in_axes\[0\]"):
+        tfun.vmap(lambda a: a, in_axes=("x",))
+    with pytest.raises(ArgumentValueError, match="an output with out_axes None depends on the mapped axis"):
+        tfun.vmap(lambda a: a, out_axes=None)(t(3))
+    with pytest.raises(ArgumentValueError, match="axis_size: 5"):
+        tfun.vmap(lambda a: a, axis_size=5)(t(3))
+
+
+# ---------------------------------------------------------------- JAX
+
+
+def test_jax_vmap_differential():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    jnp = jax.numpy
+    tf = lambda d, s: {"y": d["a"].sum(-1) * s + d["b"], "z": (d["a"] * 2, s)}
+    jf = lambda d, s: {"y": d["a"].sum(-1) * s + d["b"], "z": (d["a"] * 2, s)}
+    d = {"a": t(3, 5), "b": t(3, seed=1)}
+    s = t(3, seed=2)
+    in_axes = ({"a": 0, "b": None}, 0)
+    out_axes = {"y": 1, "z": (0, None)}
+    with pytest.raises(Exception):
+        jax.vmap(jf, in_axes=in_axes, out_axes=out_axes)(tfun.tree.tree_map(lambda a: a.numpy(), d), s.numpy())
+    out_axes = {"y": 0, "z": (1, 0)}
+    mine = tfun.vmap(tf, in_axes=in_axes, out_axes=out_axes)(d, s)
+    ref = jax.vmap(jf, in_axes=in_axes, out_axes=out_axes)(tfun.tree.tree_map(lambda a: a.numpy(), d), s.numpy())
+    for a, b in zip(tfun.tree.tree_leaves(mine), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-12)
+    # axis_size with every argument unmapped
+    r1 = tfun.vmap(lambda c: c * 2, in_axes=None, axis_size=2)(torch.ones(3, dtype=D))
+    r2 = jax.vmap(lambda c: c * 2, in_axes=None, axis_size=2)(jnp.ones(3))
+    np.testing.assert_allclose(r1.numpy(), np.asarray(r2))

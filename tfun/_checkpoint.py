@@ -1,0 +1,480 @@
+"""`tfun.checkpoint` (alias `remat`): rematerialization that works under `torch.func`.
+
+`torch.utils.checkpoint` relies on saved-tensor hooks, which `torch.func` transforms
+refuse. tfun's checkpoint is an `autograd.Function` instead: forward runs the function
+without recording a graph and saves only its inputs (plus, per `policy`, some op
+outputs); backward re-runs the function and differentiates it with `torch.func.vjp`.
+
+Closed-over tensors (module parameters, captured weights, tensors of an enclosing
+transform) are found by running the function under a `TorchFunctionMode` that records
+every tensor an op reads which the function neither received nor produced. Those
+tensors become extra inputs of the `autograd.Function`, so they receive gradients
+(under `.backward()` as under `torch.func.grad`), and while the function re-runs, the
+mode substitutes the Function's own inputs for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.func
+import torch.utils._pytree as torch_pytree
+from torch.overrides import TorchFunctionMode
+
+from ._errors import ArgumentTypeError, ArgumentValueError, format_message
+from ._funcinfo import describe
+from ._grad import describe_value, is_inexact
+from ._tree import tree_flatten, tree_unflatten
+
+__all__ = ["checkpoint", "remat", "checkpoint_policies"]
+
+
+# --------------------------------------------------------------------------------------
+# policies
+# --------------------------------------------------------------------------------------
+
+_STATE = threading.local()
+
+
+def _dot_funcs() -> set[Any]:
+    F = torch.nn.functional
+    T = torch.Tensor
+    return {
+        torch.matmul, torch.mm, torch.bmm, torch.mv, torch.dot, torch.einsum, torch.tensordot,
+        torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv, torch.inner, torch.outer,
+        F.linear, F.bilinear, T.matmul, T.__matmul__, T.__rmatmul__, T.mm, T.bmm, T.mv, T.dot,
+    }
+
+
+class _Policies:
+    """Named checkpoint policies, as `jax.checkpoint_policies`.
+
+    A policy is called as `policy(func, *args, **kwargs) -> bool` for every torch function
+    the checkpointed function calls (`func` is e.g. `torch.matmul` or
+    `torch.nn.functional.linear`, `args`/`kwargs` its arguments). A `True` answer for a
+    matrix product (`torch.matmul`/`mm`/`bmm`, `@`, `F.linear`, operands of 2+ dims) keeps
+    its output from forward to backward: the recomputation reads it instead of re-running
+    the product, and its gradient uses a closed-form VJP that needs only the operands.
+    Every other op is recomputed whatever the policy answers (eager PyTorch cannot skip
+    the producers of a saved value, so saving it would cost memory for nothing).
+    """
+
+    @staticmethod
+    def nothing_saveable(func: Any, *args: Any, **kwargs: Any) -> bool:
+        """Save nothing but the inputs (the default: `policy=None`)."""
+        return False
+
+    @staticmethod
+    def everything_saveable(func: Any, *args: Any, **kwargs: Any) -> bool:
+        """Save everything: no rematerialization (equivalent to not checkpointing)."""
+        return True
+
+    @staticmethod
+    def dots_saveable(func: Any, *args: Any, **kwargs: Any) -> bool:
+        """Save the outputs of matrix products (`matmul`, `linear`, `einsum`, `bmm`, ...)."""
+        return func in _DOTS
+
+    @staticmethod
+    def dots_with_no_batch_dims_saveable(func: Any, *args: Any, **kwargs: Any) -> bool:
+        """Save the outputs of matrix products whose operands have at most 2 dimensions."""
+        if func not in _DOTS:
+            return False
+        return all(a.ndim <= 2 for a in args if isinstance(a, torch.Tensor))
+
+
+_DOTS = _dot_funcs()
+checkpoint_policies = _Policies()
+
+
+# --------------------------------------------------------------------------------------
+# the recording / substituting mode
+# --------------------------------------------------------------------------------------
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [x for x in torch_pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+class _Mode(TorchFunctionMode):
+    """One run of the checkpointed function.
+
+    - `discover`: record tensors read by ops that are neither inputs nor produced inside.
+    - `subst`: `id(external) -> replacement` applied to every op's arguments.
+    - `policy`: in a saving run, op outputs for which it answers True are collected.
+    - `replay`: in a recomputing run, `{op index: saved outputs}` stand in for those ops.
+    """
+
+    def __init__(
+        self,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
+        discover: bool = False,
+        subst: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        policy: Callable[..., bool] | None = None,
+        replay: dict[int, list[torch.Tensor]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.discover = discover
+        self.internal: dict[int, Any] = {id(t): t for t in inputs}  # strong refs: ids stay unique
+        self.externals: list[torch.Tensor] = []
+        self._ext_ids: set[int] = set()
+        self.subst = subst or {}
+        self.policy = policy
+        self.replay = replay
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self.count = 0
+        self._prev: Any = None
+
+    def __enter__(self) -> Any:
+        self._prev = getattr(_STATE, "mode", None)
+        _STATE.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        _STATE.mode = self._prev
+        return super().__exit__(*exc)
+
+    def _map_args(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if not self.subst:
+            return args, kwargs
+
+        def sub(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                hit = self.subst.get(id(x))
+                if hit is not None and hit[0] is x:
+                    return hit[1]
+            return x
+
+        return torch_pytree.tree_map(sub, (args, kwargs))
+
+    def _note(self, args: Any, kwargs: Any) -> None:
+        for t in _tensor_leaves((args, kwargs)):
+            ref = self.internal.get(id(t))
+            if ref is t or id(t) in self._ext_ids:
+                continue
+            self._ext_ids.add(id(t))
+            self.externals.append(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        idx = self.count
+        self.count += 1
+        if self.discover:
+            self._note(args, kwargs)
+        args, kwargs = self._map_args(args, kwargs)
+        if self.replay is not None and idx in self.replay:
+            out = _replay(func, args, kwargs, self.replay[idx])
+        else:
+            out = func(*args, **kwargs)
+            if self.policy is not None and _replayable(func, args, kwargs) and self.policy(func, *args, **kwargs):
+                self.saved[idx] = [t.detach() for t in _tensor_leaves(out)]
+        if self.discover:
+            for t in _tensor_leaves(out):
+                self.internal[id(t)] = t
+        return out
+
+
+def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a broadcast gradient back to `shape`."""
+    while x.ndim > len(shape):
+        x = x.sum(0)
+    for d, n in enumerate(shape):
+        if n == 1 and x.shape[d] != 1:
+            x = x.sum(d, keepdim=True)
+    return x
+
+
+def _matmul_vjp(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _sum_to(g @ b.mT.conj(), a.shape), _sum_to(a.mT.conj() @ g, b.shape)
+
+
+def _linear_vjp(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g2 = g.reshape(-1, g.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    return g @ w.conj(), g2.mT @ x2.conj(), (None if b is None else _sum_to(g, b.shape))
+
+
+def _replay_kind(func: Any) -> str | None:
+    if func in (torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                torch.Tensor.mm, torch.Tensor.bmm):
+        return "matmul"
+    if func is torch.nn.functional.linear:
+        return "linear"
+    return None
+
+
+def _replayable(func: Any, args: Any, kwargs: Any) -> bool:
+    kind = _replay_kind(func)
+    if kind == "matmul":
+        return (
+            not kwargs
+            and len(args) == 2
+            and all(isinstance(t, torch.Tensor) and t.ndim >= 2 for t in args)
+        )
+    if kind == "linear":
+        a = list(args) + [kwargs.get(k) for k in ("input", "weight", "bias")[len(args):] if k in kwargs]
+        return 2 <= len(a) <= 3 and all(isinstance(t, torch.Tensor) for t in a[:2]) and a[1].ndim == 2 and a[0].ndim >= 1
+    return False
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """A matrix product whose output was saved: returns it; backward is closed-form."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(kind: str, saved: torch.Tensor, *operands: Any) -> torch.Tensor:  # type: ignore[override]
+        return saved.view_as(saved)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.kind = inputs[0]
+        ops = inputs[2:]
+        ctx.has_bias = len(ops) == 3 and ops[2] is not None
+        ctx.save_for_backward(*[o for o in ops if o is not None])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        ops = ctx.saved_tensors
+        if ctx.kind == "matmul":
+            ga, gb = _matmul_vjp(ops[0], ops[1], g)
+            return None, None, ga, gb
+        gx, gw, gbias = _linear_vjp(ops[0], ops[1], ops[2] if ctx.has_bias else None, g)
+        return (None, None, gx, gw) + ((gbias,) if len(ctx.needs_input_grad) == 5 else ())
+
+
+def _replay(func: Any, args: Any, kwargs: Any, saved: list[torch.Tensor]) -> Any:
+    kind = _replay_kind(func)
+    if kind == "matmul":
+        return _ReplayFunction.apply(kind, saved[0], args[0], args[1])
+    a = list(args) + [kwargs[k] for k in ("input", "weight", "bias")[len(args):] if k in kwargs]
+    return _ReplayFunction.apply(kind, saved[0], *a)
+
+
+# --------------------------------------------------------------------------------------
+# checkpoint
+# --------------------------------------------------------------------------------------
+
+
+class _Spec:
+    fun: Callable[..., Any]
+    args_td: Any
+    leaves: list[Any]
+    tensor_pos: list[int]
+    static: dict[int, Any]
+    nargs: int
+    n_in: int
+    externals: list[torch.Tensor]
+    policy: Callable[..., bool] | None
+    precomputed: tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]] | None
+    out_td: Any
+    out_leaves_static: list[Any]
+    out_tensor_pos: list[int]
+    saved_index: list[tuple[int, int]]
+    n_out: int
+
+    def call(self, tensors: Sequence[torch.Tensor]) -> Any:
+        cur = list(self.leaves)
+        for k, t in zip(self.tensor_pos, tensors):
+            cur[k] = t
+        flat_args = tree_unflatten(self.args_td, cur)
+        args = list(flat_args)
+        for i, v in self.static.items():
+            args.insert(i, v)
+        return self.fun(*args)
+
+    def subst(self, ext_values: Sequence[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {id(e): (e, v) for e, v in zip(self.externals, ext_values)}
+
+
+def _flatten_out(spec: _Spec, out: Any) -> list[torch.Tensor]:
+    leaves, spec.out_td = tree_flatten(out)
+    spec.out_tensor_pos = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    spec.out_leaves_static = leaves
+    return [leaves[k] for k in spec.out_tensor_pos]
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(spec: _Spec, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        if spec.precomputed is not None:
+            outs, saved = spec.precomputed
+            spec.precomputed = None
+        else:
+            ins, exts = tensors[: spec.n_in], tensors[spec.n_in :]
+            mode = _Mode(subst=spec.subst(exts), policy=spec.policy)
+            with mode:
+                out = spec.call(ins)
+            outs, saved = _flatten_out(spec, out), mode.saved
+        spec.saved_index = [(idx, len(v)) for idx, v in sorted(saved.items())]
+        extra = [t for _, v in sorted(saved.items()) for t in v]
+        outs = [o.view_as(o) if any(o is t for t in tensors) else o for o in outs]
+        spec.n_out = len(outs)
+        return tuple(outs) + tuple(extra)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        spec: _Spec = inputs[0]
+        extra = output[spec.n_out :]
+        if extra:
+            ctx.mark_non_differentiable(*extra)
+        ctx.spec = spec
+        ctx.n_tensors = len(inputs) - 1
+        ctx.save_for_backward(*inputs[1:], *extra)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        spec: _Spec = ctx.spec
+        saved = ctx.saved_tensors
+        tensors, extra = list(saved[: ctx.n_tensors]), saved[ctx.n_tensors :]
+        replay: dict[int, list[torch.Tensor]] = {}
+        pos = 0
+        for idx, n in spec.saved_index:
+            replay[idx] = list(extra[pos : pos + n])
+            pos += n
+        diff = [k for k, t in enumerate(tensors) if is_inexact(t)]
+        out_diff: list[int] = []
+
+        def recompute(*d: torch.Tensor) -> list[torch.Tensor]:
+            vals = list(tensors)
+            for k, v in zip(diff, d):
+                vals[k] = v
+            mode = _Mode(subst=spec.subst(vals[spec.n_in :]), replay=replay or None)
+            with torch.enable_grad(), mode:
+                out = spec.call(vals[: spec.n_in])
+            leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            out_diff[:] = [k for k, o in enumerate(leaves) if is_inexact(o)]
+            return [leaves[k] for k in out_diff]
+
+        if not diff:
+            return (None,) * (1 + ctx.n_tensors)
+        outs, pull = torch.func.vjp(recompute, *[tensors[k] for k in diff])  # type: ignore[misc]
+        g = [torch.zeros_like(o) if grads[k] is None else grads[k] for k, o in zip(out_diff, outs)]
+        cts = pull(g)
+        result: list[Any] = [None] * ctx.n_tensors
+        for k, c in zip(diff, cts):
+            result[k] = c
+        return (None, *result)
+
+
+def _functorch_active() -> bool:
+    try:
+        return bool(torch._C._are_functorch_transforms_active())
+    except AttributeError:  # pragma: no cover
+        return True
+
+
+def checkpoint(
+    fun: Callable[..., Any] | None = None,
+    *,
+    prevent_cse: bool = True,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Sequence[int] = (),
+) -> Any:
+    """Rematerialize `fun`'s intermediates in backward instead of storing them, as
+    `jax.checkpoint` (alias `tfun.remat`).
+
+    Forward runs `fun` without recording a graph and keeps only its inputs, the tensors
+    it closes over, and the op outputs `policy` selects; backward re-runs `fun` and
+    differentiates it. Works under `.backward()`/`torch.autograd.grad` and under
+    `tfun.grad`/`vmap`/`torch.func.grad`/`vjp`/`vmap` (unlike `torch.utils.checkpoint`).
+    Tensors `fun` closes over (e.g. the parameters of an `nn.Module` it calls) are found
+    by a `TorchFunctionMode` and receive gradients. Under a `torch.func` transform the
+    discovery costs one extra forward run of `fun`. Forward mode (`jvp`, `jacfwd`) is not
+    supported. `fun` must be deterministic (same ops each run) and must not mutate the
+    tensors it closes over between forward and backward.
+
+    **Arguments:**
+
+    - `fun`: a function of pytree arguments returning a pytree (tensor leaves are
+      differentiable). Used as `@checkpoint` or `checkpoint(policy=...)(fun)`.
+    - `prevent_cse`: accepted for JAX compatibility; eager PyTorch performs no common
+      subexpression elimination, so it has no effect.
+    - `policy`: which op outputs to save rather than recompute: `None` (save nothing but
+      the inputs, like `checkpoint_policies.nothing_saveable`), or one of
+      `tfun.checkpoint_policies` (`everything_saveable`, `dots_saveable`,
+      `dots_with_no_batch_dims_saveable`), or any callable
+      `policy(func, *args, **kwargs) -> bool`. Only matrix products can be saved
+      (see `checkpoint_policies`); everything else is recomputed.
+    - `static_argnums`: positions of arguments passed through untouched (not flattened,
+      not differentiated): Python values, functions, configuration.
+
+    **Returns:** a function with `fun`'s signature and outputs.
+    """
+    if fun is None:
+        return functools.partial(checkpoint, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
+    if not callable(fun):
+        raise ArgumentTypeError(format_message(f"tfun.checkpoint: fun must be callable, got {describe_value(fun)}."))
+    if policy is not None and not callable(policy):
+        raise ArgumentTypeError(
+            format_message(
+                f"tfun.checkpoint: policy must be None or a callable, got {describe_value(policy)}.",
+                revise="Pass one of tfun.checkpoint_policies, e.g. `policy=tfun.checkpoint_policies.dots_saveable`.",
+            )
+        )
+    statics = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in statics):
+        raise ArgumentTypeError(
+            format_message(f"tfun.checkpoint: static_argnums must be non-negative ints, got {static_argnums!r}.")
+        )
+    if policy is checkpoint_policies.nothing_saveable:
+        policy = None
+
+    @functools.wraps(fun)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            fun_k = functools.partial(fun, **kwargs)
+        else:
+            fun_k = fun
+        if policy is checkpoint_policies.everything_saveable:
+            return fun_k(*args)
+        for i in statics:
+            if i >= len(args):
+                raise ArgumentValueError(
+                    format_message(
+                        f"tfun.checkpoint: static_argnums contains {i}, but the function was called with "
+                        f"{len(args)} positional arguments.",
+                        function=describe(fun),
+                    )
+                )
+        spec = _Spec()
+        spec.fun = fun_k
+        spec.policy = policy
+        spec.static = {i: args[i] for i in sorted(statics)}
+        dyn = tuple(a for i, a in enumerate(args) if i not in spec.static)
+        spec.leaves, spec.args_td = tree_flatten(dyn)
+        spec.tensor_pos = [k for k, x in enumerate(spec.leaves) if isinstance(x, torch.Tensor)]
+        ins = [spec.leaves[k] for k in spec.tensor_pos]
+        spec.n_in = len(ins)
+        # discovery run: no graph; finds closed-over tensors (and, outside torch.func, is the forward)
+        plain = not _functorch_active()
+        mode = _Mode(inputs=ins, discover=True, policy=policy if plain else None)
+        with torch.no_grad(), mode:
+            out = spec.call(ins)
+        spec.externals = mode.externals
+        outs = _flatten_out(spec, out)
+        if plain:
+            needs = torch.is_grad_enabled() and any(t.requires_grad for t in ins + spec.externals)
+            if not needs:
+                return out
+            spec.precomputed = (outs, mode.saved)
+        else:
+            spec.precomputed = None
+        res = _CheckpointFunction.apply(spec, *ins, *spec.externals)
+        leaves = list(spec.out_leaves_static)
+        for k, t in zip(spec.out_tensor_pos, res[: spec.n_out]):
+            leaves[k] = t
+        return tree_unflatten(spec.out_td, leaves)
+
+    return checkpointed
+
+
+remat = checkpoint

@@ -1,0 +1,644 @@
+"""`tfun.custom_vjp` and `tfun.custom_jvp`: JAX's custom-derivative decorators on
+`torch.autograd.Function`.
+
+Arguments are pytrees: the differentiable positional arguments are flattened with
+`tfun.tree` into the tensor positional inputs of an `autograd.Function` (written with
+`setup_context` and `generate_vmap_rule=True`), so the rules hold under `.backward()`,
+`torch.autograd.grad`, and the `torch.func` / `tfun` transforms (`grad`, `vjp`, `vmap`,
+`jacrev`; `jvp`/`jacfwd` for `custom_jvp`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.func
+
+from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError, format_message
+from ._funcinfo import describe
+from ._grad import PrefixMismatch, _is_node, broadcast_prefix, describe_value, is_inexact
+from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
+
+__all__ = ["custom_vjp", "custom_jvp"]
+
+
+def _functorch_active() -> bool:
+    try:
+        return bool(torch._C._are_functorch_transforms_active())
+    except AttributeError:  # pragma: no cover - older torch
+        return True
+
+
+_STATE = threading.local()
+
+
+class _InsideForward:
+    """While an autograd.Function's forward runs, its body is not differentiated, so a
+    custom function called there (typically `f` inside its own `fwd`) just runs its primal."""
+
+    def __enter__(self) -> None:
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE.depth -= 1
+
+
+def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the custom rule can matter: autograd or a torch.func transform may see it."""
+    if getattr(_STATE, "depth", 0) > 0:
+        return False
+    if _functorch_active():
+        return True
+    if not tensors:
+        return False
+    import torch.autograd.forward_ad as fwAD
+
+    if any(fwAD.unpack_dual(t).tangent is not None for t in tensors):
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _bind_positional(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], op: str) -> tuple[Any, ...]:
+    if not kwargs:
+        return args
+    try:
+        sig = inspect.signature(fun)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ArgumentTypeError(
+            format_message(f"{op}: could not bind the call's arguments: {e}.", function=describe(fun))
+        ) from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: keyword-only arguments are not supported: {sorted(bound.kwargs)}.",
+                function=describe(fun),
+                revise="Pass them positionally (as nondiff_argnums if they are not differentiable).",
+            )
+        )
+    return tuple(bound.args)
+
+
+def _normalize_nondiff(op: str, nondiff_argnums: Any) -> tuple[int, ...]:
+    if isinstance(nondiff_argnums, int) and not isinstance(nondiff_argnums, bool):
+        nondiff_argnums = (nondiff_argnums,)
+    if not isinstance(nondiff_argnums, (tuple, list)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nondiff_argnums
+    ):
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: nondiff_argnums must be a tuple of non-negative ints, got {nondiff_argnums!r}.",
+            )
+        )
+    return tuple(sorted(set(nondiff_argnums)))
+
+
+class _CallSpec:
+    """The static half of one call: nondiff args, argument structure, non-tensor leaves."""
+
+    def __init__(self, op: str, fun: Callable[..., Any], nondiff_argnums: tuple[int, ...], args: tuple[Any, ...]):
+        for i in nondiff_argnums:
+            if i >= len(args):
+                raise ArgumentValueError(
+                    format_message(
+                        f"{op}: nondiff_argnums contains {i}, but the function was called with {len(args)} "
+                        "positional arguments.",
+                        function=describe(fun),
+                    )
+                )
+        self.nargs = len(args)
+        self.nondiff_argnums = nondiff_argnums
+        self.diff_argnums = tuple(i for i in range(len(args)) if i not in nondiff_argnums)
+        self.nondiff = tuple(args[i] for i in nondiff_argnums)
+        diff = tuple(args[i] for i in self.diff_argnums)
+        pl, self.diff_td = tree_flatten_with_path(diff)
+        self.leaves = [x for _, x in pl]
+        self.tensor_pos = [k for k, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        self.tensors = [self.leaves[k] for k in self.tensor_pos]
+        self.out_td: Any = None
+
+    def diff_args(self, tensors: Sequence[Any]) -> tuple[Any, ...]:
+        cur = list(self.leaves)
+        for k, t in zip(self.tensor_pos, tensors):
+            cur[k] = t
+        return tuple(tree_unflatten(self.diff_td, cur))
+
+    def all_args(self, tensors: Sequence[Any]) -> list[Any]:
+        diff = self.diff_args(tensors)
+        out: list[Any] = [None] * self.nargs
+        for i, v in zip(self.diff_argnums, diff):
+            out[i] = v
+        for i, v in zip(self.nondiff_argnums, self.nondiff):
+            out[i] = v
+        return out
+
+
+def _flatten_outputs(op: str, fn: Callable[..., Any], role: str, out: Any) -> tuple[list[torch.Tensor], Any]:
+    pl, td = tree_flatten_with_path(out)
+    bad = [f"{role}{_ks(p)}: {describe_value(x)}" for p, x in pl if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: every leaf of the {role} must be a tensor.",
+                bad,
+                function=describe(fn),
+                revise="Return tensors (wrap Python numbers with torch.tensor).",
+            )
+        )
+    return [x for _, x in pl], td
+
+
+def _ks(p: Any) -> str:
+    from ._tree import keystr
+
+    return keystr(p)
+
+
+def _check_cotangents(
+    op: str,
+    rule: Callable[..., Any],
+    what: str,
+    returned: Any,
+    expected: Any,
+    expected_desc: str,
+    shapes: Sequence[tuple[torch.Size, torch.dtype] | None],
+    revise: str,
+) -> list[Any]:
+    """Match `returned` (None allowed at any prefix position = zero) against `expected`.
+
+    Returns one entry (tensor or None) per leaf of `expected`.
+    """
+    try:
+        entries = broadcast_prefix(returned, expected, lambda x: x is None or not _is_node(x), what)
+    except PrefixMismatch as e:
+        raise StructureMismatchError(
+            format_message(
+                f"{op}: the {what} must have the structure of {expected_desc} (None marks a zero).",
+                [f"{e.path}: expected {describe_value(e.full_node)}, got {describe_value(e.prefix_node)}"],
+                function=describe(rule),
+                revise=revise,
+            )
+        ) from None
+    out = []
+    bullets = []
+    for (path, got, _), meta in zip(entries, shapes):
+        if got is None or meta is None:
+            out.append(None)
+            continue
+        shape, dtype = meta
+        if not isinstance(got, torch.Tensor):
+            bullets.append(f"{path}: expected a tensor of shape {tuple(shape)} and dtype {dtype}, got {describe_value(got)}")
+            continue
+        if got.shape != shape or (dtype.is_floating_point or dtype.is_complex) and got.dtype != dtype:
+            bullets.append(
+                f"{path}: expected a tensor of shape {tuple(shape)} and dtype {dtype}, got a tensor of shape "
+                f"{tuple(got.shape)} and dtype {got.dtype}"
+            )
+            continue
+        out.append(got)
+    if bullets:
+        raise TensorMismatchError(
+            format_message(
+                f"{op}: each leaf of the {what} must have the shape and dtype of {expected_desc}.",
+                bullets,
+                function=describe(rule),
+                revise=revise,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# custom_vjp
+# --------------------------------------------------------------------------------------
+
+
+class _VjpSpec(_CallSpec):
+    fwd: Callable[..., Any]
+    bwd: Callable[..., Any]
+    n_out: int
+    res_td: Any
+    res_src: list[tuple[str, Any]]
+    in_meta: list[tuple[torch.Size, torch.dtype] | None]
+
+
+class _CustomVjpFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(spec: _VjpSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        op = "tfun.custom_vjp"
+        with _InsideForward():
+            pair = spec.fwd(*spec.all_args(tensors))
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise StructureMismatchError(
+                format_message(
+                    f"{op}: the fwd rule must return a pair (output, residuals).",
+                    [f"returned: {describe_value(pair)}"],
+                    function=describe(spec.fwd),
+                    revise="Return `(output, residuals)` from fwd.",
+                )
+            )
+        out, res = pair
+        out_leaves, spec.out_td = _flatten_outputs(op, spec.fwd, "fwd output", out)
+        spec.n_out = len(out_leaves)
+        res_leaves, spec.res_td = tree_flatten(res)
+        spec.res_src = []
+        extra: list[torch.Tensor] = []
+        for r in res_leaves:
+            if not isinstance(r, torch.Tensor):
+                spec.res_src.append(("static", r))
+            elif any(r is t for t in tensors):
+                spec.res_src.append(("in", next(i for i, t in enumerate(tensors) if r is t)))
+            elif any(r is o for o in out_leaves):
+                spec.res_src.append(("out", next(i for i, o in enumerate(out_leaves) if r is o)))
+            else:
+                spec.res_src.append(("res", len(extra)))
+                extra.append(r)
+        spec.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors]
+        out_leaves = [o.view_as(o) if any(o is t for t in tensors) else o for o in out_leaves]
+        return tuple(out_leaves) + tuple(extra)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        spec: _VjpSpec = inputs[0]
+        tensors = inputs[1:]
+        extra = output[spec.n_out :]
+        if extra:
+            ctx.mark_non_differentiable(*extra)
+        ctx.spec = spec
+        # save only what the residuals reference
+        to_save: list[torch.Tensor] = []
+        ctx.res_slots = []
+        for kind, v in spec.res_src:
+            if kind == "static":
+                ctx.res_slots.append(None)
+                continue
+            src = tensors[v] if kind == "in" else output[v] if kind == "out" else extra[v]
+            ctx.res_slots.append(len(to_save))
+            to_save.append(src)
+        ctx.save_for_backward(*to_save)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        spec: _VjpSpec = ctx.spec
+        saved = ctx.saved_tensors
+        res_leaves = [
+            v if slot is None else saved[slot] for (kind, v), slot in zip(spec.res_src, ctx.res_slots)
+        ]
+        res = tree_unflatten(spec.res_td, res_leaves)
+        g = tree_unflatten(spec.out_td, list(grads[: spec.n_out]))
+        cts = spec.bwd(*spec.nondiff, res, g)
+        n_diff = len(spec.diff_argnums)
+        op = "tfun.custom_vjp"
+        revise = (
+            f"Return a tuple with one cotangent per differentiable positional argument ({n_diff} here"
+            + (", e.g. `(g_x,)` for one argument" if n_diff == 1 else "")
+            + "), each with its argument's structure, shapes and dtypes."
+        )
+        if not isinstance(cts, (tuple, list)):
+            raise StructureMismatchError(
+                format_message(
+                    f"{op}: the bwd rule must return a tuple with one entry per differentiable argument "
+                    f"({n_diff}), got {describe_value(cts)}.",
+                    function=describe(spec.bwd),
+                    revise=revise,
+                )
+            )
+        if len(cts) != n_diff:
+            raise StructureMismatchError(
+                format_message(
+                    f"{op}: the bwd rule must return a tuple with one entry per differentiable argument "
+                    f"({n_diff}), got {len(cts)} entries.",
+                    function=describe(spec.bwd),
+                    revise=revise,
+                )
+            )
+        # expected: the differentiable args, with their tensor metadata in forward's leaf order
+        meta_per_leaf: list[Any] = [None] * len(spec.leaves)
+        for k, m in zip(spec.tensor_pos, spec.in_meta):
+            meta_per_leaf[k] = m
+        expected = tree_unflatten(spec.diff_td, list(range(len(spec.leaves))))
+        flat = _check_cotangents(
+            op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
+        )
+        return (None, *[flat[k] for k in spec.tensor_pos])
+
+
+class custom_vjp:
+    """A function with a custom reverse-mode derivative, as `jax.custom_vjp`.
+
+    ```python
+    @tfun.custom_vjp
+    def f(x, y):
+        return torch.sin(x) * y
+
+    def f_fwd(x, y):
+        return f(x, y), (torch.cos(x), torch.sin(x), y)
+
+    def f_bwd(res, g):
+        cos_x, sin_x, y = res
+        return (cos_x * g * y, sin_x * g)
+
+    f.defvjp(f_fwd, f_bwd)
+    ```
+
+    Works under `.backward()`, `torch.autograd.grad`, `tfun.grad`/`vjp`/`jacrev`/`vmap`
+    and their `torch.func` counterparts. Forward mode (`jvp`, `jacfwd`) is not available
+    for a `custom_vjp` function, as in JAX. When no autograd or transform can see the call,
+    the primal function `f` runs; otherwise `fwd` does. `bwd` runs differentiably, so
+    `grad(grad(f))` differentiates through it.
+
+    **Arguments:**
+
+    - `fun`: the primal function of positional pytree arguments, returning a pytree of
+      tensors.
+    - `nondiff_argnums`: positions of arguments that are not differentiated (Python
+      values, functions; tensors there are constants). `bwd` receives them first, as in
+      JAX: `bwd(*nondiff_args, residuals, g)`.
+
+    **Returns:** a callable with `fun`'s signature; call `.defvjp(fwd, bwd)` on it where
+    `fwd(*args) -> (output, residuals)` (residuals: any pytree) and `bwd(residuals, g)`
+    returns a tuple with one cotangent per differentiable positional argument, each with
+    that argument's structure (`None` anywhere marks a zero cotangent).
+    """
+
+    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = _normalize_nondiff("tfun.custom_vjp", nondiff_argnums)
+        self.fwd: Callable[..., Any] | None = None
+        self.bwd: Callable[..., Any] | None = None
+
+    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+        """Define the rule.
+
+        **Arguments:**
+
+        - `fwd`: `fwd(*args) -> (output, residuals)`, with the primal's signature.
+        - `bwd`: `bwd(*nondiff_args, residuals, g) -> tuple` of cotangents, one per
+          differentiable positional argument.
+
+        **Returns:** None.
+        """
+        for name, fn in (("fwd", fwd), ("bwd", bwd)):
+            if not callable(fn):
+                raise ArgumentTypeError(
+                    format_message(f"tfun.custom_vjp.defvjp: {name} must be callable, got {describe_value(fn)}.")
+                )
+        self.fwd, self.bwd = fwd, bwd
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        op = "tfun.custom_vjp"
+        if self.fwd is None or self.bwd is None:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: no VJP rule is defined for this function.",
+                    function=describe(self.fun),
+                    revise="Call `f.defvjp(fwd, bwd)` before calling `f`.",
+                )
+            )
+        args = _bind_positional(self.fun, args, kwargs, op)
+        spec = _VjpSpec(op, self.fun, self.nondiff_argnums, args)
+        if not _needs_rule(spec.tensors):
+            return self.fun(*args)
+        spec.fwd, spec.bwd = self.fwd, self.bwd
+        outs = _CustomVjpFunction.apply(spec, *spec.tensors)
+        return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
+
+
+# --------------------------------------------------------------------------------------
+# custom_jvp
+# --------------------------------------------------------------------------------------
+
+
+class _JvpSpec(_CallSpec):
+    fun: Callable[..., Any]
+    jvp_fn: Callable[..., Any]
+    n_out: int
+    out_meta: list[tuple[torch.Size, torch.dtype]]
+
+
+def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]) -> list[Any]:
+    op = "tfun.custom_jvp"
+    p_args = spec.diff_args(primals)
+    t_args = spec.diff_args(tangents)
+    pair = spec.jvp_fn(*spec.nondiff, p_args, t_args)
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise StructureMismatchError(
+            format_message(
+                f"{op}: the jvp rule must return a pair (primal_out, tangent_out).",
+                [f"returned: {describe_value(pair)}"],
+                function=describe(spec.jvp_fn),
+                revise="Return `(primal_out, tangent_out)`.",
+            )
+        )
+    _, tan = pair
+    expected = tree_unflatten(spec.out_td, list(range(spec.n_out)))
+    flat = _check_cotangents(
+        op,
+        spec.jvp_fn,
+        "tangent_out",
+        tan,
+        expected,
+        "the primal output",
+        [m if (m[1].is_floating_point or m[1].is_complex) else None for m in spec.out_meta],
+        "Return a tangent_out with the structure, shapes and dtypes of the function's output.",
+    )
+    return flat
+
+
+class _CustomJvpFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(spec: _JvpSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        with _InsideForward():
+            out = spec.fun(*spec.all_args(tensors))
+        leaves, spec.out_td = _flatten_outputs("tfun.custom_jvp", spec.fun, "output", out)
+        spec.n_out = len(leaves)
+        spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+        # an output that is an input is returned as an alias so autograd can track it
+        return tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in leaves)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+        tensors = inputs[1:]
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+
+    @staticmethod
+    def jvp(ctx: Any, _spec_tangent: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        spec: _JvpSpec = ctx.spec
+        primals = ctx.saved_tensors
+        tans = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
+        flat = _call_jvp_rule(spec, primals, tans)
+        return tuple(
+            torch.zeros(m[0], dtype=m[1], device=primals[0].device if primals else None) if f is None else f
+            for f, m in zip(flat, spec.out_meta)
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # The tangent map t -> jvp_rule(primals, t)[1] is linear; its VJP is the transpose.
+        spec: _JvpSpec = ctx.spec
+        primals = ctx.saved_tensors
+        diff_in = [k for k, p in enumerate(primals) if is_inexact(p)]
+        diff_out = [k for k, m in enumerate(spec.out_meta) if m[1].is_floating_point or m[1].is_complex]
+
+        def tangent_map(*t_diff: torch.Tensor) -> list[torch.Tensor]:
+            tans = [torch.zeros_like(p) for p in primals]
+            for k, t in zip(diff_in, t_diff):
+                tans[k] = t
+            flat = _call_jvp_rule(spec, primals, tans)
+            res = []
+            for k in diff_out:
+                f = flat[k]
+                m = spec.out_meta[k]
+                if f is None:
+                    # keep the output connected to the tangents so torch.func.vjp accepts it
+                    f = torch.zeros(m[0], dtype=m[1], device=primals[0].device) + 0 * sum(
+                        t.sum() for t in t_diff
+                    )
+                res.append(f)
+            return res
+
+        if not diff_in or not diff_out:
+            return (None,) + (None,) * len(primals)
+        _, pullback = torch.func.vjp(tangent_map, *[torch.zeros_like(primals[k]) for k in diff_in])  # type: ignore[misc]
+        g = [torch.zeros(spec.out_meta[k][0], dtype=spec.out_meta[k][1]) if grads[k] is None else grads[k] for k in diff_out]
+        cts = pullback(g)
+        result: list[Any] = [None] * len(primals)
+        for k, c in zip(diff_in, cts):
+            result[k] = c
+        return (None, *result)
+
+
+class custom_jvp:
+    """A function with a custom forward-mode derivative, as `jax.custom_jvp`.
+
+    ```python
+    @tfun.custom_jvp
+    def f(x):
+        return torch.log1p(torch.exp(x))
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x), torch.sigmoid(x) * t
+    ```
+
+    Under `tfun.jvp`/`jacfwd`/`torch.func.jvp` and forward-mode AD the rule gives the
+    tangent. Reverse mode (`.backward()`, `grad`, `vjp`, `jacrev`) uses the transpose of
+    the rule's tangent map, obtained by differentiating the rule with respect to its
+    tangents (it must be linear in them and written with differentiable torch ops, as
+    JAX requires). The primal output always comes from `fun`.
+
+    **Arguments:**
+
+    - `fun`: the primal function of positional pytree arguments, returning a pytree of
+      tensors.
+    - `nondiff_argnums`: positions of arguments that are not differentiated; the rule
+      receives them first: `jvp_fn(*nondiff_args, primals, tangents)`.
+
+    **Returns:** a callable with `fun`'s signature; define the rule with
+    `.defjvp(jvp_fn)` where `jvp_fn(primals, tangents) -> (primal_out, tangent_out)`,
+    `primals` and `tangents` being tuples of the differentiable arguments and
+    `tangent_out` having the output's structure (`None` marks a zero).
+    """
+
+    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = _normalize_nondiff("tfun.custom_jvp", nondiff_argnums)
+        self.jvp_fn: Callable[..., Any] | None = None
+
+    def defjvp(self, jvp_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Define the rule.
+
+        **Arguments:**
+
+        - `jvp_fn`: `jvp_fn(*nondiff_args, primals, tangents) -> (primal_out, tangent_out)`.
+
+        **Returns:** `jvp_fn`, so `defjvp` can be used as a decorator.
+        """
+        if not callable(jvp_fn):
+            raise ArgumentTypeError(
+                format_message(f"tfun.custom_jvp.defjvp: the rule must be callable, got {describe_value(jvp_fn)}.")
+            )
+        self.jvp_fn = jvp_fn
+        return jvp_fn
+
+    def defjvps(self, *tangent_fns: Callable[..., Any] | None) -> None:
+        """Define the rule one argument at a time, as `jax.custom_jvp.defjvps`.
+
+        **Arguments:**
+
+        - `*tangent_fns`: one per differentiable positional argument (or `None` for an
+          argument with zero derivative); `tangent_fns[i](t_i, primal_out, *primals)`
+          returns that argument's contribution to `tangent_out`.
+
+        **Returns:** None.
+        """
+        fun = self.fun
+
+        def jvp_fn(*a: Any) -> tuple[Any, Any]:
+            nondiff, primals, tangents = a[:-2], a[-2], a[-1]
+            all_args = list(primals)
+            for i, v in zip(self.nondiff_argnums, nondiff):
+                all_args.insert(i, v)
+            out = fun(*all_args)
+            total: Any = None
+            for fn, t in zip(tangent_fns, tangents):
+                if fn is None:
+                    continue
+                contrib = fn(t, out, *primals)
+                total = contrib if total is None else _tree_add(total, contrib)
+            return out, total
+
+        functools.update_wrapper(jvp_fn, tangent_fns[0] if tangent_fns and tangent_fns[0] else fun)
+        self.jvp_fn = jvp_fn
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        op = "tfun.custom_jvp"
+        if self.jvp_fn is None:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: no JVP rule is defined for this function.",
+                    function=describe(self.fun),
+                    revise="Call `f.defjvp(jvp_fn)` before calling `f`.",
+                )
+            )
+        args = _bind_positional(self.fun, args, kwargs, op)
+        spec = _JvpSpec(op, self.fun, self.nondiff_argnums, args)
+        if not _needs_rule(spec.tensors):
+            return self.fun(*args)
+        spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
+        outs = _CustomJvpFunction.apply(spec, *spec.tensors)
+        return tree_unflatten(spec.out_td, list(outs))
+
+
+def _tree_add(a: Any, b: Any) -> Any:
+    from ._tree import tree_map
+
+    return tree_map(lambda x, y: x + y, a, b)
+
+
+

@@ -1,0 +1,706 @@
+"""JAX-signature autodiff transforms over `torch.func`: `grad`, `value_and_grad`, `jvp`,
+`vjp`, `jacfwd`, `jacrev`, `hessian`, `stop_gradient`.
+
+Every transform takes and returns pytrees in tfun's registry (namespace "tfun"), so
+registered dataclasses and `None` subtrees behave as in JAX. Arguments are flattened with
+`tfun.tree` into tensor leaves, the flat function is handed to `torch.func`, and results
+are rebuilt with the argument and output structures. Differences from `torch.func` that
+follow JAX: `grad` requires a scalar real output; integer inputs may not be differentiated;
+`vjp`'s pullback returns a tuple; `jvp` takes tuples of primals and tangents.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.func
+
+from ._errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    StructureMismatchError,
+    TensorMismatchError,
+    format_message,
+)
+from ._funcinfo import describe
+from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+
+__all__ = [
+    "grad",
+    "value_and_grad",
+    "jvp",
+    "vjp",
+    "jacfwd",
+    "jacrev",
+    "hessian",
+    "stop_gradient",
+]
+
+
+# --------------------------------------------------------------------------------------
+# shared helpers (also used by _vmap, _custom_derivatives, _checkpoint)
+# --------------------------------------------------------------------------------------
+
+
+def describe_value(x: Any) -> str:
+    """A short description of a pytree node or leaf for error bullets."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if x is None:
+        return "None"
+    if isinstance(x, dict):
+        return f"a {type(x).__name__} with keys {sorted(x.keys(), key=repr)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} children"
+    if _is_node(x):
+        return f"a {type(x).__name__} node"
+    return f"a {type(x).__name__} leaf ({x!r})" if isinstance(x, (int, float, complex, bool, str)) else (
+        f"a {type(x).__name__} leaf"
+    )
+
+
+def _is_node(x: Any) -> bool:
+    if x is None:
+        return True
+    return not optree.tree_structure(x, none_is_leaf=True, namespace=NAMESPACE).is_leaf()
+
+
+def _one_level(x: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """(one-level spec, [(accessor string, child), ...]) of a pytree node."""
+    accessors, children, spec = optree.tree_flatten_with_accessor(
+        x, is_leaf=lambda c: c is not x, none_is_leaf=True, namespace=NAMESPACE
+    )
+    return spec, [(a.codify(""), c) for a, c in zip(accessors, children)]
+
+
+class PrefixMismatch(Exception):
+    """Internal: `prefix` is not a tree prefix of `full` at `path`."""
+
+    def __init__(self, path: str, prefix_node: Any, full_node: Any) -> None:
+        super().__init__(path)
+        self.path = path
+        self.prefix_node = prefix_node
+        self.full_node = full_node
+
+
+def broadcast_prefix(
+    prefix: Any, full: Any, is_prefix_leaf: Callable[[Any], bool], path: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """Broadcast a prefix tree against `full`.
+
+    Returns `[(path, prefix_leaf, full_leaf), ...]` in `full`'s flattening order (None is
+    an empty subtree of `full`). Raises `PrefixMismatch` at the first node that differs.
+    """
+    if is_prefix_leaf(prefix):
+        pl, _ = tree_flatten_with_path(full)
+        return [(path + keystr(p), prefix, leaf) for p, leaf in pl]
+    if full is None or not _is_node(full) or not _is_node(prefix) or prefix is None:
+        raise PrefixMismatch(path, prefix, full)
+    pspec, pchildren = _one_level(prefix)
+    fspec, fchildren = _one_level(full)
+    if pspec != fspec:
+        raise PrefixMismatch(path, prefix, full)
+    out: list[tuple[str, Any, Any]] = []
+    for (acc, pc), (_, fc) in zip(pchildren, fchildren):
+        out.extend(broadcast_prefix(pc, fc, is_prefix_leaf, path + acc))
+    return out
+
+
+def is_inexact(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _as_diff_leaf(op: str, fun: Callable[..., Any], path: str, leaf: Any) -> torch.Tensor:
+    """A leaf of a differentiated argument, as an inexact tensor (else a tfun error)."""
+    if isinstance(leaf, torch.Tensor):
+        if is_inexact(leaf):
+            return leaf
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: {op.split('.')[-1]} requires real- or complex-valued inputs (floating-point or "
+                "complex dtype), but an argument it differentiates has an integer or boolean leaf.",
+                [f"{path}: a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"],
+                function=describe(fun),
+                revise="Pass a floating-point tensor there, or leave that argument out of `argnums` "
+                "(arguments not in `argnums` are constants).",
+            )
+        )
+    if isinstance(leaf, bool) or isinstance(leaf, int):
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: {op.split('.')[-1]} requires real- or complex-valued inputs (floating-point or "
+                "complex dtype), but an argument it differentiates has an integer or boolean leaf.",
+                [f"{path}: a Python {type(leaf).__name__} ({leaf!r})"],
+                function=describe(fun),
+                revise="Pass a float (e.g. `2.0`) or a floating-point tensor there, or leave that argument "
+                "out of `argnums`.",
+            )
+        )
+    if isinstance(leaf, float):
+        return torch.tensor(leaf, dtype=torch.get_default_dtype())
+    if isinstance(leaf, complex):
+        return torch.tensor(leaf)
+    raise ArgumentTypeError(
+        format_message(
+            f"{op}: every leaf of a differentiated argument must be a tensor or a Python number.",
+            [f"{path}: {describe_value(leaf)}"],
+            function=describe(fun),
+            revise="Make that leaf a tensor, or move it to an argument that is not in `argnums`.",
+        )
+    )
+
+
+def normalize_argnums(op: str, argnums: Any) -> tuple[tuple[int, ...], bool]:
+    """Validate `argnums` (an int or a tuple of ints); returns (tuple, was_int)."""
+    if isinstance(argnums, bool):
+        pass
+    elif isinstance(argnums, int):
+        return (argnums,), True
+    elif isinstance(argnums, (tuple, list)) and all(
+        isinstance(a, int) and not isinstance(a, bool) for a in argnums
+    ):
+        if len(argnums) == 0:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: argnums must not be empty.",
+                    revise="Pass an int or a non-empty tuple of ints.",
+                )
+            )
+        if len(set(argnums)) != len(argnums):
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: argnums must not repeat an argument, got {tuple(argnums)}.",
+                    revise="List each argument index once.",
+                )
+            )
+        return tuple(argnums), False
+    raise ArgumentTypeError(
+        format_message(
+            f"{op}: argnums must be an int or a tuple of ints, got {argnums!r}.",
+            revise="Pass e.g. `argnums=0` or `argnums=(0, 2)`.",
+        )
+    )
+
+
+def resolve_argnums(op: str, fun: Callable[..., Any], argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+    """Normalize negative argnums against the call's arity; a tfun error when out of range."""
+    shown: Any = argnums[0] if len(argnums) == 1 else argnums
+    out = []
+    for a in argnums:
+        if not -nargs <= a < nargs:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: argnums={shown} refers to positional "
+                    f"argument {a}, but the function was called with {nargs} positional argument"
+                    f"{'' if nargs == 1 else 's'}.",
+                    function=describe(fun),
+                    revise=f"Pass argnums within range({nargs}), or call the function with more "
+                    "positional arguments (keyword arguments cannot be differentiated).",
+                )
+            )
+        out.append(a % nargs)
+    if len(set(out)) != len(out):
+        raise ArgumentValueError(
+            format_message(f"{op}: argnums {argnums} name the same argument twice.", function=describe(fun))
+        )
+    return tuple(out)
+
+
+class _ArgFlattener:
+    """Flatten the differentiated positional arguments of a call into inexact tensor leaves."""
+
+    def __init__(self, op: str, fun: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]):
+        self.args = list(args)
+        self.argnums = argnums
+        self.treedefs = []
+        self.counts = []
+        self.leaves: list[torch.Tensor] = []
+        for i in argnums:
+            pl, td = tree_flatten_with_path(args[i])
+            self.treedefs.append(td)
+            self.counts.append(len(pl))
+            for p, leaf in pl:
+                self.leaves.append(_as_diff_leaf(op, fun, f"args[{i}]{keystr(p)}", leaf))
+
+    def rebuild_args(self, flat: Sequence[Any]) -> list[Any]:
+        new_args = list(self.args)
+        pos = 0
+        for i, td, n in zip(self.argnums, self.treedefs, self.counts):
+            new_args[i] = tree_unflatten(td, list(flat[pos : pos + n]))
+            pos += n
+        return new_args
+
+    def split(self, flat: Sequence[Any]) -> list[Any]:
+        """Per-argnum trees from a flat sequence in leaf order."""
+        out = []
+        pos = 0
+        for td, n in zip(self.treedefs, self.counts):
+            out.append(tree_unflatten(td, list(flat[pos : pos + n])))
+            pos += n
+        return out
+
+
+def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise StructureMismatchError(
+            format_message(
+                f"{op}: with has_aux=True the function must return a pair (output, aux).",
+                [f"returned: {describe_value(out)}"],
+                function=describe(fun),
+                revise="Return `(output, aux)`, or pass has_aux=False.",
+            )
+        )
+    return out[0], out[1]
+
+
+def _forward_ad_ready() -> None:
+    """torch.func's forward-mode AD lazily scripts its decompositions on first use, which
+    emits torch's own `torch.jit.script` DeprecationWarning; do that import quietly once."""
+    global _FWD_READY
+    if _FWD_READY:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        try:
+            import torch._decomp.decompositions_for_jvp  # noqa: F401
+        except Exception:  # pragma: no cover - layout differs in other torch versions
+            pass
+    _FWD_READY = True
+
+
+_FWD_READY = False
+
+
+def _pack_aux(box: dict[str, Any], aux: Any) -> list[torch.Tensor]:
+    """torch.func passes only tensors through `aux`; keep the other leaves aside."""
+    leaves, box["aux_td"] = tree_flatten(aux)
+    box["aux_leaves"] = leaves
+    box["aux_tpos"] = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    return [leaves[k] for k in box["aux_tpos"]]
+
+
+def _unpack_aux(box: dict[str, Any], tensors: Sequence[torch.Tensor]) -> Any:
+    leaves = list(box["aux_leaves"])
+    for k, x in zip(box["aux_tpos"], tensors):
+        leaves[k] = x
+    return tree_unflatten(box["aux_td"], leaves)
+
+
+def _check_scalar_output(op: str, fun: Callable[..., Any], out: Any) -> torch.Tensor:
+    ok = isinstance(out, torch.Tensor) and out.ndim == 0 and out.is_floating_point()
+    if ok:
+        return out
+    if isinstance(out, torch.Tensor):
+        what = f"output: a tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
+    else:
+        what = f"output: {describe_value(out)}"
+    raise ArgumentTypeError(
+        format_message(
+            f"{op}: the function must return a scalar (shape ()) real floating-point tensor.",
+            [what],
+            function=describe(fun),
+            revise="Reduce the output to a scalar (e.g. `.sum()`), or use `tfun.vjp` / `tfun.jacrev` "
+            "for non-scalar or complex outputs.",
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------
+# grad / value_and_grad
+# --------------------------------------------------------------------------------------
+
+
+def _value_and_grad_call(
+    op: str,
+    fun: Callable[..., Any],
+    argnums: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any, Any]:
+    argnums = resolve_argnums(op, fun, argnums, len(args))
+    fl = _ArgFlattener(op, fun, args, argnums)
+    box: dict[str, Any] = {}
+
+    def f_flat(*flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out = fun(*fl.rebuild_args(flat), **kwargs)
+        aux = None
+        if has_aux:
+            out, aux = _split_aux(op, fun, out)
+        out = _check_scalar_output(op, fun, out)
+        return out, _pack_aux(box, aux)
+
+    if fl.leaves:
+        grads, (value, aux_leaves) = torch.func.grad_and_value(
+            f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
+        )(*fl.leaves)
+    else:
+        value, aux_leaves = f_flat()
+        grads = ()
+    per_arg = fl.split(list(grads))
+    g = per_arg[0] if single else tuple(per_arg)
+    aux = _unpack_aux(box, aux_leaves) if has_aux else None
+    return value, g, aux
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """The function's value and its gradient, as `jax.value_and_grad`.
+
+    **Arguments:**
+
+    - `fun`: a function whose output is a scalar (shape `()`) real floating-point tensor
+      (or `(output, aux)` with `has_aux=True`). Arguments may be pytrees of tensors.
+    - `argnums`: an int or a tuple of ints: which positional arguments to differentiate.
+      Their leaves must be floating-point or complex tensors (or Python floats).
+    - `has_aux`: whether `fun` returns `(output, aux)`; `aux` is returned, not
+      differentiated.
+
+    **Returns:** a function with `fun`'s signature returning `(value, grads)`, or
+    `((value, aux), grads)` with `has_aux=True`. `grads` has the structure of argument
+    `argnums` (a tuple of such structures when `argnums` is a tuple).
+    """
+    op = "tfun.value_and_grad"
+    nums, single = normalize_argnums(op, argnums)
+
+    @functools.wraps(fun)
+    def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
+        value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs)
+        return ((value, aux), g) if has_aux else (value, g)
+
+    return value_and_grad_fun
+
+
+def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of a scalar function, as `jax.grad`.
+
+    Composes with itself (`grad(grad(f))`), with `tfun.vmap` and with `torch.func`.
+
+    **Arguments:**
+
+    - `fun`: a function whose output is a scalar (shape `()`) real floating-point tensor
+      (or `(output, aux)` with `has_aux=True`). Arguments may be pytrees of tensors.
+    - `argnums`: an int or a tuple of ints: which positional arguments to differentiate.
+      Their leaves must be floating-point or complex tensors (or Python floats, which
+      become 0-d tensors of the default dtype); integer leaves raise `ArgumentTypeError`.
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** a function with `fun`'s signature returning the gradient, with the
+    structure of argument `argnums` (a tuple of those when `argnums` is a tuple), or
+    `(gradient, aux)` with `has_aux=True`.
+    """
+    op = "tfun.grad"
+    nums, single = normalize_argnums(op, argnums)
+
+    @functools.wraps(fun)
+    def grad_fun(*args: Any, **kwargs: Any) -> Any:
+        _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs)
+        return (g, aux) if has_aux else g
+
+    return grad_fun
+
+
+# --------------------------------------------------------------------------------------
+# jvp / vjp
+# --------------------------------------------------------------------------------------
+
+
+def _check_same_tree(op: str, what: str, fun: Callable[..., Any], a: Any, b: Any, names: tuple[str, str]) -> None:
+    mismatch = None
+    try:
+        broadcast_prefix(a, b, lambda x: not _is_node(x))
+    except PrefixMismatch as e:
+        mismatch = (e.path, e.prefix_node, e.full_node)
+    if mismatch is None:
+        try:
+            broadcast_prefix(b, a, lambda x: not _is_node(x))
+        except PrefixMismatch as e:
+            mismatch = (e.path, e.full_node, e.prefix_node)
+    if mismatch is not None:
+        path, node_a, node_b = mismatch
+        raise StructureMismatchError(
+            format_message(
+                f"{op}: {names[0]} and {names[1]} must have the same pytree structure.",
+                [f"{what}{path}: {names[0]} has {describe_value(node_a)}, {names[1]} has {describe_value(node_b)}"],
+                function=describe(fun),
+                revise=f"Give {names[1]} the structure of {names[0]}.",
+            )
+        )
+
+
+def jvp(
+    fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False
+) -> tuple[Any, ...]:
+    """Forward-mode Jacobian-vector product, as `jax.jvp`.
+
+    **Arguments:**
+
+    - `fun`: a function of `len(primals)` positional pytree arguments.
+    - `primals`: a tuple or list of the arguments.
+    - `tangents`: a tuple or list with the structure of `primals`; each tangent leaf has
+      its primal's shape and dtype. Tangents of integer or boolean primals are ignored
+      (those primals are constants).
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** `(primals_out, tangents_out)`, or `(primals_out, tangents_out, aux)` with
+    `has_aux=True`; `tangents_out` has the structure of `primals_out`.
+    """
+    op = "tfun.jvp"
+    for name, v in (("primals", primals), ("tangents", tangents)):
+        if not isinstance(v, (tuple, list)):
+            raise ArgumentTypeError(
+                format_message(
+                    f"{op}: {name} must be a tuple or list of the function's arguments, got {describe_value(v)}.",
+                    function=describe(fun),
+                    revise=f"Wrap a single argument as `({name[:-1]},)`.",
+                )
+            )
+    primals, tangents = tuple(primals), tuple(tangents)
+    _check_same_tree(op, "primals", fun, primals, tangents, ("primals", "tangents"))
+    pl, ptd = tree_flatten_with_path(primals)
+    tl, _ = tree_flatten(tangents)
+    diff_idx: list[int] = []
+    leaves: list[Any] = []
+    diff_tangents: list[torch.Tensor] = []
+    bullets = []
+    for k, ((p, x), t) in enumerate(zip(pl, tl)):
+        path = f"primals{keystr(p)}"
+        if isinstance(x, (float, complex)) and not isinstance(x, bool):
+            x = _as_diff_leaf(op, fun, path, x)
+        leaves.append(x)
+        if isinstance(x, torch.Tensor) and is_inexact(x):
+            if not isinstance(t, torch.Tensor):
+                t = torch.as_tensor(t, dtype=x.dtype)
+            if t.shape != x.shape or t.dtype != x.dtype:
+                bullets.append(
+                    f"{path}: primal is a tensor of shape {tuple(x.shape)} and dtype {x.dtype}, tangent is a "
+                    f"tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+                )
+            diff_idx.append(k)
+            diff_tangents.append(t)
+    if bullets:
+        raise TensorMismatchError(
+            format_message(
+                f"{op}: each tangent must have the shape and dtype of its primal.",
+                bullets,
+                function=describe(fun),
+                revise="Give each tangent its primal's shape and dtype.",
+            )
+        )
+    box: dict[str, Any] = {}
+
+    def f_flat(*diff: torch.Tensor) -> tuple[list[Any], list[Any]]:
+        cur = list(leaves)
+        for k, d in zip(diff_idx, diff):
+            cur[k] = d
+        out = fun(*tree_unflatten(ptd, cur))
+        aux = None
+        if has_aux:
+            out, aux = _split_aux(op, fun, out)
+        ol, box["out_td"] = tree_flatten(out)
+        al = _pack_aux(box, aux)
+        return list(ol), list(al)
+
+    diff_primals = tuple(leaves[k] for k in diff_idx)
+    _forward_ad_ready()
+    if diff_primals:
+        out_l, tan_l, aux_l = torch.func.jvp(f_flat, diff_primals, tuple(diff_tangents), has_aux=True)  # type: ignore[misc]
+    else:
+        out_l, aux_l = f_flat()
+        tan_l = [torch.zeros_like(o) if isinstance(o, torch.Tensor) else o for o in out_l]
+    out = tree_unflatten(box["out_td"], out_l)
+    tan = tree_unflatten(box["out_td"], tan_l)
+    if has_aux:
+        return out, tan, _unpack_aux(box, aux_l)
+    return out, tan
+
+
+def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
+    """Reverse-mode vector-Jacobian product, as `jax.vjp`.
+
+    **Arguments:**
+
+    - `fun`: a function of `len(primals)` positional pytree arguments.
+    - `*primals`: the arguments. Integer and boolean leaves are constants; their
+      cotangents are zero tensors of their dtype (JAX returns `float0` zeros).
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** `(primals_out, vjp_fn)`, or `(primals_out, vjp_fn, aux)` with
+    `has_aux=True`. `vjp_fn(cotangent)` takes a pytree with the structure, shapes and
+    dtypes of `primals_out` and returns a tuple with one cotangent per primal, each with
+    that primal's structure. `vjp_fn` may be called more than once.
+    """
+    op = "tfun.vjp"
+    pl, ptd = tree_flatten_with_path(primals)
+    diff_idx: list[int] = []
+    leaves: list[Any] = []
+    for k, (p, x) in enumerate(pl):
+        if isinstance(x, (float, complex)) and not isinstance(x, bool):
+            x = _as_diff_leaf(op, fun, f"primals{keystr(p)}", x)
+        leaves.append(x)
+        if isinstance(x, torch.Tensor) and is_inexact(x):
+            diff_idx.append(k)
+    box: dict[str, Any] = {}
+
+    def f_flat(*diff: torch.Tensor) -> tuple[list[Any], Any]:
+        cur = list(leaves)
+        for k, d in zip(diff_idx, diff):
+            cur[k] = d
+        out = fun(*tree_unflatten(ptd, cur))
+        aux = None
+        if has_aux:
+            out, aux = _split_aux(op, fun, out)
+        ol, box["out_td"] = tree_flatten(out)
+        al = _pack_aux(box, aux)
+        # torch.func.vjp differentiates inexact tensor outputs only; the rest ride along as aux.
+        box["inexact"] = [isinstance(o, torch.Tensor) and is_inexact(o) for o in ol]
+        diff_out = [o for o, d in zip(ol, box["inexact"]) if d]
+        rest = [o for o, d in zip(ol, box["inexact"]) if not d]
+        return diff_out, (rest, list(al))
+
+    diff_primals = [leaves[k] for k in diff_idx]
+    if diff_primals:
+        diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
+    else:
+        (diff_out, (rest, aux_l)), torch_vjp_fn = f_flat(), None
+    it_d, it_r = iter(diff_out), iter(rest)
+    out_l = [next(it_d) if d else next(it_r) for d in box["inexact"]]
+    out = tree_unflatten(box["out_td"], out_l)
+
+    def vjp_fn(ct: Any) -> tuple[Any, ...]:
+        _check_same_tree(op, "cotangent", fun, out, ct, ("primals_out", "cotangent"))
+        cl = tree_flatten(ct)[0]
+        ol_paths = tree_flatten_with_path(out)[0]
+        bullets = []
+        cts = []
+        for (p, o), c in zip(ol_paths, cl):
+            if isinstance(o, torch.Tensor):
+                c = torch.as_tensor(c, dtype=o.dtype) if not isinstance(c, torch.Tensor) else c
+                if c.shape != o.shape or (is_inexact(o) and c.dtype != o.dtype):
+                    bullets.append(
+                        f"cotangent{keystr(p)}: output is a tensor of shape {tuple(o.shape)} and dtype {o.dtype}, "
+                        f"cotangent is a tensor of shape {tuple(c.shape)} and dtype {c.dtype}"
+                    )
+            cts.append(c)
+        if bullets:
+            raise TensorMismatchError(
+                format_message(
+                    f"{op}: the cotangent must have the shapes and dtypes of the function's output.",
+                    bullets,
+                    function=describe(fun),
+                    revise="Pass a cotangent with the output's shapes and dtypes.",
+                )
+            )
+        diff_cts = [c for c, d in zip(cts, box["inexact"]) if d]
+        grads = list(torch_vjp_fn(diff_cts)) if torch_vjp_fn is not None else []
+        flat_ct: list[Any] = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        for k, g in zip(diff_idx, grads):
+            flat_ct[k] = g
+        return tuple(tree_unflatten(ptd, flat_ct))
+
+    if has_aux:
+        return out, vjp_fn, _unpack_aux(box, aux_l)
+    return out, vjp_fn
+
+
+# --------------------------------------------------------------------------------------
+# jacfwd / jacrev / hessian
+# --------------------------------------------------------------------------------------
+
+
+def _jac(op: str, torch_jac: Callable[..., Any], fun: Callable[..., Any], argnums: Any, has_aux: bool) -> Callable[..., Any]:
+    nums, single = normalize_argnums(op, argnums)
+
+    @functools.wraps(fun)
+    def jac_fun(*args: Any, **kwargs: Any) -> Any:
+        argnums_r = resolve_argnums(op, fun, nums, len(args))
+        fl = _ArgFlattener(op, fun, args, argnums_r)
+        box: dict[str, Any] = {}
+
+        def f_flat(*flat: torch.Tensor) -> tuple[tuple[Any, ...], list[Any]]:
+            out = fun(*fl.rebuild_args(flat), **kwargs)
+            aux = None
+            if has_aux:
+                out, aux = _split_aux(op, fun, out)
+            ol, box["out_td"] = tree_flatten(out)
+            al = _pack_aux(box, aux)
+            return tuple(ol), list(al)
+
+        if torch_jac is torch.func.jacfwd:
+            _forward_ad_ready()
+        jac, aux_l = torch_jac(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
+        per_out = []
+        for row in jac:
+            per_arg = fl.split(list(row))
+            per_out.append(per_arg[0] if single else tuple(per_arg))
+        result = tree_unflatten(box["out_td"], per_out)
+        if has_aux:
+            return result, _unpack_aux(box, aux_l)
+        return result
+
+    return jac_fun
+
+
+_JAC_DOC = """
+
+    **Arguments:**
+
+    - `fun`: a function of pytree arguments returning a pytree of tensors (or
+      `(output, aux)` with `has_aux=True`).
+    - `argnums`: an int or a tuple of ints: which positional arguments to differentiate
+      (floating-point or complex leaves only).
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** a function returning the Jacobian, a pytree with the output's
+    structure whose every leaf is replaced by a pytree with the structure of argument
+    `argnums` (a tuple of such when `argnums` is a tuple) holding tensors of shape
+    `out.shape + in.shape`; or `(jacobian, aux)` with `has_aux=True`.
+    """
+
+
+def jacfwd(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    return _jac("tfun.jacfwd", torch.func.jacfwd, fun, argnums, has_aux)
+
+
+def jacrev(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    return _jac("tfun.jacrev", torch.func.jacrev, fun, argnums, has_aux)
+
+
+jacfwd.__doc__ = "The Jacobian by forward mode (`vmap` of `jvp`), as `jax.jacfwd`." + _JAC_DOC
+jacrev.__doc__ = "The Jacobian by reverse mode (`vmap` of `vjp`), as `jax.jacrev`." + _JAC_DOC
+
+
+def hessian(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """The Hessian of a scalar function, as `jax.hessian`: `jacfwd(jacrev(fun))`.
+
+    **Arguments:**
+
+    - `fun`: a function returning a scalar tensor (or `(output, aux)` with
+      `has_aux=True`).
+    - `argnums`: an int or a tuple of ints: which positional arguments to differentiate.
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** a function returning the Hessian: for `argnums=0` and an argument with
+    structure `T`, a `T`-of-`T` pytree of tensors of shape `in_i.shape + in_j.shape`
+    (output shape first, as in JAX); `(hessian, aux)` with `has_aux=True`.
+    """
+    inner = _jac("tfun.hessian", torch.func.jacrev, fun, argnums, has_aux)
+    return _jac("tfun.hessian", torch.func.jacfwd, inner, argnums, has_aux)
+
+
+def stop_gradient(x: Any) -> Any:
+    """Stop gradients through every tensor leaf of a pytree, as `jax.lax.stop_gradient`.
+
+    **Arguments:**
+
+    - `x`: a pytree; its tensor leaves are detached (other leaves pass through).
+
+    **Returns:** `x` with every tensor leaf replaced by `leaf.detach()`; works under
+    `torch.func` transforms as well as `.backward()`.
+    """
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)

@@ -1,0 +1,241 @@
+"""`tfun.vmap`: JAX's `vmap` signature (pytree `in_axes`/`out_axes`, `axis_size`) over
+`torch.func.vmap`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.func
+
+from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, format_message
+from ._funcinfo import describe
+from ._grad import PrefixMismatch, broadcast_prefix, describe_value
+from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
+
+__all__ = ["vmap"]
+
+
+def _is_axis(x: Any) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _check_axes_leaves(name: str, axes: Any) -> None:
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(axes, none_is_leaf=True, namespace=NAMESPACE)
+    bad = [f"{name}{a.codify('')}: {describe_value(x)}" for a, x in zip(accessors, leaves) if not _is_axis(x)]
+    if bad:
+        raise ArgumentTypeError(
+            format_message(
+                f"tfun.vmap: every leaf of {name} must be an int or None.",
+                bad,
+                revise=f"Give {name} an int axis (or None for an unmapped value) at each leaf.",
+            )
+        )
+
+
+def vmap(
+    fun: Callable[..., Any],
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_size: int | None = None,
+) -> Callable[..., Any]:
+    """Vectorize `fun` over an axis of its arguments, as `jax.vmap`.
+
+    **Arguments:**
+
+    - `fun`: a function of pytree arguments returning a pytree.
+    - `in_axes`: an int, `None`, or a tuple with one entry per positional argument; each
+      entry is a tree prefix of its argument whose leaves are an int (the mapped axis of
+      every tensor below it) or `None` (broadcast: the value is passed unchanged to every
+      call). A list at the top level is read as a tuple, as in JAX. Keyword arguments are
+      always mapped over axis 0.
+    - `out_axes`: a tree prefix of the output with an int (where the mapped axis goes) or
+      `None` (the output must not depend on the mapped axis) at each leaf.
+    - `axis_size`: the size of the mapped axis; required when no argument is mapped, and
+      checked against the arguments otherwise.
+
+    **Returns:** a function with `fun`'s signature that maps `fun` over the axis.
+    Composes with `tfun.grad`, `tfun.vmap` and `torch.func`.
+    """
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)
+    if not (_is_axis(in_axes) or isinstance(in_axes, tuple)):
+        raise ArgumentTypeError(
+            format_message(
+                "tfun.vmap: in_axes must be an int, None, or a tuple with one entry per positional argument, "
+                f"got {describe_value(in_axes)}.",
+                revise="Wrap the axes of a single argument in a 1-tuple: `in_axes=(spec,)`.",
+            )
+        )
+    _check_axes_leaves("in_axes", in_axes)
+    _check_axes_leaves("out_axes", out_axes)
+    if axis_size is not None and (not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 0):
+        raise ArgumentValueError(
+            format_message(f"tfun.vmap: axis_size must be None or a non-negative int, got {axis_size!r}.")
+        )
+
+    @functools.wraps(fun)
+    def vmapped(*args: Any, **kwargs: Any) -> Any:
+        fn_desc = describe(fun)
+        if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+            raise StructureMismatchError(
+                format_message(
+                    f"tfun.vmap: in_axes is a tuple of {len(in_axes)} entries, but the function was called with "
+                    f"{len(args)} positional argument{'' if len(args) == 1 else 's'}.",
+                    function=fn_desc,
+                    revise="Give in_axes one entry per positional argument (None for an unmapped one).",
+                )
+            )
+        try:
+            per_leaf = broadcast_prefix(in_axes, tuple(args), _is_axis, "args")
+        except PrefixMismatch as e:
+            raise StructureMismatchError(
+                format_message(
+                    "tfun.vmap: in_axes must be a tree prefix of the positional arguments.",
+                    [
+                        f"{e.path}: in_axes has {describe_value(e.prefix_node)}, "
+                        f"the arguments have {describe_value(e.full_node)}",
+                        f"in_axes structure: {tree_structure(in_axes, none_is_leaf=True)}",
+                        f"arguments structure: {tree_structure(tuple(args))}",
+                    ],
+                    function=fn_desc,
+                    revise="Revise in_axes to mirror the arguments' structure (an int or None may stand for a "
+                    "whole subtree).",
+                )
+            ) from None
+        kw_leaves, kw_td = tree_flatten(kwargs)
+
+        kw_paths = [f"kwargs{keystr(p)}" for p, _ in tree_flatten_with_path(kwargs)[0]]
+        entries = [(p, ax, x) for p, ax, x in per_leaf] + [(p, 0, x) for p, x in zip(kw_paths, kw_leaves)]
+
+        mapped_pos: list[int] = []
+        mapped_vals: list[torch.Tensor] = []
+        in_dims: list[int] = []
+        sizes: list[tuple[str, int, int, tuple[int, ...]]] = []
+        for k, (path, ax, x) in enumerate(entries):
+            if ax is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise ArgumentTypeError(
+                    format_message(
+                        "tfun.vmap: a mapped argument leaf must be a tensor.",
+                        [f"{path}: {describe_value(x)} with in_axes {ax}"],
+                        function=fn_desc,
+                        revise="Pass a tensor there, or give it in_axes None to broadcast it.",
+                    )
+                )
+            if not -x.ndim <= ax < x.ndim:
+                raise ArgumentValueError(
+                    format_message(
+                        f"tfun.vmap: in_axes {ax} is out of range for a tensor with {x.ndim} dimension"
+                        f"{'' if x.ndim == 1 else 's'}.",
+                        [f"{path}: a tensor of shape {tuple(x.shape)}"],
+                        function=fn_desc,
+                        revise="Pick an axis the tensor has, or None to broadcast it.",
+                    )
+                )
+            ax = ax % x.ndim
+            mapped_pos.append(k)
+            mapped_vals.append(x)
+            in_dims.append(ax)
+            sizes.append((path, ax, x.shape[ax], tuple(x.shape)))
+        distinct = {s for _, _, s, _ in sizes} | ({axis_size} if axis_size is not None else set())
+        if len(distinct) > 1:
+            bullets = [f"{p}: axis {ax} of a tensor of shape {shp} has size {s}" for p, ax, s, shp in sizes]
+            if axis_size is not None:
+                bullets.append(f"axis_size: {axis_size}")
+            raise ArgumentValueError(
+                format_message(
+                    "tfun.vmap: the mapped axes of the arguments must all have the same size.",
+                    bullets,
+                    function=fn_desc,
+                    revise="Make the mapped axes agree in size (or give the odd one in_axes None).",
+                )
+            )
+        dummy = False
+        if not mapped_vals:
+            if axis_size is None:
+                raise ArgumentValueError(
+                    format_message(
+                        "tfun.vmap: no argument is mapped (every in_axes entry is None, or there are no tensor "
+                        "arguments), so the size of the mapped axis is unknown.",
+                        function=fn_desc,
+                        revise="Pass axis_size=..., or map at least one argument.",
+                    )
+                )
+            mapped_vals.append(torch.empty(axis_size, 0))
+            in_dims.append(0)
+            dummy = True
+
+        static_leaves = [x for _, _, x in entries]
+        n_pos = len(per_leaf)
+        args_td = tree_structure(tuple(args))
+        out_dims: list[Any] = []  # filled by f_flat: torch.func.vmap reads out_dims after the call
+        box: dict[str, Any] = {}
+
+        def f_flat(*vals: torch.Tensor) -> list[Any]:
+            cur = list(static_leaves)
+            if not dummy:
+                for k, v in zip(mapped_pos, vals):
+                    cur[k] = v
+            new_args = tree_unflatten(args_td, cur[:n_pos])
+            new_kwargs = tree_unflatten(kw_td, cur[n_pos:])
+            out = fun(*new_args, **new_kwargs)
+            try:
+                out_entries = broadcast_prefix(out_axes, out, _is_axis, "output")
+            except PrefixMismatch as e:
+                raise StructureMismatchError(
+                    format_message(
+                        "tfun.vmap: out_axes must be a tree prefix of the function's output.",
+                        [
+                            f"{e.path}: out_axes has {describe_value(e.prefix_node)}, "
+                            f"the output has {describe_value(e.full_node)}",
+                            f"out_axes structure: {tree_structure(out_axes, none_is_leaf=True)}",
+                            f"output structure: {tree_structure(out)}",
+                        ],
+                        function=fn_desc,
+                        revise="Revise out_axes to mirror the output's structure.",
+                    )
+                ) from None
+            box["out_td"] = tree_structure(out)
+            leaves = []
+            box["paths"] = []
+            for path, ax, leaf in out_entries:
+                if ax is not None and not isinstance(leaf, torch.Tensor):
+                    leaf = torch.as_tensor(leaf)
+                if ax is not None:
+                    nd = leaf.ndim + 1
+                    if not -nd <= ax < nd:
+                        raise ArgumentValueError(
+                            format_message(
+                                f"tfun.vmap: out_axes {ax} is out of range for an output with {nd} dimensions "
+                                "(including the mapped one).",
+                                [f"{path}: a tensor of shape {tuple(leaf.shape)} per element"],
+                                function=fn_desc,
+                            )
+                        )
+                    ax = ax % nd
+                out_dims.append(ax)
+                box["paths"].append((path, ax))
+                leaves.append(leaf)
+            return leaves
+
+        try:
+            out_leaves = torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*mapped_vals)  # type: ignore[arg-type]
+        except ValueError as e:
+            if "when out_dim is None" not in str(e):
+                raise
+            raise ArgumentValueError(
+                format_message(
+                    "tfun.vmap: an output with out_axes None depends on the mapped axis.",
+                    [f"{p}: out_axes None" for p, ax in box.get("paths", []) if ax is None],
+                    function=fn_desc,
+                    revise="Give that output an int out_axes, or make it independent of the mapped arguments.",
+                )
+            ) from None
+        return tree_unflatten(box["out_td"], out_leaves)
+
+    return vmapped
