@@ -59,17 +59,15 @@ def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, a
     leaves, treedef = xs_leaves(op, elems, "elems")
     if not leaves:
         raise ArgumentValueError(f"{op}: elems must have at least one tensor leaf.")
-    ndims = {x.dim() for x in leaves}
-    if len(ndims) > 1:
-        # JAX canonicalizes axis against the first leaf; every leaf must have it.
-        pass
+    # As in JAX, `axis` is resolved against the first leaf and used for every leaf.
     ax = _rules.canonical_axis(op, axis, leaves[0].dim())
-    if axis < 0:
-        axes = [x.dim() + axis for x in leaves]
-    else:
-        axes = [ax] * len(leaves)
-    if any(a < 0 or a >= x.dim() for a, x in zip(axes, leaves)):
-        raise ArgumentValueError(f"{op}: axis={axis} is out of range for some leaves of elems.")
+    axes = [ax] * len(leaves)
+    for p, x in zip(treedef.accessors(), leaves):
+        if x.dim() <= ax:
+            raise ArgumentValueError(
+                f"{op}: axis={axis} (axis {ax} of the first leaf) is out of range for "
+                f"elems{p.codify('')}, which is {_rules.describe_leaf(x)}."
+            )
     sizes = {x.shape[a] for a, x in zip(axes, leaves)}
     if len(sizes) > 1:
         bullets = [f"elems{p.codify('')}: {_rules.describe_leaf(x)} (size {x.shape[a]})" for p, x, a in zip(treedef.accessors(), leaves, axes)]

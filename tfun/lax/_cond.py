@@ -82,10 +82,20 @@ def _run_branch(
     out, leaves, treedef = _branch_output(op, out)
     first_taken, exp_def, exp_sig, exp_leaves = expected
     if treedef != exp_def or _rules.leaf_signature(leaves) != exp_sig:
-        names = (branch_names[first_taken] + " output", branch_names[taken] + " output")
-        revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
-        _rules.check_structure(op, "branch outputs", exp_def, treedef, root="output", names=names, fn=branch, revise=revise)
-        _rules.check_tensors(op, "branch outputs", exp_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=revise)
+        # Either a closure of the same code returns something else (then check this call's
+        # branches afresh), or the branches really disagree (then that check raises).
+        _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
+        if taken != first_taken:
+            names = (branch_names[first_taken] + " output", branch_names[taken] + " output")
+            revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
+            other = branches[first_taken]
+            try:
+                o_leaves, o_def = _rules.abstract_eval(other, operands)
+            except _rules.AbstractEvalUnavailable:
+                o_leaves, o_def = exp_leaves, exp_def
+            _rules.check_structure(op, "branch outputs", o_def, treedef, root="output", names=names, fn=branch, revise=revise)
+            _rules.check_tensors(op, "branch outputs", o_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=revise)
+        _rules.remember(key, (taken, treedef, _rules.leaf_signature(leaves), leaves))
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _funcinfo, _rules
-from .._tree import tree_flatten, tree_map, tree_unflatten
+from .._tree import tree_flatten, tree_unflatten
 from . import _hop
 from ._scan import scan, stack_outputs, xs_leaves, zero_length_outputs
 
@@ -81,21 +81,26 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
 
 
 def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any, n: int, batch_size: int) -> Any:
+    # torch.func.vmap knows torch's pytrees, not tfun's: give it flat tuples of tensors.
+    out_def: list[Any] = []
+
+    def flat_f(*x_leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y_leaves, y_def = tree_flatten(f(tree_unflatten(treedef, x_leaves)))
+        if not out_def:
+            out_def.append(y_def)
+        return tuple(y_leaves)
+
+    vf = torch.func.vmap(flat_f)
     num_batches, rem = divmod(n, batch_size)
-    vf = torch.func.vmap(f)
-    parts = []
+    parts: list[tuple[torch.Tensor, ...]] = []
     if num_batches:
-        main = tree_unflatten(
-            treedef, [x[: num_batches * batch_size].reshape(num_batches, batch_size, *x.shape[1:]) for x in leaves]
-        )
-        _, ys = scan(lambda c, x: (c, vf(x)), (), main)
-        parts.append(tree_map(lambda y: y.reshape(num_batches * batch_size, *y.shape[2:]), ys))
+        main = [x[: num_batches * batch_size].reshape(num_batches, batch_size, *x.shape[1:]) for x in leaves]
+        _, ys = scan(lambda c, xb: (c, vf(*xb)), (), tuple(main))
+        parts.append(tuple(y.reshape(num_batches * batch_size, *y.shape[2:]) for y in ys))
     if rem:
-        tail = tree_unflatten(treedef, [x[num_batches * batch_size :] for x in leaves])
-        parts.append(vf(tail))
-    if len(parts) == 1:
-        return parts[0]
-    return tree_map(lambda a, b: torch.cat([a, b]), parts[0], parts[1])
+        parts.append(tuple(vf(*[x[num_batches * batch_size :] for x in leaves])))
+    flat = parts[0] if len(parts) == 1 else tuple(torch.cat([a, b]) for a, b in zip(parts[0], parts[1]))
+    return tree_unflatten(out_def[0], list(flat))
 
 
 __all__ = ["map"]

@@ -227,19 +227,21 @@ def _scan_eager(
         return tree_unflatten(x_def, [s[i] for s in slices])
 
     carry = init
-    expected_y_def = _rules.seen(key)
     it = iter(order)
-    if expected_y_def is None:
-        i0 = next(it)
+    i0 = next(it)
+    # The cache only decides whether the rules run; structures always come from the
+    # actual outputs (closures of one code object may differ in what they return).
+    if _rules.seen(key) is None:
         out = _rules.checked_call(op, "body function", f, (carry, x_at(i0)))
         carry, y = split_pair(op, f, out)
         check_carry(op, f, carry_def, carry_leaves, carry)
-        y_leaves, y_def = tree_flatten(y)
-        y_lists: list[list[Any]] = [[v] for v in y_leaves]
-        _rules.remember(key, y_def)
+        _rules.remember(key)
     else:
-        y_def = expected_y_def
-        y_lists = [[] for _ in range(y_def.num_leaves)]
+        carry, y = split_pair(op, f, f(carry, x_at(i0)))
+        if tree_structure(carry) != carry_def:
+            check_carry(op, f, carry_def, carry_leaves, carry)
+    y_leaves, y_def = tree_flatten(y)
+    y_lists: list[list[Any]] = [[v] for v in y_leaves]
 
     carry_is_leaf = carry_def.is_leaf()
     y_is_leaf = y_def.is_leaf()

@@ -1,0 +1,335 @@
+"""tfun.lax.cond, switch and select: property tests against Python `if`/indexing, gradients,
+and JAX as an oracle."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import Point, State, assert_tree_allclose
+from tfun import lax
+from tfun.tree import keystr, tree_flatten_with_path, tree_map
+
+
+def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.tuples(kids),
+            st.lists(kids, min_size=0, max_size=2),
+            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
+            st.builds(Point, kids, kids),
+            st.builds(State, kids, kids),
+            st.tuples(kids, st.none()),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+_TRAILING = [(), (2,), (1, 3)]
+
+
+def materialize(template: Any, dtype: torch.dtype, seed: int, same_shape: tuple[int, ...] | None = None) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    counter = itertools.count()
+
+    def make(kind: str) -> Any:
+        k = next(counter)
+        if kind == "i":
+            return int(torch.randint(-3, 4, (), generator=g))
+        if kind == "f":
+            return float(torch.randn((), generator=g))
+        shape = same_shape if same_shape is not None else _TRAILING[k % 3]
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g, dtype=dtype)
+        return torch.randint(-3, 4, shape, generator=g, dtype=dtype)
+
+    return tree_map(make, template)
+
+
+def as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    return torch.tensor(v, dtype=torch.float32)
+
+
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
+
+
+# Branches with distinct code objects (tfun caches branch checks per code object).
+def br_a(x: Any, y: Any) -> Any:
+    return {"out": tree_map(lambda v: v * 2 + 1, x), "y": tree_map(lambda v: v - 1, y)}
+
+
+def br_b(x: Any, y: Any) -> Any:
+    return {"out": tree_map(lambda v: v * 3 - 2, x), "y": tree_map(lambda v: v + 5, y)}
+
+
+def br_c(x: Any, y: Any) -> Any:
+    return {"out": tree_map(lambda v: -v, x), "y": y}
+
+
+def br_d(x: Any, y: Any) -> Any:
+    return {"out": x, "y": tree_map(lambda v: v * v, y)}
+
+
+BRANCHES = [br_a, br_b, br_c, br_d]
+
+
+# ----------------------------------------------------------------------------------------
+# cond
+# ----------------------------------------------------------------------------------------
+
+
+def preds() -> st.SearchStrategy[tuple[Any, bool]]:
+    """(pred, its truth value): Python bools and ints, bool and integer 0-d tensors."""
+    ints = st.integers(-3, 3)
+    return st.one_of(
+        st.booleans().map(lambda b: (b, b)),
+        st.booleans().map(lambda b: (torch.tensor(b), b)),
+        ints.map(lambda i: (i, i != 0)),
+        st.tuples(ints, st.sampled_from([torch.int64, torch.int32, torch.int8])).map(
+            lambda t: (torch.tensor(t[0], dtype=t[1]), t[0] != 0)
+        ),
+        st.integers(0, 3).map(lambda i: (torch.tensor(i, dtype=torch.uint8), i != 0)),
+    )
+
+
+@given(
+    pred=preds(),
+    x_t=structures(st.sampled_from(["t", "t", "i", "f"])),
+    y_t=structures(),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+    swap=st.booleans(),
+)
+def test_cond_matches_python_if(pred, x_t, y_t, dtype, seed, swap):
+    p, truth = pred
+    x = materialize(x_t, dtype, seed)
+    y = materialize(y_t, dtype, seed + 1)
+    t_fun, f_fun = (br_b, br_a) if swap else (br_a, br_b)
+    out = lax.cond(p, t_fun, f_fun, x, y)
+    # Python scalars among the operands reach the branch as 0-d tensors
+    xt, yt = tree_map(as_tensor, x), tree_map(as_tensor, y)
+    want = t_fun(xt, yt) if truth else f_fun(xt, yt)
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+
+
+def test_cond_operands_forms():
+    x = torch.arange(3.0)
+    assert lax.cond(True, lambda: torch.tensor(1), lambda: torch.tensor(2)).item() == 1
+    assert torch.equal(lax.cond(False, lambda a: a + 1, lambda a: a - 1, operand=x), x - 1)
+    out = lax.cond(torch.tensor(-7), lambda a, b, c: (a, b + c), lambda a, b, c: (a - 1, c - b), 1, 2.5, x)
+    assert out[0].dtype == torch.int64 and out[0].item() == 1
+    assert out[1].dtype == torch.float32 and torch.equal(out[1], x + 2.5)
+
+
+def test_cond_closures_with_different_output_structures():
+    def make(k):
+        return lambda v: (v,) * k
+
+    x = torch.ones(2)
+    assert len(lax.cond(True, make(1), make(1), x)) == 1
+    assert len(lax.cond(True, make(2), make(2), x)) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# switch
+# ----------------------------------------------------------------------------------------
+
+
+@given(
+    n_branches=st.integers(1, 4),
+    index=st.integers(-4, 7),
+    index_kind=st.sampled_from(["int", "int64", "int32", "uint8"]),
+    x_t=structures(st.sampled_from(["t", "t", "i", "f"])),
+    y_t=structures(),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_switch_matches_clamped_indexing(n_branches, index, index_kind, x_t, y_t, dtype, seed):
+    if index_kind == "uint8":
+        index = abs(index)
+    idx = index if index_kind == "int" else torch.tensor(index, dtype=getattr(torch, index_kind))
+    x = materialize(x_t, dtype, seed)
+    y = materialize(y_t, dtype, seed + 1)
+    branches = BRANCHES[:n_branches]
+    out = lax.switch(idx, branches, x, y)
+    k = min(max(index, 0), n_branches - 1)
+    want = branches[k](tree_map(as_tensor, x), tree_map(as_tensor, y))
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+
+
+def test_switch_clamps_exactly_at_the_edges():
+    branches = [lambda: torch.tensor(0), lambda: torch.tensor(1), lambda: torch.tensor(2)]
+    got = [lax.switch(i, branches).item() for i in [-(2**40), -1, 0, 1, 2, 3, 2**40]]
+    assert got == [0, 0, 0, 1, 2, 2, 2]
+    got = [lax.switch(torch.tensor(i), branches).item() for i in [-(2**40), -1, 0, 1, 2, 3, 2**40]]
+    assert got == [0, 0, 0, 1, 2, 2, 2]
+    assert lax.switch(5, (lambda a: a * 2,), operand=torch.tensor(3)).item() == 6
+
+
+# ----------------------------------------------------------------------------------------
+# select
+# ----------------------------------------------------------------------------------------
+
+
+def ref_select(pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise `a if p else b`, without torch.where."""
+    p = pred.expand(a.shape) if pred.dim() == 0 else pred
+    out = b.clone()
+    out[p] = a[p]
+    return out
+
+
+@given(
+    t_t=structures(),
+    shape=st.sampled_from([(), (3,), (2, 3)]),
+    pred_kind=st.sampled_from(["bool", "scalar", "full"]),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_select_matches_elementwise_choice(t_t, shape, pred_kind, dtype, seed):
+    a = materialize(t_t, dtype, seed, same_shape=shape)
+    b = materialize(t_t, dtype, seed + 1, same_shape=shape)
+    g = torch.Generator().manual_seed(seed)
+    if pred_kind == "full":
+        pred = torch.rand(shape, generator=g) < 0.5
+    else:
+        pred = bool(torch.rand((), generator=g) < 0.5)
+        if pred_kind == "scalar":
+            pred = torch.tensor(pred)
+    out = lax.select(pred, a, b)
+    p = torch.as_tensor(pred)
+    want = tree_map(lambda u, v: ref_select(p, u, v), a, b)
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------
+
+
+def _branches(W: torch.Tensor) -> list[Any]:
+    return [
+        lambda x, h: {"o": torch.tanh(x @ W) * h, "s": (h * h).sum()},
+        lambda x, h: {"o": torch.sin(x) + h @ W, "s": (x * h).sum()},
+        lambda x, h: {"o": x * h, "s": (W * W).sum() + x.sum()},
+    ]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_switch_and_cond_grads_match_python(k):
+    g = torch.Generator().manual_seed(k)
+    W = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    branches = _branches(W)
+
+    def loss(out):
+        return (out["o"] * torch.arange(1.0, 4.0, dtype=torch.float64)).sum() + out["s"] ** 2
+
+    want = torch.autograd.grad(loss(branches[k](x, h)), (W, x, h), allow_unused=True)
+    got = torch.autograd.grad(loss(lax.switch(torch.tensor(k), branches, x, h)), (W, x, h), allow_unused=True)
+    for u, v in zip(got, want):
+        assert (u is None) == (v is None)
+        if u is not None:
+            torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    if k < 2:
+        got = torch.autograd.grad(loss(lax.cond(k == 0, branches[0], branches[1], x, h)), (W, x, h), allow_unused=True)
+        for u, v in zip(got, want):
+            assert (u is None) == (v is None)
+            if u is not None:
+                torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+
+def test_cond_switch_select_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([True, False, True])
+
+    def fn(x, y):
+        a = lax.cond(torch.tensor(1), lambda u, v: u * v.exp(), lambda u, v: u - v, x, y)
+        b = lax.switch(-1, [lambda u: u.sin() * y, lambda u: u], x)
+        c = lax.select(mask, x * y, y.cos())
+        return a, b, c
+
+    assert torch.autograd.gradcheck(fn, (x, y))
+
+
+# ----------------------------------------------------------------------------------------
+# JAX as a differential oracle
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
+    return jax
+
+
+def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+    import jax
+
+    ours_p, _ = tree_flatten_with_path(ours)
+    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
+    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
+    for (p, a), (_, b) in zip(ours_p, theirs_p):
+        a = a.detach().numpy()
+        b = np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
+
+
+def _jx_branches(lib: Any) -> list[Any]:
+    return [
+        lambda x, k: {"h": lib.tanh(x) * 2, "k": Point(k + 1, k * 2)},
+        lambda x, k: {"h": x * x - 1, "k": Point(k - 1, k * 3)},
+        lambda x, k: {"h": lib.sin(x), "k": Point(k, -k)},
+    ]
+
+
+@pytest.mark.parametrize("pred", [True, False, 0, 3, -2])
+def test_cond_matches_jax(jax, pred):
+    jnp = jax.numpy
+    x = np.linspace(-1, 1, 4)
+    k = np.int64(5)
+    tb, fb = _jx_branches(torch)[:2]
+    ours = lax.cond(torch.tensor(pred), tb, fb, torch.from_numpy(x), torch.tensor(k))
+    tb, fb = _jx_branches(jnp)[:2]
+    theirs = jax.lax.cond(jnp.asarray(pred), tb, fb, jnp.asarray(x), jnp.asarray(k))
+    assert_matches_jax(ours, theirs)
+
+
+@pytest.mark.parametrize("index", [-5, -1, 0, 1, 2, 3, 100])
+def test_switch_matches_jax(jax, index):
+    jnp = jax.numpy
+    x = np.linspace(-1, 1, 4)
+    k = np.int64(5)
+    ours = lax.switch(torch.tensor(index), _jx_branches(torch), torch.from_numpy(x), torch.tensor(k))
+    theirs = jax.lax.switch(jnp.asarray(index), _jx_branches(jnp), jnp.asarray(x), jnp.asarray(k))
+    assert_matches_jax(ours, theirs)
+    ours = lax.switch(index, _jx_branches(torch), torch.from_numpy(x), torch.tensor(k))
+    assert_matches_jax(ours, theirs)
+
+
+@pytest.mark.parametrize("scalar_pred", [False, True])
+def test_select_matches_jax(jax, scalar_pred):
+    jnp = jax.numpy
+    rng = np.random.default_rng(int(scalar_pred))
+    pred = np.bool_(True) if scalar_pred else rng.random((2, 3)) < 0.5
+    a = {"f": rng.standard_normal((2, 3)), "i": rng.integers(-9, 9, (2, 3))}
+    b = {"f": rng.standard_normal((2, 3)), "i": rng.integers(-9, 9, (2, 3))}
+    ours = lax.select(torch.as_tensor(pred), tree_map(torch.from_numpy, a), tree_map(torch.from_numpy, b))
+    theirs = {k: jax.lax.select(jnp.asarray(pred), jnp.asarray(a[k]), jnp.asarray(b[k])) for k in a}
+    assert_matches_jax(ours, theirs, rtol=0, atol=0)

@@ -1,0 +1,325 @@
+"""tfun.lax.while_loop and fori_loop: property tests against Python loops, gradients, and
+JAX as an oracle."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import Point, State, assert_tree_allclose
+from tfun import lax
+from tfun.tree import keystr, tree_flatten_with_path, tree_map
+
+
+def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.tuples(kids),
+            st.lists(kids, min_size=0, max_size=2),
+            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
+            st.builds(Point, kids, kids),
+            st.builds(State, kids, kids),
+            st.tuples(kids, st.none()),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+_TRAILING = [(), (2,), (1, 3)]
+
+
+def materialize(template: Any, dtype: torch.dtype, seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    counter = itertools.count()
+
+    def make(kind: str) -> Any:
+        k = next(counter)
+        if kind == "i":
+            return int(torch.randint(-3, 4, (), generator=g))
+        if kind == "f":
+            return float(torch.randn((), generator=g))
+        shape = _TRAILING[k % 3]
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g, dtype=dtype)
+        return torch.randint(-3, 4, shape, generator=g, dtype=dtype)
+
+    return tree_map(make, template)
+
+
+def as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def update(tree: Any, i: torch.Tensor) -> Any:
+    """An order-sensitive update of every leaf by the step `i`."""
+
+    def up(v: torch.Tensor) -> torch.Tensor:
+        if v.is_floating_point():
+            return v * 0.5 + i.to(v.dtype)
+        return v * 2 - i.to(v.dtype)
+
+    return tree_map(up, tree)
+
+
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
+
+# ----------------------------------------------------------------------------------------
+# while_loop
+# ----------------------------------------------------------------------------------------
+
+
+def ref_while(cond_fun: Any, body_fun: Any, init: Any) -> Any:
+    val = tree_map(as_tensor, init)
+    while cond_fun(val):
+        val = body_fun(val)
+    return val
+
+
+def w_cond(val: Any) -> Any:
+    i, n, _ = val
+    return i < n
+
+
+def w_body(val: Any) -> Any:
+    i, n, tree = val
+    return i + 1, n, update(tree, i)
+
+
+@given(
+    tree_t=structures(st.sampled_from(["t", "t", "i", "f"])),
+    n=st.integers(0, 5),
+    python_counter=st.booleans(),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_while_loop_matches_python_loop(tree_t, n, python_counter, dtype, seed):
+    tree = materialize(tree_t, dtype, seed)
+    init = (0, n, tree) if python_counter else (torch.tensor(0), torch.tensor(n), tree)
+    out = lax.while_loop(w_cond, w_body, init)
+    want = ref_while(w_cond, w_body, init)
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+    assert out[0].dtype == torch.int64 and out[0].item() == n
+
+
+def test_while_loop_data_dependent_trip_count():
+    def cond_fun(v):
+        return v["x"].abs().sum() < 100.0
+
+    def body_fun(v):
+        return {"x": v["x"] * 1.7 + 0.1, "k": v["k"] + 1}
+
+    init = {"x": torch.tensor([0.5, -0.25], dtype=torch.float64), "k": 0}
+    out = lax.while_loop(cond_fun, body_fun, init)
+    want = ref_while(cond_fun, body_fun, init)
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+    assert out["k"].item() > 3
+    # Python bool predicates and a zero-trip loop return init (as tensors)
+    out = lax.while_loop(lambda v: False, lambda v: v + 1, 2.5)
+    assert out.dtype == torch.float32 and out.item() == 2.5
+
+
+def test_while_loop_python_int_carry_becomes_int64():
+    out = lax.while_loop(lambda v: v[0] < 10, lambda v: (v[0] * 2 + 1, v[1] + 0.5), (1, 0.0))
+    assert out[0].dtype == torch.int64 and out[0].shape == () and out[0].item() == 15
+    assert out[1].dtype == torch.float32 and out[1].item() == 1.5
+
+
+# ----------------------------------------------------------------------------------------
+# fori_loop
+# ----------------------------------------------------------------------------------------
+
+
+def ref_fori(lower: int, upper: int, body_fun: Any, init: Any, i_dtype: torch.dtype) -> Any:
+    val = tree_map(as_tensor, init)
+    for i in range(lower, upper):
+        val = body_fun(torch.tensor(i, dtype=i_dtype), val)
+    return val
+
+
+def f_body(i: torch.Tensor, val: Any) -> Any:
+    # The carry keeps the last index seen: its dtype is pinned by init, so an index of
+    # another dtype would fail the carry check.
+    _, tree = val
+    return i, update(tree, i)
+
+
+BOUND_KINDS = ["int", "int64", "int32"]
+
+
+@given(
+    tree_t=structures(st.sampled_from(["t", "t", "i", "f"])),
+    lower=st.integers(-3, 4),
+    span=st.integers(-2, 5),
+    kinds=st.tuples(st.sampled_from(BOUND_KINDS), st.sampled_from(BOUND_KINDS)),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_fori_loop_matches_python_loop(tree_t, lower, span, kinds, dtype, seed):
+    upper = lower + span
+    bounds = [v if k == "int" else torch.tensor(v, dtype=getattr(torch, k)) for v, k in zip((lower, upper), kinds)]
+    tensors = [b for b in bounds if isinstance(b, torch.Tensor)]
+    if not tensors:
+        i_dtype = torch.int64
+    elif len(tensors) == 1:
+        i_dtype = tensors[0].dtype
+    else:
+        i_dtype = torch.promote_types(tensors[0].dtype, tensors[1].dtype)
+    tree = materialize(tree_t, dtype, seed)
+    init = (torch.tensor(-100, dtype=i_dtype), tree)
+    out = lax.fori_loop(bounds[0], bounds[1], f_body, init)
+    want = ref_fori(lower, upper, f_body, init, i_dtype)
+    assert_tree_allclose(out, want, rtol=0, atol=0)
+    assert out[0].item() == (upper - 1 if upper > lower else -100)
+
+
+def test_fori_loop_empty_range_returns_init():
+    x = torch.randn(3)
+    assert torch.equal(lax.fori_loop(5, 5, lambda i, v: v + 1, x), x)
+    assert torch.equal(lax.fori_loop(torch.tensor(7), torch.tensor(2), lambda i, v: v + 1, x), x)
+    out = lax.fori_loop(3, 0, lambda i, v: (v[0] + i, v[1]), (0, 1.0))
+    assert out[0].dtype == torch.int64 and out[0].item() == 0
+    assert out[1].dtype == torch.float32 and out[1].item() == 1.0
+
+
+def test_fori_loop_python_int_carry_sums_indices():
+    out = lax.fori_loop(2, 7, lambda i, v: v + i, 0)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.item() == sum(range(2, 7))
+
+
+# ----------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------
+
+
+def test_fori_and_while_grads_match_python_loop():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def body(i, c):
+        h, acc = c
+        h = torch.tanh(h @ W + xs[i])
+        return h, acc + (h * h).sum() * (i + 1)
+
+    def loss(c):
+        return c[0].sum() + c[1]
+
+    init = (h0, torch.zeros((), dtype=torch.float64))
+    want = torch.autograd.grad(loss(ref_fori(1, 5, body, init, torch.int64)), (W, h0, xs))
+
+    got = torch.autograd.grad(loss(lax.fori_loop(1, 5, body, init)), (W, h0, xs))
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+    got = torch.autograd.grad(loss(lax.fori_loop(torch.tensor(1), torch.tensor(5), body, init)), (W, h0, xs))
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+    def w_cond_(c):
+        return c[0] < 5
+
+    def w_body_(c):
+        i, h, acc = c
+        h, acc = body(i, (h, acc))
+        return i + 1, h, acc
+
+    out = lax.while_loop(w_cond_, w_body_, (1, h0, torch.zeros((), dtype=torch.float64)))
+    got = torch.autograd.grad(out[1].sum() + out[2], (W, h0, xs))
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+
+def test_fori_and_while_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(2, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(W, h0):
+        a = lax.fori_loop(0, 3, lambda i, h: torch.sin(h @ W) * (i + 1), h0)
+        b = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.cos(c[1]) @ W), (0, h0))[1]
+        return a, b
+
+    assert torch.autograd.gradcheck(fn, (W, h0))
+
+
+# ----------------------------------------------------------------------------------------
+# JAX as a differential oracle
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
+    return jax
+
+
+def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+    import jax
+
+    ours_p, _ = tree_flatten_with_path(ours)
+    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
+    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
+    for (p, a), (_, b) in zip(ours_p, theirs_p):
+        a = a.detach().numpy()
+        b = np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
+
+
+def test_while_loop_matches_jax(jax):
+    jnp = jax.numpy
+
+    def make(lib):
+        def cond_fun(c):
+            return (c["x"] * c["x"]).sum() < 50.0
+
+        def body_fun(c):
+            return {"x": c["x"] * 1.3 + lib.sin(c["x"]), "n": Point(c["n"].x + 1, c["n"].y * 2 - c["n"].x)}
+
+        return cond_fun, body_fun
+
+    x = np.array([0.3, -0.2, 0.1])
+    ours = lax.while_loop(*make(torch), {"x": torch.from_numpy(x), "n": Point(torch.tensor(0), torch.tensor(1))})
+    theirs = jax.lax.while_loop(
+        *make(jnp), {"x": jnp.asarray(x), "n": Point(jnp.asarray(0, jnp.int64), jnp.asarray(1, jnp.int64))}
+    )
+    assert_matches_jax(ours, theirs)
+    assert ours["n"].x.item() > 2
+
+
+@pytest.mark.parametrize("bounds", [(0, 6), (2, 5), (4, 4), (5, 1), (-3, 2)])
+@pytest.mark.parametrize("tensor_bounds", [False, True])
+def test_fori_loop_matches_jax(jax, bounds, tensor_bounds):
+    jnp = jax.numpy
+
+    def make(lib):
+        def body(i, c):
+            h, k = c
+            return h * 0.7 + lib.cos(h) * i, k * 3 - i
+
+        return body
+
+    h = np.linspace(-1, 1, 3)
+    lo, hi = bounds
+    if tensor_bounds:
+        ours = lax.fori_loop(torch.tensor(lo), torch.tensor(hi), make(torch), (torch.from_numpy(h), torch.tensor(1)))
+        theirs = jax.lax.fori_loop(
+            jnp.asarray(lo, jnp.int64), jnp.asarray(hi, jnp.int64), make(jnp), (jnp.asarray(h), jnp.asarray(1, jnp.int64))
+        )
+    else:
+        ours = lax.fori_loop(lo, hi, make(torch), (torch.from_numpy(h), torch.tensor(1)))
+        theirs = jax.lax.fori_loop(lo, hi, make(jnp), (jnp.asarray(h), jnp.asarray(1, jnp.int64)))
+    assert_matches_jax(ours, theirs)

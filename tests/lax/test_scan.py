@@ -1,0 +1,353 @@
+"""tfun.lax.scan: property tests against a pure-Python loop, gradients, and JAX as an oracle."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import Point, State, assert_tree_allclose
+from tfun import lax
+from tfun.tree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
+
+# ----------------------------------------------------------------------------------------
+# Random pytree structures: templates whose leaves say what to put there
+# ("t": a tensor, "i": a Python int, "f": a Python float); materialized below.
+# ----------------------------------------------------------------------------------------
+
+
+def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.tuples(kids),
+            st.lists(kids, min_size=0, max_size=2),
+            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
+            st.builds(Point, kids, kids),
+            st.builds(State, kids, kids),
+            st.tuples(kids, st.none()),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+_TRAILING = [(), (2,), (1, 3)]
+
+
+def materialize(template: Any, lead: tuple[int, ...], dtype: torch.dtype, seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    counter = itertools.count()
+
+    def make(kind: str) -> Any:
+        k = next(counter)
+        if kind == "i":
+            return int(torch.randint(-3, 4, (), generator=g))
+        if kind == "f":
+            return float(torch.randn((), generator=g))
+        shape = (*lead, *_TRAILING[k % 3])
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g, dtype=dtype)
+        return torch.randint(-3, 4, shape, generator=g, dtype=dtype)
+
+    return tree_map(make, template)
+
+
+def as_tensor(v: Any) -> torch.Tensor:
+    """The documented rule for Python scalars in carries: int -> int64, float -> float32."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    return torch.tensor(v, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# The reference: JAX's documented semantics as a plain Python loop
+# ----------------------------------------------------------------------------------------
+
+
+def ref_scan(f: Any, init: Any, xs: Any, length: int | None = None, reverse: bool = False) -> tuple[Any, Any]:
+    carry = tree_map(as_tensor, init)
+    x_leaves, x_def = tree_flatten(xs)
+    n = x_leaves[0].shape[0] if x_leaves else length
+    assert n is not None
+
+    def x_at(i: int) -> Any:
+        return tree_unflatten(x_def, [v[i] for v in x_leaves])
+
+    if n == 0:
+        x0 = tree_unflatten(x_def, [v.new_empty(v.shape[1:]) for v in x_leaves])
+        _, y0 = f(carry, x0)
+        return carry, tree_map(lambda v: v.new_empty((0, *v.shape)), y0)
+    ys: list[Any] = [None] * n
+    for i in reversed(range(n)) if reverse else range(n):
+        carry, ys[i] = f(carry, x_at(i))
+    return carry, tree_map(lambda *vs: torch.stack(vs), *ys)
+
+
+def _xsum(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    s = torch.zeros((), dtype=dtype)
+    for v in tree_leaves(x):
+        s = s + v.sum().to(dtype)
+    return s
+
+
+def _step(carry: Any, x: Any) -> Any:
+    def step(c: torch.Tensor) -> torch.Tensor:
+        s = _xsum(x, c.dtype)
+        return c * 2 - s if not c.is_floating_point() else c * 0.5 + s
+
+    return tree_map(step, carry)
+
+
+# Three bodies with their own code objects (tfun caches per code object and input
+# signature; see test_scan_closures_with_different_y_structures below).
+def body_full(carry: Any, x: Any) -> tuple[Any, Any]:
+    y = (tree_map(lambda c: c + 1, carry), None, {"x": tree_map(lambda v: v * 3, x), "n": _xsum(x, torch.float64)})
+    return _step(carry, x), y
+
+
+def body_none(carry: Any, x: Any) -> tuple[Any, Any]:
+    return _step(carry, x), None
+
+
+def body_carry(carry: Any, x: Any) -> tuple[Any, Any]:
+    return _step(carry, x), carry
+
+
+BODIES = {"full": body_full, "none": body_none, "carry": body_carry}
+
+
+# ----------------------------------------------------------------------------------------
+# Properties
+# ----------------------------------------------------------------------------------------
+
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
+
+
+@given(
+    carry_t=structures(st.sampled_from(["t", "t", "i", "f"])),
+    xs_t=st.one_of(st.none(), structures()),
+    n=st.integers(0, 5),
+    reverse=st.booleans(),
+    give_length=st.booleans(),
+    y_kind=st.sampled_from(["full", "none", "carry"]),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_scan_matches_python_loop(carry_t, xs_t, n, reverse, give_length, y_kind, dtype, seed):
+    init = materialize(carry_t, (), dtype, seed)
+    xs = materialize(xs_t, (n,), dtype, seed + 1)
+    has_x = bool(tree_leaves(xs))
+    length = n if (give_length or not has_x) else None
+    body = BODIES[y_kind]
+
+    carry, ys = lax.scan(body, init, xs, length=length, reverse=reverse)
+    ref_carry, ref_ys = ref_scan(body, init, xs, length=n, reverse=reverse)
+
+    assert_tree_allclose(carry, ref_carry, rtol=1e-6, atol=1e-6)
+    assert_tree_allclose(ys, ref_ys, rtol=1e-6, atol=1e-6)
+    for v in tree_leaves(ys):
+        assert v.shape[0] == n
+    if y_kind == "none":
+        assert ys is None
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_length_zero_returns_init_and_empty_ys(reverse):
+    init = {"h": torch.randn(3), "k": 2, "f": 1.5}
+    xs = Point(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.int64))
+
+    def f(c, x):
+        return c, {"a": c["h"] * x.x, "b": (x.y, c["k"]), "none": None}
+
+    carry, ys = lax.scan(f, init, xs, reverse=reverse)
+    assert torch.equal(carry["h"], init["h"])
+    assert carry["k"].dtype == torch.int64 and carry["k"].item() == 2
+    assert carry["f"].dtype == torch.float32 and carry["f"].item() == 1.5
+    assert ys["none"] is None
+    assert ys["a"].shape == (0, 3) and ys["a"].dtype == torch.float64
+    assert ys["b"][0].shape == (0,) and ys["b"][0].dtype == torch.int64
+    assert ys["b"][1].shape == (0,) and ys["b"][1].dtype == torch.int64
+
+    carry, ys = lax.scan(lambda c, x: (c + 1, c * 2.0), 0, None, length=0)
+    assert carry.dtype == torch.int64 and carry.item() == 0
+    assert ys.shape == (0,) and ys.dtype == torch.float32
+
+
+def test_scan_python_scalar_carries_become_tensors():
+    def f(c, _):
+        i, x = c
+        return (i + 1, x * 2.0), i
+
+    (i, x), ys = lax.scan(f, (0, 1.0), None, length=4)
+    assert isinstance(i, torch.Tensor) and i.dtype == torch.int64 and i.shape == () and i.item() == 4
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.item() == 16.0
+    assert ys.dtype == torch.int64 and ys.tolist() == [0, 1, 2, 3]
+
+
+def test_scan_length_one_and_y_none():
+    carry, ys = lax.scan(lambda c, x: (c + x, None), torch.tensor(1.0), torch.tensor([2.0]))
+    assert carry.item() == 3.0 and ys is None
+    carry, ys = lax.scan(lambda c, x: (c * 3, x), torch.tensor(1), None, length=3, reverse=True)
+    assert carry.item() == 27 and ys is None
+
+
+def test_scan_reverse_keeps_xs_order_in_ys():
+    xs = torch.arange(5.0)
+    # y records the carry seen at each step: reverse processes 4, 3, ..., 0
+    carry, ys = lax.scan(lambda c, x: (c * 10 + x, c), torch.tensor(0.0, dtype=torch.float64), xs.double(), reverse=True)
+    assert carry.item() == 43210.0
+    assert ys.tolist() == [4321.0, 432.0, 43.0, 4.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------
+
+
+def _rnn_body(W: torch.Tensor) -> Any:
+    def f(c, x):
+        h, acc = c
+        h = torch.tanh(h @ W + x["a"] * x["b"])
+        return (h, acc + h.sum()), {"h2": h * h, "x": x["a"] * acc}
+
+    return f
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("n", [1, 4])
+def test_scan_grad_matches_python_loop(reverse, n):
+    g = torch.Generator().manual_seed(n + 10 * reverse)
+    W = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(n, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(n, generator=g, dtype=torch.float64, requires_grad=True)
+    f = _rnn_body(W)
+    init = (h0, torch.zeros((), dtype=torch.float64))
+    wts = torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+    def loss(out):
+        (h, acc), ys = out
+        return h.sum() + 0.3 * acc + (ys["h2"] * wts).sum() + (ys["x"] * wts).sum()
+
+    got = torch.autograd.grad(loss(lax.scan(f, init, {"a": a, "b": b}, reverse=reverse)), (W, h0, a, b))
+    want = torch.autograd.grad(loss(ref_scan(f, init, {"a": a, "b": b}, reverse=reverse)), (W, h0, a, b))
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-12)
+
+
+def test_scan_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(2, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(W, h0, xs):
+        def f(h, x):
+            h = torch.sin(h @ W) + x * h
+            return h, h.prod()
+
+        h, ys = lax.scan(f, h0, xs, reverse=True)
+        return h, ys
+
+    assert torch.autograd.gradcheck(fn, (W, h0, xs))
+
+
+# ----------------------------------------------------------------------------------------
+# JAX as a differential oracle
+# ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
+    return jax
+
+
+def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-6, atol: float = 1e-9) -> None:
+    """Same leaves at the same key paths (keystr), with the same dtypes and close values."""
+    import jax
+    ours_p, _ = tree_flatten_with_path(ours)
+    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
+    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
+    for (p, a), (_, b) in zip(ours_p, theirs_p):
+        a = a.detach().numpy()
+        b = np.asarray(b)
+        assert a.dtype == b.dtype, (keystr(p), a.dtype, b.dtype)
+        assert a.shape == b.shape, (keystr(p), a.shape, b.shape)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
+
+
+def to_jax(tree: Any) -> Any:
+    import jax.numpy as jnp
+
+    return tree_map(lambda t: jnp.asarray(t.numpy()), tree)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_scan_matches_jax(jax, reverse, n):
+    jnp, jlax = jax.numpy, jax.lax
+    rng = np.random.default_rng(n)
+    W = rng.standard_normal((3, 3))
+    xs_np = {"a": rng.standard_normal((n, 3)), "k": rng.integers(-5, 5, (n,))}
+    init_np = (rng.standard_normal(3), np.int64(1))
+
+    def make(lib):
+        Wl = lib.asarray(W)
+
+        def f(c, x):
+            h, k = c
+            h = lib.tanh(h @ Wl + x["a"]) * 0.9
+            k = k * 2 + x["k"]
+            return (h, k), {"h": h, "pair": (k, None), "s": Point(h.sum(), x["k"] * k)}
+
+        return f
+
+    xs_t = tree_map(torch.from_numpy, xs_np)
+    init_t = (torch.from_numpy(init_np[0]), torch.tensor(int(init_np[1])))
+    ours = lax.scan(make(torch), init_t, xs_t, reverse=reverse)
+    theirs = jlax.scan(make(jnp), to_jax(init_t), to_jax(xs_t), reverse=reverse)
+    assert_matches_jax(ours, theirs, rtol=1e-12)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_xs_none_matches_jax(jax, reverse):
+    jnp, jlax = jax.numpy, jax.lax
+    def make(lib):
+        def f(c, _):
+            i, x = c
+            return (i + 1, x * 1.5 + i), x - i
+
+        return f
+
+    ours = lax.scan(make(torch), (torch.tensor(0), torch.tensor(1.0, dtype=torch.float64)), None, length=6, reverse=reverse)
+    theirs = jlax.scan(make(jnp), (jnp.asarray(0, dtype=jnp.int64), jnp.asarray(1.0)), None, length=6, reverse=reverse)
+    assert_matches_jax(ours, theirs, rtol=1e-12)
+    # y None gives None in both
+    ours = lax.scan(lambda c, _: (c + 1, None), torch.tensor(0), None, length=3)
+    theirs = jlax.scan(lambda c, _: (c + 1, None), jnp.asarray(0, dtype=jnp.int64), None, length=3)
+    assert ours[1] is None and theirs[1] is None
+    assert_matches_jax(ours[0], theirs[0])
+
+
+def test_scan_closures_with_different_y_structures():
+    # Two closures of one code object whose y structures differ (a config flag closed
+    # over, as in a layer built per config). Each is a valid scan body on its own.
+    def make(flag):
+        def f(c, x):
+            return c + x, (x * 2 if flag else None)
+
+        return f
+
+    xs = torch.arange(3.0)
+    assert lax.scan(make(False), torch.tensor(0.0), xs)[1] is None
+    carry, ys = lax.scan(make(True), torch.tensor(0.0), xs)
+    assert carry.item() == 3.0
+    assert ys.tolist() == [0.0, 2.0, 4.0]
