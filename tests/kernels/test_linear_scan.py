@@ -1,0 +1,277 @@
+"""The Triton linear_scan kernels, run in Triton's CPU interpreter (see conftest.py).
+
+Every comparison is against a float64 Python-loop oracle (forward, and the gradient of every
+input through the oracle's autograd). Every test checks the launch counter, so a silent fallback
+to the torch path cannot pass, and outputs are NaN-filled before the kernels write them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun.kernels import _linear_scan_triton as K
+from tfun.lax._linear_scan import linear_scan
+
+TOL = {  # (rtol, atol relative to the largest |expected|)
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 4e-3),
+    torch.bfloat16: (5e-2, 2e-2),
+}
+
+
+def oracle(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, axis: int, reverse: bool) -> torch.Tensor:
+    """h_t = a_t * h_{t-1} + b_t, one step at a time (a broadcast to b)."""
+    a = a.expand(b.shape)
+    T = b.shape[axis]
+    h = h0
+    out = [None] * T
+    for t in reversed(range(T)) if reverse else range(T):
+        h = a.select(axis, t) * h + b.select(axis, t)
+        out[t] = h
+    return torch.stack(out, axis) if T else torch.empty_like(b)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    rtol, atol = TOL[dtype]
+    assert actual.shape == expected.shape, what
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol * max(scale, 1.0), msg=lambda m: f"{what}: {m}")
+
+
+def check(
+    b_shape: tuple[int, ...],
+    axis: int = 0,
+    reverse: bool = False,
+    dtype: torch.dtype = torch.float32,
+    with_init: bool = True,
+    a_shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    transpose_b: bool = False,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ax = axis % len(b_shape)
+    state = b_shape[:ax] + b_shape[ax + 1 :]
+    # inputs rounded to `dtype` first, so the oracle sees exactly what the kernel sees
+    a = (0.5 + 0.49 * torch.rand(a_shape or b_shape, generator=g, dtype=torch.float64)).to(dtype)
+    b = torch.randn(b_shape, generator=g, dtype=torch.float64).to(dtype)
+    if transpose_b:  # a non-contiguous b with the same values
+        b = b.transpose(0, -1).contiguous().transpose(0, -1)
+    h0 = torch.randn(state, generator=g, dtype=torch.float64).to(dtype) if with_init else None
+    w = torch.randn(b_shape, generator=g, dtype=torch.float64)
+
+    before = K.LAUNCHES.copy()
+    xs = [t.detach().clone().requires_grad_() for t in (a, b, h0) if t is not None]
+    h = linear_scan(*xs[:2], xs[2] if with_init else None, axis=axis, reverse=reverse, impl="triton")
+    assert h.dtype == dtype and h.shape == b.shape
+    grads = torch.autograd.grad((h.double() * w).sum(), xs)
+    assert K.LAUNCHES["scan_fwd"] == before["scan_fwd"] + 1, "the forward kernel did not launch"
+    assert K.LAUNCHES["scan_bwd"] == before["scan_bwd"] + 1, "the backward kernel did not launch"
+
+    ys = [t.detach().double().requires_grad_() for t in (a, b, h0) if t is not None]
+    h0_ref = ys[2] if with_init else torch.zeros(state, dtype=torch.float64)
+    h_ref = oracle(ys[0], ys[1], h0_ref, ax, reverse)
+    grads_ref = torch.autograd.grad((h_ref * w).sum(), ys)
+    _close(h, h_ref, dtype, "h")
+    for name, gk, gr in zip("ab0", grads, grads_ref):
+        _close(gk, gr, dtype, f"d{name if name != '0' else 'init'}")
+
+
+def test_block_size_is_128_for_long_sequences():
+    # the T values below straddle this tile size
+    assert K.plan(3, 129, torch.device("cpu"))[1] == 128
+    assert K.plan(3, 127, torch.device("cpu"))[1] == 128
+    assert K.MAX_BLOCK_C == 16  # 20 channels span two channel tiles
+    assert K.plan(2, 2100, torch.device("cpu"))[2] == 2100  # one segment unless forced, on the CPU
+
+
+@pytest.mark.parametrize("T", [1, 7, 127, 128, 129])
+@pytest.mark.parametrize("C", [1, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_short_and_block_edges(T: int, C: int, reverse: bool, with_init: bool) -> None:
+    check((T, C), 0, reverse, with_init=with_init, seed=T * 100 + C)
+
+
+@pytest.mark.parametrize("T", [7, 129])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_two_channel_tiles(T: int, reverse: bool) -> None:
+    check((T, 20), 0, reverse, seed=T)  # 20 channels: a full and a partial tile of 16
+
+
+@pytest.mark.parametrize(("T", "C"), [(1000, 2), (5000, 1)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_long(T: int, C: int, reverse: bool) -> None:
+    check((C, T), 1, reverse, seed=T)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_long_multi_segment(reverse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(K, "FORCE_SEGMENT", 512)
+    before = K.LAUNCHES.copy()
+    check((2100, 2), 0, reverse, seed=7)  # 5 segments, the last one 52 long
+    # the summary and carry kernels ran for the forward and for the backward
+    assert K.LAUNCHES["summary"] == before["summary"] + 2
+    assert K.LAUNCHES["scan_carry"] == before["scan_carry"] + 2
+
+
+def test_multi_segment_uneven_last_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(K, "FORCE_SEGMENT", 256)
+    before = K.LAUNCHES.copy()
+    check((3, 1000), 1, True, dtype=torch.float32, seed=3)  # 4 segments, the last one 232 long
+    assert K.LAUNCHES["summary"] == before["summary"] + 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [7, 129, 1000])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_half_dtypes(dtype: torch.dtype, T: int, reverse: bool) -> None:
+    check((T, 3), 0, reverse, dtype=dtype, seed=T)
+
+
+def test_float64() -> None:
+    check((2, 200, 3), 1, False, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, -1, -3])
+def test_each_axis(axis: int) -> None:
+    check((4, 33, 5), axis, reverse=axis % 2 == 0, seed=axis + 10)
+
+
+@pytest.mark.parametrize(
+    "a_shape", [(1, 33, 1), (33, 1), (1, 1, 5), (4, 33, 1)], ids=["time-only", "right-aligned", "channel", "batch"]
+)
+def test_broadcast_a_gradient_is_reduced(a_shape: tuple[int, ...]) -> None:
+    check((4, 33, 5), 1, False, a_shape=a_shape)
+
+
+def test_non_contiguous_b() -> None:
+    check((9, 6, 4), 1, True, transpose_b=True)
+
+
+def test_zero_length() -> None:
+    a = torch.rand(0, 3, requires_grad=True)
+    b = torch.randn(0, 3, requires_grad=True)
+    h = linear_scan(a, b, impl="triton")
+    assert h.shape == (0, 3)
+    h.sum().backward()
+    assert a.grad is not None and a.grad.shape == (0, 3)
+
+
+def test_nan_fill_catches_a_skipped_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = K.linear_scan_fwd(torch.rand(5, 3), torch.randn(5, 3), torch.zeros(3), 0, False)
+    assert not out.isnan().any()
+    monkeypatch.setattr(K, "_launch", lambda *args, **kw: None)  # a "kernel" that writes nothing
+    out = K.linear_scan_fwd(torch.rand(5, 3), torch.randn(5, 3), torch.zeros(3), 0, False)
+    assert out.isnan().all()
+
+
+def test_interpreter_is_chosen_at_launch_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    assert isinstance(K._kernel("scan"), InterpretedFunction)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert isinstance(K._kernel("scan"), JITFunction)
+    assert K.triton_unavailable_reason(torch.device("cpu")) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# composition: torch.func, torch.compile, torch.export, opcheck
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(3, generator=g)
+
+
+def _loss(impl: str):
+    return lambda a, b, h0: (linear_scan(a, b, h0, impl=impl, reverse=True) ** 2).sum()
+
+
+def _quiet_jvp_decompositions() -> None:
+    # torch loads its forward-AD decompositions with torch.jit.script on the first jvp, which
+    # warns (DeprecationWarning, torch's own); load them once without the warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        import torch._decomp.decompositions_for_jvp  # noqa: F401
+
+
+def test_func_grad_vmap_jvp_match_torch_path() -> None:
+    _quiet_jvp_decompositions()
+    a, b, h0 = _inputs()
+    before = K.LAUNCHES.copy()
+    for fn in (
+        lambda impl: torch.func.grad(_loss(impl), argnums=(0, 1, 2))(a, b, h0),
+        lambda impl: torch.func.vmap(lambda a, b, h: linear_scan(a, b, h, impl=impl))(a.T, b.T, h0),
+        lambda impl: torch.func.jvp(
+            lambda a, b, h: linear_scan(a, b, h, impl=impl), (a, b, h0), (b.cos(), a.sin(), h0.exp())
+        ),
+        lambda impl: torch.func.vmap(torch.func.grad(lambda a, b: linear_scan(a, b, impl=impl).sum()))(a.T, b.T),
+        lambda impl: torch.func.hessian(lambda a: _loss(impl)(a, b, h0))(a),
+    ):
+        got, want = fn("triton"), fn("torch")
+        for x, y in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    assert K.LAUNCHES["scan_fwd"] > before["scan_fwd"]
+
+
+def test_compile_keeps_one_op_and_runs_the_kernels() -> None:
+    a, b, h0 = _inputs(1)
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    f = torch.compile(lambda a, b, h0: linear_scan(a, b, h0, impl="triton"), backend=backend, fullgraph=True)
+    f(a, b, h0)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.tfun.linear_scan.default) + targets.count(torch.ops.tfun.linear_scan) == 1
+
+    torch._dynamo.reset()
+    xs = [t.clone().requires_grad_() for t in (a, b, h0)]
+    ys = [t.clone().requires_grad_() for t in (a, b, h0)]
+    f = torch.compile(lambda a, b, h0: linear_scan(a, b, h0, impl="triton", reverse=True), backend="aot_eager", fullgraph=True)
+    before = K.LAUNCHES.copy()
+    out = f(*xs)
+    (out * out).sum().backward()
+    assert K.LAUNCHES["scan_fwd"] == before["scan_fwd"] + 1
+    assert K.LAUNCHES["scan_bwd"] == before["scan_bwd"] + 1
+    ref = linear_scan(*ys, impl="torch", reverse=True)
+    (ref * ref).sum().backward()
+    torch.testing.assert_close(out, ref)
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(x.grad, y.grad)
+
+
+def test_export_shows_the_op() -> None:
+    class M(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+            return tfun.lax.linear_scan(a, b, h0, axis=1, impl="triton") if hasattr(tfun.lax, "linear_scan") else linear_scan(a, b, h0, axis=1, impl="triton")
+
+    a, b, h0 = _inputs(2)
+    ep = torch.export.export(M(), (a.T.contiguous(), b.T.contiguous(), h0))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.tfun.linear_scan.default in targets
+    torch.testing.assert_close(ep.module()(a.T, b.T, h0), linear_scan(a.T, b.T, h0, axis=1, impl="torch"))
+
+
+def test_opcheck() -> None:
+    a, b, h0 = _inputs(3)
+    for reverse in (False, True):
+        torch.library.opcheck(
+            torch.ops.tfun.linear_scan.default,
+            (a.requires_grad_(), b.requires_grad_(), h0.requires_grad_(), 0, reverse),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+        )
+
+
+def test_default_impl_on_cpu_is_torch_even_when_interpreting() -> None:
+    before = K.LAUNCHES.copy()
+    linear_scan(*_inputs())
+    assert K.LAUNCHES == before

@@ -1,0 +1,585 @@
+"""Triton kernels for `tfun.lax.linear_scan`: `h_t = a_t * h_{t-1} + b_t`.
+
+Four layers:
+
+1. `_scan_kernel` / `_summary_kernel`: the Triton programs.
+2. `linear_scan_fwd` / `linear_scan_bwd`: the launchers (shape plan, allocation, grid).
+3. `torch.ops.tfun.linear_scan` / `torch.ops.tfun.linear_scan_bwd`: `torch.library.triton_op`s
+   with fake impls, `register_autograd` and `register_vmap`, plus `_LinearScanFunction`, an
+   `autograd.Function` with a `jvp` rule used in eager mode so `torch.func.grad`/`jvp`/`vmap`
+   compose (under `torch.compile`/`torch.export` the op is called directly, one node in the graph).
+4. `linear_scan_triton`: the impl registered into `tfun.lax.linear_scan` (validation lives there).
+
+Internal layout. The launchers see every operand as a 3-d view `(O, T, I)`: `O` the product of
+the dims before `axis`, `T` the scanned axis, `I` the product of the dims after it; the channel
+index is `c = o * I + i`, `C = O * I`. Strides are passed as they are, so a contiguous tensor
+scanned along *any* axis (and a transposed one, when its leading and trailing dims each collapse)
+is read in place; only tensors whose dims do not collapse (e.g. `a` broadcast along a trailing
+channel dim) are copied by `reshape`. Outputs are allocated contiguous in `b`'s shape.
+
+Each program owns `BLOCK_C` channels and walks its time range in tiles of `BLOCK_T` steps in
+processing order (time is flipped for `reverse`): it loads an `[BLOCK_C, BLOCK_T]` tile of `a`
+and `b`, scans it with `tl.associative_scan` over the pairs `(a, b)`, applies the carried state,
+stores the tile, and keeps the last column as the state (float32 registers; float64 for float64
+inputs). With few channel tiles and a long sequence the launcher also splits time into segments
+(reduce-then-scan): `_summary_kernel` reduces every full segment to `(prod a, local h)`, a
+one-segment `_scan_kernel` scans those summaries into each segment's incoming state, and the
+main `_scan_kernel` runs all segments in parallel from those states (20 instead of 12 bytes per
+element in fp32, for `n_channel_tiles * n_segments` programs instead of `n_channel_tiles`).
+
+The backward is the same kernel on the reverse recurrence
+`g_t = dh_t + a_{t+1} * g_{t+1}` (`SHIFT` reads `a` one step ahead in forward order), writing
+`db_t = g_t` and `da_t = g_t * h_{t-1}` (with `h_{-1} = init`) from the saved forward output; the
+launcher adds `d_init = a_0 * g_0`. Nothing but `h` (and the inputs) is saved.
+
+Interpreter: `@triton.jit` picks the interpreter when it decorates, which would tie this module
+to the value of `TRITON_INTERPRET` at import time. Instead both a compiled and an interpreted
+version of each kernel are built at import and `_kernel()` picks one at launch from
+`triton.knobs.runtime.interpret` (which reads the environment on every access), so setting
+`TRITON_INTERPRET=1` any time before a launch works.
+
+Test hooks: `LAUNCHES` counts launches per kernel; with `TFUN_KERNELS_NAN_FILL=1` in the
+environment, outputs are allocated NaN-filled so a skipped store shows up; `FORCE_SEGMENT`
+(module attribute) forces the multi-segment plan with that segment length.
+"""
+
+import collections
+import math
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+from triton.runtime.jit import JITFunction
+
+try:  # the interpreter ships with triton; guard anyway so a stripped build still imports
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover
+    InterpretedFunction = None  # type: ignore[assignment,misc]
+
+__all__ = ["linear_scan_fwd", "linear_scan_bwd", "linear_scan_triton", "triton_unavailable_reason"]
+
+#: launches per kernel name ("scan_fwd", "scan_bwd", "summary", "carry"); tests read it
+LAUNCHES: collections.Counter = collections.Counter()
+#: force the multi-segment plan with this segment length (a multiple of the time tile); tests set it
+FORCE_SEGMENT: int | None = None
+MAX_BLOCK_T = 128
+MAX_BLOCK_C = 16
+MIN_SEGMENT = 512
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. kernels
+
+
+def _combine(a1, b1, a2, b2):
+    # (a1, b1) then (a2, b2): h -> a2 * (a1 * h + b1) + b2
+    return a1 * a2, b1 * a2 + b2
+
+
+def _add(x, y):
+    return x + y
+
+
+# Used only as combine_fns, which the interpreter calls through `.fn`, so one JITFunction serves
+# both kernel variants. For the same reason the kernels use no `@triton.jit` function of
+# triton.language itself (tl.sum, tl.zeros, tl.cdiv, ...): those are decorated when triton is
+# imported, and are JITFunctions that the interpreter cannot call unless TRITON_INTERPRET was set
+# before `import triton`. Builtins (tl.load, tl.reduce, tl.associative_scan, tl.full...) are fine.
+_combine_jit = JITFunction(_combine)
+_add_jit = JITFunction(_add)
+
+
+def _scan_kernel(
+    A, B, H0, CARRY, OUT, HPREV, DA,
+    C, T, INNER, SEG,
+    sa_o, sa_t, sa_i,
+    sb_o, sb_t, sb_i,
+    sh0_o, sh0_i,
+    sc_c, sc_s,
+    so_o, so_t, so_i,
+    sp_o, sp_t, sp_i,
+    REVERSE: tl.constexpr,
+    SHIFT: tl.constexpr,
+    BWD: tl.constexpr,
+    ACC_F64: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_C channels x one time segment [pid_s*SEG, (pid_s+1)*SEG) in processing
+    order. Forward (BWD=0): OUT = h. Backward (BWD=1): B is dh, OUT = g (= db), DA = g * h_prev."""
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c64 = c.to(tl.int64)
+    o = c64 // INNER
+    i = c64 % INNER
+    a_row = o * sa_o + i * sa_i
+    b_row = o * sb_o + i * sb_i
+    out_row = o * so_o + i * so_i
+    if ACC_F64:
+        h0v = tl.load(H0 + o * sh0_o + i * sh0_i, mask=cmask, other=0.0).to(tl.float64)
+        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=cmask & (pid_s > 0), other=0.0).to(tl.float64)
+    else:
+        h0v = tl.load(H0 + o * sh0_o + i * sh0_i, mask=cmask, other=0.0).to(tl.float32)
+        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=cmask & (pid_s > 0), other=0.0).to(tl.float32)
+    if BWD:
+        h = carry  # the gradient recurrence starts from zero
+    else:
+        h = tl.where(pid_s == 0, h0v, carry)
+    cols = tl.arange(0, BLOCK_T)
+    start = pid_s * SEG
+    # A `while`, not `for k in range(0, SEG, BLOCK_T)`: triton 3.6's interpreter turns a
+    # runtime range bound into a Python int with int(array of shape (1,)), which numpy >= 2.4
+    # rejects (triton-lang/triton#9171). The last segment may run a few fully masked tiles.
+    k = 0
+    while k < SEG:
+        p = start + k + cols
+        pmask = (p < T) & (k + cols < SEG)
+        if REVERSE:
+            t = T - 1 - p
+        else:
+            t = p
+        m = cmask[:, None] & pmask[None, :]
+        t64 = t.to(tl.int64)
+        ta = t + SHIFT
+        ma = m & (ta >= 0) & (ta < T)
+        av = tl.load(A + a_row[:, None] + ta.to(tl.int64)[None, :] * sa_t, mask=ma, other=0.0)
+        bv = tl.load(B + b_row[:, None] + t64[None, :] * sb_t, mask=m, other=0.0)
+        if ACC_F64:
+            av = av.to(tl.float64)
+            bv = bv.to(tl.float64)
+        else:
+            av = av.to(tl.float32)
+            bv = bv.to(tl.float32)
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit)
+        hv = ca * h[:, None] + cb
+        tl.store(OUT + out_row[:, None] + t64[None, :] * so_t, hv.to(OUT.dtype.element_ty), mask=m)
+        if BWD:
+            tp = t - SHIFT  # the forward-previous step
+            mp = m & (tp >= 0) & (tp < T)
+            hp = tl.load(HPREV + (o * sp_o + i * sp_i)[:, None] + tp.to(tl.int64)[None, :] * sp_t, mask=mp, other=0.0)
+            hp = tl.where(mp, hp.to(hv.dtype), h0v[:, None])
+            tl.store(DA + out_row[:, None] + t64[None, :] * so_t, (hv * hp).to(DA.dtype.element_ty), mask=m)
+        h = tl.reduce(tl.where(cols[None, :] == BLOCK_T - 1, hv, 0.0), 1, _add_jit)
+        k += BLOCK_T
+
+
+def _summary_kernel(
+    A, B, SA, SB,
+    C, T, INNER, SEG,
+    sa_o, sa_t, sa_i,
+    sb_o, sb_t, sb_i,
+    ss_c, ss_s,
+    REVERSE: tl.constexpr,
+    SHIFT: tl.constexpr,
+    ACC_F64: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Reduce the full segment pid_s of BLOCK_C channels to (prod a, h from a zero state)."""
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c64 = c.to(tl.int64)
+    o = c64 // INNER
+    i = c64 % INNER
+    a_row = o * sa_o + i * sa_i
+    b_row = o * sb_o + i * sb_i
+    if ACC_F64:
+        acc_a = tl.full([BLOCK_C], 1.0, tl.float64)
+        acc_b = tl.full([BLOCK_C], 0.0, tl.float64)
+    else:
+        acc_a = tl.full([BLOCK_C], 1.0, tl.float32)
+        acc_b = tl.full([BLOCK_C], 0.0, tl.float32)
+    cols = tl.arange(0, BLOCK_T)
+    start = pid_s * SEG
+    k = 0
+    while k < SEG:  # see _scan_kernel for why not `for`
+        p = start + k + cols
+        if REVERSE:
+            t = T - 1 - p
+        else:
+            t = p
+        m = cmask[:, None] & (p < T)[None, :]
+        ta = t + SHIFT
+        ma = m & (ta >= 0) & (ta < T)
+        av = tl.load(A + a_row[:, None] + ta.to(tl.int64)[None, :] * sa_t, mask=ma, other=0.0)
+        bv = tl.load(B + b_row[:, None] + t.to(tl.int64)[None, :] * sb_t, mask=m, other=0.0)
+        if ACC_F64:
+            av = av.to(tl.float64)
+            bv = bv.to(tl.float64)
+        else:
+            av = av.to(tl.float32)
+            bv = bv.to(tl.float32)
+        ra, rb = tl.reduce((av, bv), 1, _combine_jit)
+        acc_b = ra * acc_b + rb
+        acc_a = ra * acc_a
+        k += BLOCK_T
+    tl.store(SA + c64 * ss_c + pid_s * ss_s, acc_a, mask=cmask)
+    tl.store(SB + c64 * ss_c + pid_s * ss_s, acc_b, mask=cmask)
+
+
+_KERNELS = {
+    "scan": {False: JITFunction(_scan_kernel), True: None},
+    "summary": {False: JITFunction(_summary_kernel), True: None},
+}
+if InterpretedFunction is not None:
+    _KERNELS["scan"][True] = InterpretedFunction(_scan_kernel)
+    _KERNELS["summary"][True] = InterpretedFunction(_summary_kernel)
+
+
+def _interpreting() -> bool:
+    """`triton.knobs.runtime.interpret`, read in plain Python so that dynamo can trace it (the knob
+    reads the environment through a pybind function dynamo refuses)."""
+    override = vars(triton.knobs.runtime).get("interpret")  # set by assigning the knob
+    if override is not None:
+        return bool(override)
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _kernel(name: str) -> Any:
+    k = _KERNELS[name][_interpreting()]
+    if k is None:  # pragma: no cover
+        raise RuntimeError("TRITON_INTERPRET=1 is set but this triton has no interpreter")
+    return k
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None if the kernels can run on `device` now, else why not and how to fix it."""
+    if _interpreting():
+        return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        return None
+    return (
+        f"the Triton kernels need a CUDA device, and the tensors are on {device}"
+        + ("" if torch.cuda.is_available() else " (no CUDA device is available)")
+        + "; move them to CUDA, or set TRITON_INTERPRET=1 in the environment to run the"
+        " kernels in Triton's (slow) CPU interpreter"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. launchers
+
+
+def _nan_fill() -> bool:
+    return os.environ.get("TFUN_KERNELS_NAN_FILL", "") == "1"
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if _nan_fill():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _as_3d(x: Tensor, O: int, T: int, I: int) -> Tensor:
+    return x.reshape(O, T, I)  # a view when the dims collapse, else a copy
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda" and not _interpreting():
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one after another: splitting only adds work
+
+
+def plan(C: int, T: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_C, BLOCK_T, segment length) for C channels of T steps."""
+    block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(T)))
+    block_c = min(MAX_BLOCK_C, triton.next_power_of_2(max(C, 1)))
+    if FORCE_SEGMENT is not None:
+        return block_c, block_t, max(block_t, FORCE_SEGMENT // block_t * block_t)
+    tiles = triton.cdiv(C, block_c)
+    target = _target_programs(device)
+    if tiles >= target or T < 2 * MIN_SEGMENT:
+        return block_c, block_t, T
+    nseg = min(triton.cdiv(target, tiles), T // MIN_SEGMENT)
+    seg = triton.cdiv(triton.cdiv(T, nseg), block_t) * block_t
+    return block_c, block_t, seg
+
+
+def _launch(name: str, grid: tuple[int, int], *args: Any, **meta: Any) -> None:
+    LAUNCHES[name] += 1
+    wrap_triton(_kernel(name.split("_")[0]))[grid](*args, num_warps=4, **meta)
+
+
+def _segment_carries(
+    a3: Tensor, b3: Tensor, h0_flat: Tensor, C: int, T: int, I: int, seg: int, nseg: int,
+    reverse: bool, shift: int, zero_init: bool, acc: torch.dtype, block_c: int, block_t: int,
+) -> Tensor:  # fmt: skip
+    """(C, nseg-1) float32/64: the state entering segments 1..nseg-1 (reduce, then scan)."""
+    dev = b3.device
+    sa = torch.empty((C, nseg - 1), dtype=acc, device=dev)
+    sb = torch.empty((C, nseg - 1), dtype=acc, device=dev)
+    tiles = triton.cdiv(C, block_c)
+    _launch(
+        "summary", (tiles, nseg - 1), a3, b3, sa, sb, C, T, I, seg,
+        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+        sa.stride(0), sa.stride(1),
+        REVERSE=reverse, SHIFT=shift, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+    )  # fmt: skip
+    carry = torch.empty((C, nseg - 1), dtype=acc, device=dev)
+    h0c = torch.zeros((C,), dtype=acc, device=dev) if zero_init else h0_flat
+    bt = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(nseg - 1)))
+    # summaries as (O=C, T=nseg-1, I=1); the carry scan is one forward segment
+    _launch(
+        "scan_carry", (tiles, 1), sa, sb, h0c, carry, carry, carry, carry, C, nseg - 1, 1, nseg - 1,
+        sa.stride(0), sa.stride(1), 0, sb.stride(0), sb.stride(1), 0,
+        h0c.stride(0), 0, 0, 0,
+        carry.stride(0), carry.stride(1), 0, 0, 0, 0,
+        REVERSE=False, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=bt,
+    )  # fmt: skip
+    return carry
+
+
+def _dims(shape: torch.Size, axis: int) -> tuple[int, int, int]:
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+
+
+def linear_scan_fwd(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    """h with `h_t = a_t * h_{t-1} + b_t` along `axis` (from the end if `reverse`).
+
+    `a`, `b`: one shape and dtype (`a` may be an expanded view); `h0`: that shape without `axis`;
+    `0 <= axis < b.ndim`. Returns a contiguous tensor of `b`'s shape and dtype.
+    """
+    out = _alloc(b.shape, b.dtype, b.device)
+    O, T, I = _dims(b.shape, axis)
+    C = O * I
+    if out.numel() == 0:
+        return out
+    acc = torch.float64 if b.dtype == torch.float64 else torch.float32
+    a3, b3, o3 = _as_3d(a, O, T, I), _as_3d(b, O, T, I), out.view(O, T, I)
+    h02 = h0.reshape(O, I)
+    block_c, block_t, seg = plan(C, T, b.device)
+    nseg = triton.cdiv(T, seg)
+    tiles = triton.cdiv(C, block_c)
+    if nseg > 1:
+        carry = _segment_carries(
+            a3, b3, h0.reshape(C), C, T, I, seg, nseg, reverse, 0, False, acc, block_c, block_t
+        )
+    else:
+        carry = h02  # never read: every program is segment 0
+    _launch(
+        "scan_fwd", (tiles, nseg), a3, b3, h02, carry, o3, o3, o3, C, T, I, seg,
+        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+        h02.stride(0), h02.stride(1),
+        carry.stride(0), carry.stride(1) if nseg > 1 else 0,
+        o3.stride(0), o3.stride(1), o3.stride(2), 0, 0, 0,
+        REVERSE=reverse, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+    )  # fmt: skip
+    return out
+
+
+def linear_scan_bwd(
+    a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(da, db, d_h0) for `h = linear_scan_fwd(a, b, h0, axis, reverse)` and `dL/dh = grad`.
+
+    Runs `g_t = grad_t + a_{t+1} g_{t+1}` backwards over time (forwards when `reverse`) in one
+    pass; `db = g`, `da_t = g_t * h_{t-1}`, `d_h0 = a_0 * g_0` (indices in forward order).
+    """
+    da = _alloc(grad.shape, a.dtype, grad.device)
+    db = _alloc(grad.shape, grad.dtype, grad.device)
+    O, T, I = _dims(grad.shape, axis)
+    C = O * I
+    if db.numel() == 0:
+        return da, db, torch.zeros(h0.shape, dtype=h0.dtype, device=h0.device)
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    a3, g3, h3 = _as_3d(a, O, T, I), _as_3d(grad, O, T, I), _as_3d(h, O, T, I)
+    db3, da3 = db.view(O, T, I), da.view(O, T, I)
+    h02 = h0.reshape(O, I)
+    shift = -1 if reverse else 1
+    block_c, block_t, seg = plan(C, T, grad.device)
+    nseg = triton.cdiv(T, seg)
+    tiles = triton.cdiv(C, block_c)
+    if nseg > 1:
+        carry = _segment_carries(
+            a3, g3, h0.reshape(C), C, T, I, seg, nseg, not reverse, shift, True, acc, block_c, block_t
+        )
+    else:
+        carry = h02
+    _launch(
+        "scan_bwd", (tiles, nseg), a3, g3, h02, carry, db3, h3, da3, C, T, I, seg,
+        a3.stride(0), a3.stride(1), a3.stride(2), g3.stride(0), g3.stride(1), g3.stride(2),
+        h02.stride(0), h02.stride(1),
+        carry.stride(0), carry.stride(1) if nseg > 1 else 0,
+        db3.stride(0), db3.stride(1), db3.stride(2), h3.stride(0), h3.stride(1), h3.stride(2),
+        REVERSE=not reverse, SHIFT=shift, BWD=True, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+    )  # fmt: skip
+    first = T - 1 if reverse else 0
+    dh0 = (a.select(axis, first).to(acc) * db.select(axis, first).to(acc)).to(h0.dtype)
+    return da, db, dh0
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. registration
+
+
+@triton_op("tfun::linear_scan", mutates_args=())
+def _linear_scan_op(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    return linear_scan_fwd(a, b, h0, axis, reverse)
+
+
+@triton_op("tfun::linear_scan_bwd", mutates_args=())
+def _linear_scan_bwd_op(
+    a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return linear_scan_bwd(a, h0, h, grad, axis, reverse)
+
+
+# triton_op registers the launcher itself as the fake impl; that cannot run an interpreted
+# kernel on fake tensors, so register shape-only fakes.
+@_linear_scan_op.register_fake
+def _linear_scan_fake(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    return torch.empty(b.shape, dtype=b.dtype, device=b.device)
+
+
+@_linear_scan_bwd_op.register_fake
+def _linear_scan_bwd_fake(
+    a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        torch.empty(grad.shape, dtype=a.dtype, device=grad.device),
+        torch.empty(grad.shape, dtype=grad.dtype, device=grad.device),
+        torch.empty(h0.shape, dtype=h0.dtype, device=h0.device),
+    )
+
+
+def _keep_opaque_when_interpreted(op_def: Any) -> None:
+    """Under AOTAutograd, triton_op decomposes the op into its kernel launches (so inductor can
+    see them). An interpreted kernel cannot be traced that way, so while interpreting keep the
+    op as one opaque node that runs the launcher at runtime, as torch.export does."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    default = getattr(op_def, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+
+    def rule(mode, op, types, args, kwargs):  # type: ignore[no-untyped-def]
+        if default is None or _interpreting():
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        return default(mode, op, types, args, kwargs)
+
+    op_def.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+_keep_opaque_when_interpreted(_linear_scan_op)
+_keep_opaque_when_interpreted(_linear_scan_bwd_op)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    a, _b, h0, axis, reverse = inputs
+    ctx.save_for_backward(a, h0, output)
+    ctx.axis = axis
+    ctx.reverse = reverse
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple:
+    a, h0, h = ctx.saved_tensors
+    da, db, dh0 = torch.ops.tfun.linear_scan_bwd(a, h0, h, grad, ctx.axis, ctx.reverse)
+    return da, db, dh0, None, None
+
+
+_linear_scan_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _batched(x: Tensor, bdim: int | None, size: int) -> Tensor:
+    if bdim is None:
+        return x.unsqueeze(0).expand(size, *x.shape)
+    return x.movedim(bdim, 0)
+
+
+def _vmap_fwd(info: Any, in_dims: tuple, a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> tuple:
+    n = info.batch_size
+    a, b, h0 = (_batched(x, d, n) for x, d in zip((a, b, h0), in_dims[:3]))
+    return torch.ops.tfun.linear_scan(a, b, h0, axis + 1, reverse), 0
+
+
+def _vmap_bwd(
+    info: Any, in_dims: tuple, a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
+) -> tuple:
+    n = info.batch_size
+    a, h0, h, grad = (_batched(x, d, n) for x, d in zip((a, h0, h, grad), in_dims[:4]))
+    return torch.ops.tfun.linear_scan_bwd(a, h0, h, grad, axis + 1, reverse), (0, 0, 0)
+
+
+_linear_scan_op.register_vmap(_vmap_fwd)
+_linear_scan_bwd_op.register_vmap(_vmap_bwd)
+
+
+def _previous_states(h: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    """h_{t-1} for every t (h_{t+1} when reverse), with the initial state at the start."""
+    T = h.shape[axis]
+    if reverse:
+        return torch.cat([h.narrow(axis, 1, T - 1), h0.unsqueeze(axis)], axis)
+    return torch.cat([h0.unsqueeze(axis), h.narrow(axis, 0, T - 1)], axis)
+
+
+def _backward_composite(
+    a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of linear_scan as linear_scan itself plus elementwise ops (differentiable):
+    g = scan of (a shifted one step ahead, grad) run the other way; da = g * h_prev; db = g;
+    d_h0 = a_first * g_first."""
+    T = h.shape[axis]
+    zero = torch.zeros_like(a.narrow(axis, 0, 1))
+    if reverse:
+        a_next = torch.cat([zero, a.narrow(axis, 0, T - 1)], axis)
+    else:
+        a_next = torch.cat([a.narrow(axis, 1, T - 1), zero], axis)
+    g = _LinearScanFunction.apply(a_next, grad.to(h.dtype), torch.zeros_like(h0), axis, not reverse)
+    first = T - 1 if reverse else 0
+    da = g * _previous_states(h, h0, axis, reverse)
+    return da, g, a.select(axis, first) * g.select(axis, first)
+
+
+class _LinearScanFunction(torch.autograd.Function):
+    """Eager entry: the op, with backward and a forward-mode rule for torch.func.
+
+    The forward-mode rule is the recurrence again: dh_t = a_t dh_{t-1} + (da_t h_{t-1} + db_t).
+    Dynamo does not trace a custom `jvp`, so compiled/exported code calls the op directly."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:  # type: ignore[override]
+        return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        a, _b, h0, axis, reverse = inputs
+        ctx.save_for_backward(a, h0, output)
+        ctx.save_for_forward(a, h0, output)
+        ctx.axis = axis
+        ctx.reverse = reverse
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        if not torch.is_grad_enabled():  # first order only: the fused backward kernel
+            return _backward(ctx, grad)
+        # create_graph / torch.func.grad: a differentiable backward, so higher orders work
+        a, h0, h = ctx.saved_tensors
+        return (*_backward_composite(a, h0, h, grad, ctx.axis, ctx.reverse), None, None)
+
+    @staticmethod
+    def jvp(ctx: Any, ta: Tensor | None, tb: Tensor | None, th0: Tensor | None, *_: Any) -> Tensor:  # type: ignore[override]
+        a, h0, h = ctx.saved_tensors
+        u = torch.zeros_like(h) if tb is None else tb
+        if ta is not None:
+            u = u + ta * _previous_states(h, h0, ctx.axis, ctx.reverse)
+        th0 = torch.zeros_like(h0) if th0 is None else th0
+        return torch.ops.tfun.linear_scan(a, u.to(h.dtype), th0.to(h.dtype), ctx.axis, ctx.reverse)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the impl registered into tfun.lax.linear_scan
+
+
+def linear_scan_triton(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    """The Triton path of `tfun.lax.linear_scan` (inputs already validated and broadcast)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
+    return _LinearScanFunction.apply(a, b, h0, axis, reverse)
