@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .._errors import StructureMismatchError, TensorMismatchError, format_message
-from .._tree import tree_flatten, tree_unflatten
+from .._tree import tree_flatten, tree_structure, tree_unflatten
 
 __all__ = [
     "is_tracing",
@@ -75,7 +75,12 @@ def is_tracing() -> bool:
 
     `torch.compiler.is_compiling()` is True in all three on torch 2.11-2.13 (Dynamo
     constant-folds it to True; non-strict export sets the flag while it traces), and False
-    in eager mode and under plain `torch.func` transforms. About 0.1 us per call.
+    in eager mode and under plain `torch.func` transforms. About 0.1 us per call in eager.
+
+    Known torch 2.13 limitation: `torch.compile(torch.func.grad(f))` fails for every
+    control-flow HOP (cond, scan, map: "Expected FakeTensor, got Tensor"), so
+    `tfun.jit(tfun.grad(f))` with lax ops inside does not compile; `tfun.jit(f)` followed by
+    `.backward()` does.
     """
     return _is_compiling()
 
@@ -166,14 +171,20 @@ def _skeleton(td: Any) -> Any:
     return (td.type, tuple(td.entries()), tuple(_skeleton(c) for c in td.children()))
 
 
-def _leaf_desc(x: Any) -> Any:
+def _leaf_desc(x: Any, shapes: bool) -> Any:
     if isinstance(x, torch.Tensor):
-        return (x.dtype, tuple(s if isinstance(s, int) else None for s in x.shape), x.device)
+        if shapes:
+            shape = tuple(s if type(s) is int else None for s in x.shape)
+        else:
+            shape = (None,) * x.dim()
+        return (x.dtype, shape, x.device)
     return (type(x),)
 
 
-def _describe(td: Any, leaves: Sequence[Any]) -> Any:
-    return (_skeleton(td), tuple(_leaf_desc(x) for x in leaves))
+def _describe(td: Any, leaves: Sequence[Any], shapes: bool = True) -> Any:
+    """`shapes=False` where sizes may be symbolic (a body traced by the Dynamo run that
+    non-strict export starts): they cannot be passed to an escape hatch as constants."""
+    return (_skeleton(td), tuple(_leaf_desc(x, shapes) for x in leaves))
 
 
 def _code_of(fn: Any) -> Any:
@@ -224,7 +235,7 @@ def _node_text(sk: Any) -> str:
     if isinstance(t, type) and issubclass(t, dict):
         return f"a {t.__name__} with keys {list(entries)}"
     if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
-        return f"a {t.__name__}({', '.join(t._fields)})"
+        return f"a {t.__name__}({', '.join(getattr(t, '_fields'))})"
     return f"a {getattr(t, '__qualname__', t)} with children {list(entries)}"
 
 
@@ -235,7 +246,7 @@ def _entry_text(sk: Any, entry: Any) -> str:
     if isinstance(t, type) and issubclass(t, dict):
         return f"[{entry!r}]"
     if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
-        return f".{t._fields[entry]}" if isinstance(entry, int) else f".{entry}"
+        return f".{getattr(t, '_fields')[entry]}" if isinstance(entry, int) else f".{entry}"
     if isinstance(entry, str):
         return f".{entry}"
     return f"[{entry!r}]"
@@ -323,6 +334,24 @@ def _raise(result: Any) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+def _dynamo_outside() -> bool:
+    """True when the code around the HOP call is traced by Dynamo (torch.compile, strict
+    export); False when it runs as plain Python (non-strict export)."""
+    f = getattr(torch.compiler, "is_dynamo_compiling", None)
+    return bool(f()) if f is not None else True
+
+
+def _carrier(td: Any, leaves: Sequence[Any]) -> Any:
+    """A tree of `td`'s structure (its own leaves), for a HOP body to rebuild the treedef from.
+
+    Bodies never close over a treedef: under non-strict export the outer code runs as plain
+    Python (a C `optree.PyTreeSpec`) while the body is traced by Dynamo, whose optree
+    polyfill accepts only its own treedefs. (Not int leaves: Dynamo 2.13 fails to unflatten
+    a dict whose leaves are all constants.)
+    """
+    return tree_unflatten(td, list(leaves))
+
+
 def _as_tensor(x: Any, like: Any = None) -> Any:
     if isinstance(x, torch.Tensor):
         return x
@@ -369,6 +398,32 @@ def _check_result(
 
 
 # ----------------------------------------------------------------------------------------
+# Passing an output of unknown structure through a HOP
+# ----------------------------------------------------------------------------------------
+
+#: `None` inside HOP outputs travels as `{_NONE_KEY: ()}`: torch's scan treats a `None`
+#: there as a leaf, and Dynamo accepts only tensors and builtin containers in HOP outputs.
+_NONE_KEY = "__tfun_none__"
+
+
+def _is_nothing(x: Any) -> bool:
+    return type(x) is dict and len(x) == 1 and _NONE_KEY in x
+
+
+def _pack(td: Any, leaves: list[Any]) -> Any:
+    """The tree `td` with `leaves`, its `None` nodes replaced by `{_NONE_KEY: ()}` markers."""
+    tree = tree_unflatten(td, leaves)
+    parts, td_n = tree_flatten(tree, none_is_leaf=True)
+    return tree_unflatten(td_n, [{_NONE_KEY: ()} if x is None else x for x in parts])
+
+
+def _unpack(tree: Any) -> Any:
+    """Inverse of `_pack`."""
+    parts, td = tree_flatten(tree, is_leaf=_is_nothing, none_is_leaf=True)
+    return tree_unflatten(td, [None if _is_nothing(x) else x for x in parts])
+
+
+# ----------------------------------------------------------------------------------------
 # cond / switch
 # ----------------------------------------------------------------------------------------
 
@@ -383,17 +438,17 @@ _REVISE_CARRY = (
 )
 
 
-def _branch(op: str, fn: Any, key: int, label: str, op_td: Any, n_ops: int) -> Callable[..., Any]:
+def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool) -> Callable[..., Any]:
     def branch(*flat: Any) -> Any:
-        operands = tree_unflatten(op_td, list(flat))
+        operands = tree_unflatten(tree_structure(op_carrier), list(flat))
         out = fn(*operands)
         leaves, td = tree_flatten(out)
         leaves = [_as_tensor(x) for x in leaves]
-        bad = _escape_exchange(key, label, _describe(td, leaves), _code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
+        bad = _escape_exchange(key, label, _describe(td, leaves, shapes), _code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
         if bad is not None:
             _raise(bad)
         leaves = _unalias(leaves, flat)
-        return tree_unflatten(td, leaves)
+        return _pack(td, leaves)
 
     return branch
 
@@ -402,9 +457,10 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
-    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", op_td, len(flat))
-    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", op_td, len(flat))
-    return _torch_cond()(pred, t, f, tuple(flat))
+    shapes = _dynamo_outside()
+    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _carrier(op_td, flat), shapes)
+    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _carrier(op_td, flat), shapes)
+    return _unpack(_torch_cond()(pred, t, f, tuple(flat)))
 
 
 def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
@@ -413,7 +469,8 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
     wrapped = [
-        _branch("tfun.lax.switch", b, key, f"branches[{i}]", op_td, len(flat)) for i, b in enumerate(branches)
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _carrier(op_td, flat), _dynamo_outside())
+        for i, b in enumerate(branches)
     ]
     cond_ = _torch_cond()
 
@@ -429,8 +486,8 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
         return node
 
     if len(wrapped) == 1:
-        return wrapped[0](*flat)
-    return build(0, len(wrapped))(*flat)
+        return _unpack(wrapped[0](*flat))
+    return _unpack(build(0, len(wrapped))(*flat))
 
 
 # ----------------------------------------------------------------------------------------
@@ -447,20 +504,23 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
         # nothing is carried: the loop cannot change anything observable
         return init_val
 
+    carrier = _carrier(td, leaves)
+
     def c(*flat: Any) -> Any:
-        p = cond_fun(tree_unflatten(td, list(flat)))
+        p = cond_fun(tree_unflatten(tree_structure(carrier), list(flat)))
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(bool(p), device=flat[0].device)
         return p
 
     def b(*flat: Any) -> Any:
-        out = body_fun(tree_unflatten(td, list(flat)))
+        td_in = tree_structure(carrier)
+        out = body_fun(tree_unflatten(td_in, list(flat)))
         new = _check_result(
             op,
             "body_fun input and output",
             "carry",
             body_fun,
-            td,
+            td_in,
             flat,
             out,
             _REVISE_CARRY,
@@ -486,9 +546,13 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
     n_c = len(c_leaves)
     revise = _REVISE_CARRY
 
+    c_carrier, x_carrier = _carrier(c_td, c_leaves), _carrier(x_td, x_leaves)
+    n_x = len(x_leaves)
+
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
-        carry = tree_unflatten(c_td, list(carry_flat)[:n_c])
-        x = tree_unflatten(x_td, list(x_flat)[: len(x_leaves)])
+        c_td_in = tree_structure(c_carrier)
+        carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
+        x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
         res = f(carry, x)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
             raise StructureMismatchError(
@@ -499,7 +563,7 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
                 )
             )
         new_c, y = res
-        new_leaves = _check_result(op, "body carry input and output", "carry", f, c_td, carry_flat[:n_c], new_c, revise)
+        new_leaves = _check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
         new_leaves = [t.contiguous() for t in new_leaves]
         y_leaves, y_td = tree_flatten(y)
         y_leaves = [_as_tensor(t) for t in y_leaves]
@@ -507,15 +571,18 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         outs = _unalias(new_leaves + y_leaves, ins)
         if n_c == 0:
             outs = [carry_flat[0].clone()] + outs  # the placeholder carry
-        return list(outs[: max(n_c, 1)]), tree_unflatten(y_td, outs[max(n_c, 1) :])
+        k = max(n_c, 1)
+        # torch's scan needs at least one y: stack a dummy 0-d tensor when y has no leaves
+        extra = [] if y_leaves else [torch.zeros((), device=carry_flat[0].device)]
+        return list(outs[:k]), (_pack(y_td, outs[k:]), extra)
 
     if length == 0:
         return _scan_empty(f, init, xs, x_leaves, x_td)
     dev = (c_leaves + x_leaves)[0].device if (c_leaves or x_leaves) else torch.device("cpu")
     init_flat = c_leaves if n_c else [torch.zeros((), device=dev)]
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
-    carry_flat, ys = _torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
-    return tree_unflatten(c_td, list(carry_flat)[:n_c]), ys
+    carry_flat, (ys, _) = _torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
+    return tree_unflatten(c_td, list(carry_flat)[:n_c]), _unpack(ys)
 
 
 def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> tuple[Any, Any]:
@@ -536,13 +603,15 @@ def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.l
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
     x_leaves, x_td = tree_flatten(xs)
 
+    x_carrier = _carrier(x_td, x_leaves)
+
     def body(x_flat: list[Any]) -> Any:
-        y = f(tree_unflatten(x_td, list(x_flat)))
+        y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _unalias([_as_tensor(t) for t in y_leaves], x_flat)
-        return tree_unflatten(y_td, y_leaves)
+        return _pack(y_td, y_leaves)
 
-    return _torch_map()(body, list(x_leaves))
+    return _unpack(_torch_map()(body, list(x_leaves)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -562,16 +631,19 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, a
     cuda = all(x.device.type == "cuda" for x in leaves)
     mode = "pointwise" if (cuda and POINTWISE_ON_CUDA) else "generic"
 
+    carrier = _carrier(td, leaves)
+
     def combine(a: list[Any], b: list[Any]) -> Any:
-        out = fn(tree_unflatten(td, list(a)), tree_unflatten(td, list(b)))
+        td_in = tree_structure(carrier)
+        out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
         out_leaves, out_td = tree_flatten(out)
-        if out_td != td or len(out_leaves) != n:
+        if out_td != td_in or len(out_leaves) != n:
             _raise_mismatch(
                 op,
                 "combine function input and output",
                 "elems",
                 ("input", "output"),
-                _describe(td, a),
+                _describe(td_in, a),
                 _describe(out_td, out_leaves),
                 fn,
                 "Revise `{name}` to return a pytree like its inputs, combining them elementwise.",

@@ -1,0 +1,203 @@
+"""tfun.jit: JAX's jit semantics over torch.compile."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import tfun
+from tfun import lax
+from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TfunError
+from tfun._jit import JitError
+
+from .helpers import assert_tree_allclose
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+]
+
+
+def _loss(W, xs):
+    def step(h, x):
+        h = torch.tanh(h @ W + x)
+        return h, h * 1.0
+
+    return lax.scan(step, torch.zeros(W.shape[0]), xs)[1].sum()
+
+
+def test_decorator_forms_and_pytrees():
+    @tfun.jit(backend="eager")
+    def f(d):
+        return {"s": d["a"] + d["b"][0], "t": (d["b"][1] * 2, None)}
+
+    @tfun.jit
+    def g(x):
+        return x + 1
+
+    d = {"a": torch.ones(2), "b": (torch.ones(2), torch.full((1,), 3.0))}
+    out = f(d)
+    assert_tree_allclose(out, {"s": torch.full((2,), 2.0), "t": (torch.full((1,), 6.0), None)})
+    assert f.__name__ == "f"
+    assert tfun.jit(lambda x: x * 3, backend="eager")(torch.ones(1)).item() == 3.0
+    assert isinstance(g, tfun._jit.Jitted)
+
+
+def test_static_argnums_compile_once_per_value():
+    from torch._dynamo.testing import CompileCounter
+
+    def f(x, n, mode="add"):
+        return lax.fori_loop(0, n, lambda i, c: c + 1 if mode == "add" else c * 2, x)
+
+    counter = CompileCounter()
+    j = tfun.jit(f, static_argnums=1, static_argnames="mode", backend=counter)
+    x = torch.zeros(2)
+    assert j(x, 3).tolist() == [3.0, 3.0]
+    assert j(x, 3).tolist() == [3.0, 3.0]
+    assert j(x, n=3).tolist() == [3.0, 3.0]  # static by name too (JAX)
+    assert counter.frame_count == 1
+    assert j(torch.ones(2), 2, mode="mul").tolist() == [4.0, 4.0]
+    assert counter.frame_count == 2
+    assert len(j._cache) == 2
+
+
+def test_static_cache_is_lru_bounded_and_releases_evicted_values():
+    import weakref
+
+    j = tfun.jit(lambda x, k: x * k.scale, static_argnums=1, backend="eager", cache_size=2)
+
+    class K:
+        def __init__(self, s):
+            self.scale = s
+
+    ks = [K(i) for i in range(3)]
+    refs = [weakref.ref(k) for k in ks]
+    for k in ks:
+        j(torch.ones(1), k)
+    assert len(j._cache) == 2
+    del ks, k
+    gc.collect()
+    assert refs[0]() is None  # evicted: nothing keeps it alive
+    j.clear_cache()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_bad_static_arguments():
+    j = tfun.jit(lambda x, n: x * n, static_argnums=1, backend="eager")
+    with pytest.raises(ArgumentTypeError, match="argument 1 of `<lambda> at .*` is static, so it must be hashable"):
+        j(torch.ones(1), [2])
+    with pytest.raises(ArgumentTypeError, match="is static, but it is a tensor"):
+        j(torch.ones(1), torch.ones(1))
+    with pytest.raises(ArgumentValueError, match="static_argnums contains 5, but `f at .*` takes 2 positional"):
+
+        def f(x, n):
+            return x
+
+        tfun.jit(f, static_argnums=5)
+    with pytest.raises(ArgumentValueError, match="static_argnames contains 'm'"):
+        tfun.jit(f, static_argnames="m")
+    with pytest.raises(ArgumentTypeError):
+        tfun.jit(f, static_argnums="n")
+
+
+def test_graph_break_is_jit_error_naming_the_line():
+    def f(x):
+        if x.sum() > 0:  # data-dependent Python control flow
+            return x
+        return -x
+
+    with pytest.raises(JitError) as info:
+        tfun.jit(f, backend="eager")(torch.ones(2))
+    msg = str(info.value)
+    assert msg.startswith("tfun.jit: could not compile `f at ")
+    assert "test_jit.py:" in msg and "if x.sum() > 0" in msg
+    assert isinstance(info.value, TfunError)
+    # fullgraph=False lets it break instead
+    assert tfun.jit(f, backend="eager", fullgraph=False)(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_tfun_error_inside_body_is_unwrapped():
+    def f(x):
+        return lax.scan(lambda c, x: ((c, c), x), x[0], x)
+
+    with pytest.raises(StructureMismatchError, match="^tfun.lax.scan: body carry input and output"):
+        tfun.jit(f, backend="eager")(torch.ones(3, 2))
+
+
+def test_module_method_and_backward():
+    class RNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
+
+        def forward(self, xs):
+            return _loss(self.W, xs)
+
+        @tfun.jit(backend="aot_eager")
+        def jitted_forward(self, xs):
+            return _loss(self.W, xs)
+
+    m = RNN()
+    xs = torch.randn(5, 4)
+    ref = m(xs)
+    (g_ref,) = torch.autograd.grad(ref, m.W)
+    for fn in (tfun.jit(m, backend="aot_eager"), tfun.jit(m.forward, backend="aot_eager"), m.jitted_forward):
+        out = fn(xs)
+        assert torch.allclose(out, ref, atol=1e-6)
+        m.zero_grad()
+        out.backward()
+        assert torch.allclose(m.W.grad, g_ref, atol=1e-6)
+
+
+def test_grad_of_jit_runs_eagerly_inside_the_transform():
+    W, xs = torch.randn(4, 4) * 0.3, torch.randn(5, 4)
+    g_ref = torch.func.grad(_loss)(W, xs)
+    assert torch.allclose(torch.func.grad(tfun.jit(_loss, backend="eager"))(W, xs), g_ref, atol=1e-6)
+    assert torch.allclose(tfun.grad(tfun.jit(_loss, backend="eager"))(W, xs), g_ref, atol=1e-6)
+
+
+def test_jit_of_grad_without_control_flow_is_one_graph():
+    def loss(W, x):
+        return torch.tanh(x @ W).sum()
+
+    W, x = torch.randn(3, 3), torch.randn(2, 3)
+    j = tfun.jit(torch.func.grad(loss), backend="aot_eager")
+    assert torch.allclose(j(W, x), torch.func.grad(loss)(W, x), atol=1e-6)
+    assert j.lower(W, x).graph_breaks == 0
+
+
+def test_jit_of_grad_with_control_flow_is_a_clear_error():
+    # torch 2.13 cannot compile torch.func.grad around any control-flow HOP.
+    W, xs = torch.randn(4, 4) * 0.3, torch.randn(5, 4)
+    with pytest.raises(JitError, match="cannot trace a torch.func transform"):
+        tfun.jit(torch.func.grad(_loss), backend="aot_eager")(W, xs)
+
+
+def test_lower_introspection():
+    W = torch.randn(4, 4) * 0.3
+    low = tfun.jit(_loss).lower(W, torch.randn(7, 4))
+    assert low.graph_breaks == 0
+    assert low.count("higher_order.scan") == 1
+    assert "torch.ops.higher_order.scan" in low.as_text()
+    assert isinstance(low.graph, torch.fx.Graph)
+
+    def broken(x):
+        y = x * 2
+        print("side effect")  # noqa: T201 - a graph break
+        return y + 1
+
+    low = tfun.jit(broken).lower(torch.ones(1))
+    assert low.graph_breaks == 1
+
+
+def test_donate_argnums_is_accepted():
+    j = tfun.jit(lambda x: x + 1, donate_argnums=0, backend="eager")
+    assert j(torch.ones(1)).item() == 2.0
+
+
+def test_compile_options_pass_through():
+    j = tfun.jit(lambda x: x.sin(), backend="eager", dynamic=True)
+    for n in (2, 3, 5):
+        assert torch.allclose(j(torch.ones(n)), torch.ones(n).sin())

@@ -1,0 +1,490 @@
+"""`tfun.jit`: JAX's `jax.jit` over `torch.compile`, with tfun's control flow lowered to HOPs.
+
+Under `tfun.jit` every `tfun.lax` op lowers to one of PyTorch's control-flow higher-order
+operators (see `tfun/lax/_hop.py`), so a loop of any length is one graph node and compile
+time does not grow with the trip count.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import re
+import threading
+import types
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from . import _funcinfo
+from ._errors import ArgumentTypeError, ArgumentValueError, TfunError, format_message
+from .lax import _hop
+
+__all__ = ["jit", "JitError", "Jitted", "Lowered"]
+
+
+class JitError(TfunError, RuntimeError):
+    """`tfun.jit` could not capture a function as one graph (or compile it)."""
+
+
+_CACHE_SIZE = 64
+
+
+def jit(
+    fun: Callable[..., Any] | None = None,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    fullgraph: bool = True,
+    cache_size: int = _CACHE_SIZE,
+    **compile_options: Any,
+) -> Any:
+    """Compile `fun` with `torch.compile`, JAX-style.
+
+    Usable as `tfun.jit(f)`, `@tfun.jit` or `@tfun.jit(static_argnums=...)`, on plain
+    functions, bound methods, `nn.Module`s and methods in a class body.
+
+    **Arguments:**
+
+    - `fun`: the function to compile. Arguments and results are pytrees of tensors.
+    - `static_argnums`, `static_argnames`: positional indices / keyword names of arguments
+      that are Python values rather than tensors (ints, strings, tuples, functions...).
+      They must be hashable; each distinct value is compiled once and kept in an LRU cache
+      of `cache_size` entries. Objects hashed by identity are held by weak reference.
+    - `donate_argnums`: accepted for JAX compatibility. PyTorch has no buffer donation at
+      the `torch.compile` boundary, so it is a no-op hint (validated, otherwise ignored).
+    - `fullgraph`: `True` (the default) makes anything Dynamo cannot capture as one graph
+      an error (`tfun.errors.JitError` naming the user's line) instead of a silent graph
+      break.
+    - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
+      `options`).
+
+    **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
+    introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
+    """
+    if fun is None:
+        return functools.partial(
+            jit,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            fullgraph=fullgraph,
+            cache_size=cache_size,
+            **compile_options,
+        )
+    return Jitted(fun, static_argnums, static_argnames, donate_argnums, fullgraph, cache_size, compile_options)
+
+
+def _as_tuple(v: Any, kind: type, what: str, fn_text: str) -> tuple[Any, ...]:
+    if isinstance(v, kind) and not isinstance(v, bool):
+        return (v,)
+    try:
+        out = tuple(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(
+            f"tfun.jit: {what} must be {'an int' if kind is int else 'a str'} or a sequence of them, but got "
+            f"{v!r} (jitting `{fn_text}`)."
+        ) from None
+    for x in out:
+        if not isinstance(x, kind) or isinstance(x, bool):
+            raise ArgumentTypeError(
+                f"tfun.jit: {what} must contain only {'ints' if kind is int else 'strs'}, but got {x!r} "
+                f"(jitting `{fn_text}`)."
+            )
+    return out
+
+
+class Lowered:
+    """What Dynamo captured for one call: the FX graph(s) and the number of graph breaks."""
+
+    def __init__(self, graphs: list[torch.fx.GraphModule], fn_text: str) -> None:
+        self.graph_modules = graphs
+        self.graphs = [g.graph for g in graphs]
+        self.graph_breaks = max(len(graphs) - 1, 0)
+        self._fn_text = fn_text
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The (first) captured FX graph."""
+        if not self.graphs:
+            raise JitError(f"tfun.jit: no graph was captured for `{self._fn_text}` (it ran no tensor ops).")
+        return self.graphs[0]
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.graph_modules[0]
+
+    def as_text(self) -> str:
+        """The Python code of every captured graph (subgraphs of HOPs included)."""
+        parts = []
+        for i, gm in enumerate(self.graph_modules):
+            parts.append(f"# graph {i}\n" + gm.print_readable(print_output=False))
+        return "\n".join(parts)
+
+    def count(self, target_name: str) -> int:
+        """How many nodes of the outer graphs call a target whose name contains `target_name`."""
+        n = 0
+        for g in self.graphs:
+            for node in g.nodes:
+                if node.op == "call_function" and target_name in _target_text(node.target):
+                    n += 1
+        return n
+
+    def __repr__(self) -> str:
+        return f"Lowered({len(self.graphs)} graph(s), {self.graph_breaks} graph break(s))"
+
+
+def _target_text(target: Any) -> str:
+    """`torch.ops.higher_order.scan` for a HOP, `str(target)` for anything else."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"torch.ops.higher_order.{target.name()}"
+    return str(target)
+
+
+def _copy_function(fn: types.FunctionType, name: str) -> types.FunctionType:
+    """A copy of `fn` with its own code object, so Dynamo keeps a separate cache for it."""
+    code = fn.__code__.replace(co_name=name)
+    new = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = name
+    return new
+
+
+class Jitted:
+    """The callable returned by `tfun.jit`."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        static_argnums: Any,
+        static_argnames: Any,
+        donate_argnums: Any,
+        fullgraph: bool,
+        cache_size: int,
+        compile_options: dict[str, Any],
+    ) -> None:
+        if not callable(fun):
+            raise ArgumentTypeError(f"tfun.jit: expected a function, but got {type(fun).__qualname__}: {fun!r}.")
+        self._fun = fun
+        self._fn_text = _funcinfo.describe(fun)
+        self._fullgraph = bool(fullgraph)
+        self._options = dict(compile_options)
+        if "fullgraph" in self._options:  # pragma: no cover - consumed above
+            self._options.pop("fullgraph")
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ArgumentValueError(f"tfun.jit: cache_size must be a positive int, but got {cache_size!r}.")
+        self._cache_size = cache_size
+        static_argnums = _as_tuple(static_argnums, int, "static_argnums", self._fn_text)
+        static_argnames = _as_tuple(static_argnames, str, "static_argnames", self._fn_text)
+        self._donate_argnums = _as_tuple(donate_argnums, int, "donate_argnums", self._fn_text)
+        try:
+            self._sig: inspect.Signature | None = inspect.signature(fun)
+        except (TypeError, ValueError):
+            self._sig = None
+        params = list(self._sig.parameters.values()) if self._sig is not None else []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+        n_pos = len(positional)
+        nums = []
+        for i in static_argnums:
+            j = i + n_pos if i < 0 else i
+            if self._sig is not None and not variadic and not (0 <= j < n_pos):
+                raise ArgumentValueError(
+                    format_message(
+                        f"tfun.jit: static_argnums contains {i}, but `{self._fn_text}` takes {n_pos} positional "
+                        "argument(s).",
+                        revise=f"Use indices in range({n_pos}) (or negative ones from the end).",
+                    )
+                )
+            if j < 0:
+                raise ArgumentValueError(f"tfun.jit: static_argnums contains {i}, which is out of range.")
+            nums.append(j)
+        names = set(static_argnames)
+        # JAX: a static positional argument is also static when passed by keyword, and vice versa.
+        for j in list(nums):
+            if j < n_pos:
+                names.add(positional[j].name)
+        for name in list(names):
+            for j, p in enumerate(positional):
+                if p.name == name and j not in nums:
+                    nums.append(j)
+        if self._sig is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+            known = {p.name for p in params}
+            for name in static_argnames:
+                if name not in known:
+                    raise ArgumentValueError(
+                        format_message(
+                            f"tfun.jit: static_argnames contains {name!r}, which is not a parameter of "
+                            f"`{self._fn_text}`.",
+                            revise=f"Use one of {sorted(known)}.",
+                        )
+                    )
+        self._pos_names = [p.name for p in positional]
+        self._static_nums = tuple(sorted(set(nums)))
+        self._static_names = frozenset(names)
+        self._cache: collections.OrderedDict[Hashable, Callable[..., Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._plain: Callable[..., Any] | None = None
+        functools.update_wrapper(self, _funcinfo.unwrap_callable(fun) if not isinstance(fun, torch.nn.Module) else fun.forward, updated=())
+
+    # -- descriptors: `@tfun.jit` on a method in a class body -------------------------------
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        bound = instance.__dict__.get(f"__tfun_jit_{id(self)}") if hasattr(instance, "__dict__") else None
+        if bound is None:
+            bound = Jitted(
+                types.MethodType(self._fun, instance),
+                tuple(i - 1 for i in self._static_nums if i >= 1),
+                tuple(self._static_names),
+                tuple(i - 1 for i in self._donate_argnums if i >= 1),
+                self._fullgraph,
+                self._cache_size,
+                self._options,
+            )
+            try:
+                object.__setattr__(instance, f"__tfun_jit_{id(self)}", bound)
+            except (AttributeError, TypeError):
+                pass
+        return bound
+
+    # -- calling ----------------------------------------------------------------------------
+    def _compile(self, run: Callable[..., Any], name: str) -> Callable[..., Any]:
+        if isinstance(run, types.FunctionType):
+            run = _copy_function(run, name)
+        return torch.compile(run, fullgraph=self._fullgraph, **self._options)
+
+    def _static_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        key = []
+        # keyed by parameter name where there is one, so f(x, 3) and f(x, n=3) share an entry
+        for j in self._static_nums:
+            if j < len(args):
+                name = self._pos_names[j] if j < len(self._pos_names) else j
+                key.append((name, _hashable_static(args[j], f"argument {j}", self._fn_text)))
+        for name in sorted(self._static_names):
+            if name in kwargs:
+                key.append((name, _hashable_static(kwargs[name], f"argument {name!r}", self._fn_text)))
+        key.sort(key=lambda kv: str(kv[0]))
+        return tuple(key)
+
+    def _runner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        if not self._static_nums and not self._static_names:
+            if self._plain is None:
+                fun = self._fun
+
+                def tfun_jit_call(*a: Any, **k: Any) -> Any:
+                    return fun(*a, **k)
+
+                self._plain = self._compile(tfun_jit_call, "tfun_jit_call")
+            return self._plain, args, kwargs
+        key = self._static_key(args, kwargs)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        static_pos = {j: args[j] for j in self._static_nums if j < len(args)}
+        static_kw = {k: v for k, v in kwargs.items() if k in self._static_names}
+        dyn_args = tuple(a for j, a in enumerate(args) if j not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        if compiled is None:
+            compiled = self._compile(_bind_static(self._fun, static_pos, static_kw), "tfun_jit_call")
+            with self._lock:
+                self._cache[key] = compiled
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return compiled, dyn_args, dyn_kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:  # type: ignore[attr-defined]
+            # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
+            # transform (pytorch#128711), so f runs eagerly there; values and gradients are
+            # those of f. Put the transform inside instead: tfun.jit(tfun.grad(f)).
+            if self._static_nums or self._static_names:
+                self._static_key(args, kwargs)  # same argument checks as the compiled path
+            return self._fun(*args, **kwargs)
+        compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
+        try:
+            return compiled(*dyn_args, **dyn_kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            err = translate_error(e, self._fn_text)
+            if err is e:
+                raise
+            raise err from None
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace `fun` on these arguments and return the captured graph(s), without running
+        a compiled kernel (Dynamo runs the graphs once, eagerly)."""
+        graphs: list[torch.fx.GraphModule] = []
+
+        def recorder(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+            graphs.append(gm)
+            return gm.forward
+
+        key_args = self._static_key(args, kwargs)  # validates static args
+        del key_args
+        static_pos = {j: args[j] for j in self._static_nums if j < len(args)}
+        static_kw = {k: v for k, v in kwargs.items() if k in self._static_names}
+        dyn_args = tuple(a for j, a in enumerate(args) if j not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        run = _bind_static(self._fun, static_pos, static_kw)
+        if isinstance(run, types.FunctionType):
+            run = _copy_function(run, "tfun_jit_lower")
+        compiled = torch.compile(run, backend=recorder, fullgraph=False, dynamic=self._options.get("dynamic"))
+        try:
+            compiled(*dyn_args, **dyn_kwargs)
+        except Exception as e:  # noqa: BLE001
+            err = translate_error(e, self._fn_text)
+            if err is e:
+                raise
+            raise err from None
+        return Lowered(graphs, self._fn_text)
+
+    def clear_cache(self) -> None:
+        """Forget every compiled specialization."""
+        with self._lock:
+            self._cache.clear()
+            self._plain = None
+
+    def __repr__(self) -> str:
+        return f"tfun.jit({self._fn_text})"
+
+
+def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw: dict[str, Any]) -> Callable[..., Any]:
+    n_static = len(static_pos)
+
+    def tfun_jit_call(*dyn: Any, **kw: Any) -> Any:
+        args = []
+        it = iter(dyn)
+        total = len(dyn) + n_static
+        for j in range(total):
+            if j in static_pos:
+                args.append(static_pos[j])
+            else:
+                args.append(next(it))
+        return fun(*args, **static_kw, **kw)
+
+    return tfun_jit_call
+
+
+class _WeakKey:
+    """Hash/equality of an identity-hashed static object, without keeping it alive."""
+
+    __slots__ = ("ref", "h")
+
+    def __init__(self, obj: Any) -> None:
+        self.ref = weakref.ref(obj)
+        self.h = id(obj)
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _WeakKey) and self.ref() is not None and self.ref() is other.ref()
+
+
+def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(
+            format_message(
+                f"tfun.jit: {what} of `{fn_text}` is static, but it is a tensor.",
+                revise="Pass tensors as ordinary (traced) arguments; mark only Python values "
+                "(ints, strings, tuples, functions) static.",
+            )
+        )
+    try:
+        hash(value)
+    except TypeError:
+        raise ArgumentTypeError(
+            format_message(
+                f"tfun.jit: {what} of `{fn_text}` is static, so it must be hashable, but it is a "
+                f"{type(value).__qualname__}.",
+                revise="Pass a hashable value (e.g. a tuple instead of a list), or do not mark it static.",
+            )
+        ) from None
+    if type(value).__hash__ is object.__hash__:
+        try:
+            return _WeakKey(value)
+        except TypeError:
+            return value
+    return (type(value), value)
+
+
+# ----------------------------------------------------------------------------------------
+# Dynamo errors -> tfun errors
+# ----------------------------------------------------------------------------------------
+
+import os as _os
+
+_INTERNAL = (
+    _os.path.dirname(torch.__file__) + _os.sep,
+    _os.path.dirname(_os.path.abspath(__file__)) + _os.sep,
+    _os.sep + "optree" + _os.sep,
+)
+
+
+def _user_frame(e: BaseException) -> str | None:
+    seen = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        stack = getattr(c, "real_stack", None)
+        if stack:
+            for fr in reversed(list(stack)):
+                if not any(s in _os.path.abspath(fr.filename) for s in _INTERNAL):
+                    return f"{fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
+        c = c.__cause__ or c.__context__
+    return None
+
+
+def _headline(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    skip = re.compile(r"^(This higher order operator doesn't work|Got graph break)")
+    lines = [ln for ln in lines if not skip.match(ln)]
+    body = []
+    for ln in lines:
+        if ln.startswith(("from user code", "Set TORCHDYNAMO_VERBOSE", "  Developer debug", " For more details")):
+            break
+        body.append(ln.strip())
+    return " ".join(body[:3]) if body else type(e).__name__
+
+
+def translate_error(e: BaseException, fn_text: str) -> BaseException:
+    """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover
+        return e
+    if isinstance(e, AssertionError) and "Expected FakeTensor" in str(e):
+        err = JitError(
+            format_message(
+                f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
+                "transform (grad, vmap, ...) around a control-flow op (cond, scan, map, while_loop) in "
+                f"torch {torch.__version__}.",
+                revise="Compile the function without the transform and differentiate with autograd: "
+                "`loss = tfun.jit(loss_fn); loss(params, batch).backward()`.",
+            )
+        )
+        err.dynamo_error = e  # type: ignore[attr-defined]
+        return err
+    if not isinstance(e, TorchDynamoException):
+        return e
+    inner = _hop.unwrap_dynamo_error(e)
+    if inner is not None:
+        inner.dynamo_error = e  # type: ignore[attr-defined]
+        return inner
+    where = _user_frame(e)
+    err = JitError(
+        format_message(
+            f"tfun.jit: could not compile `{fn_text}` as one graph:",
+            [_headline(e)] + ([f"at {where}"] if where else []),
+            revise="Revise that line (tfun.lax ops instead of Python control flow on tensor values, no "
+            "printing or .item() on traced tensors), or pass fullgraph=False to allow graph breaks.",
+        )
+    )
+    err.dynamo_error = e  # type: ignore[attr-defined]
+    return err
