@@ -1,0 +1,149 @@
+"""SSM layers: step mode == parallel mode (hypothesis), jaxtyping shapes, parameterization, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typeguard import TypeCheckError
+
+import tfun
+from tfun.errors import ArgumentValueError, TensorMismatchError
+
+from ._typecheck import checked
+
+DT = torch.float64
+H = 4
+
+
+def make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return {
+        "LRU": lambda: tfun.nn.LRU(H, 5, r_min=0.4, r_max=0.99, dtype=DT),
+        "S4D": lambda: tfun.nn.S4D(H, 6, dtype=DT),
+        "S5": lambda: tfun.nn.S5(H, 3, dtype=DT),
+        "MinGRU": lambda: tfun.nn.MinGRU(H, 5, dtype=DT),
+        "Mamba": lambda: tfun.nn.Mamba(H, d_state=3, d_conv=3, dtype=DT),
+    }[name]()
+
+
+NAMES = ["LRU", "S4D", "S5", "MinGRU", "Mamba"]
+LAYERS = {n: make(n) for n in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(length=st.integers(1, 12), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_step_matches_parallel(name, length, batch, seed):
+    m = LAYERS[name]
+    x = torch.randn(batch, length, H, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    forward, step = checked(type(m).forward), checked(type(m).step)  # jaxtyping shapes checked at run time
+    y = forward(m, x)
+    state = m.init_state(batch)
+    ys = []
+    for t in range(length):
+        y_t, state = step(m, x[:, t], state)
+        ys.append(y_t)
+    torch.testing.assert_close(torch.stack(ys, 1), y, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_flow_and_jaxtyping_rejects_bad_state(name):
+    m = LAYERS[name]
+    x = torch.randn(2, 6, H, dtype=DT, requires_grad=True)
+    y = m(x)
+    y.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for p in m.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all()
+    m.zero_grad()
+    state = m.init_state(3)  # batch 3 state with batch 2 input: the annotations disagree
+    with pytest.raises(TypeCheckError):
+        checked(type(m).step)(m, x[:, 0].detach(), state)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input_and_state_errors(name):
+    m = LAYERS[name]
+    label = f"tfun.nn.{name}"
+    with pytest.raises(ArgumentValueError, match=rf"{label}: input must be 3-D with layout \(batch, length, d_model\)") as e:
+        m(torch.randn(5, H, dtype=DT))
+    assert "got shape (5, 4)" in str(e.value)
+    with pytest.raises(ArgumentValueError, match=rf"{label}: the last axis of input must have the layer's feature size 4") as e:
+        m(torch.randn(2, 5, H + 1, dtype=DT))
+    assert "got shape (2, 5, 5)" in str(e.value)
+    with pytest.raises(TensorMismatchError, match=r"expected torch.float64, got torch.float32"):
+        m(torch.randn(2, 5, H))
+    state = m.init_state(3)
+    with pytest.raises(ArgumentValueError, match=rf"{label}.step: .*wrong shape") as e:
+        m.step(torch.randn(2, H, dtype=DT), state)
+    assert "expected shape (2," in str(e.value) and "got (3," in str(e.value)
+
+
+def test_lru_parameterization():
+    torch.manual_seed(0)
+    m = tfun.nn.LRU(8, 256, r_min=0.9, r_max=0.999, max_phase=math.pi / 10, dtype=DT)
+    lam = torch.exp(torch.complex(-torch.exp(m.nu_log), torch.exp(m.theta_log)))
+    assert lam.abs().min() >= 0.9 - 1e-12 and lam.abs().max() <= 0.999 + 1e-12
+    assert lam.angle().min() >= 0 and lam.angle().max() <= math.pi / 10 + 1e-12
+    torch.testing.assert_close(torch.exp(m.gamma_log), torch.sqrt(1 - lam.abs() ** 2))
+    assert [n for n, _ in m.named_parameters()] == ["nu_log", "theta_log", "gamma_log", "B_re", "B_im", "C_re", "C_im", "D"]
+
+
+def test_s4d_lin_init_and_zoh():
+    m = tfun.nn.S4D(3, 8, dtype=DT)
+    A = torch.complex(-torch.exp(m.log_A_real), m.A_imag)
+    torch.testing.assert_close(A[0], torch.complex(torch.full((4,), -0.5, dtype=DT), math.pi * torch.arange(4, dtype=DT)))
+    dt = torch.exp(m.log_dt)
+    assert dt.min() >= 0.001 and dt.max() <= 0.1
+    # impulse response of channel 0 equals the S4D kernel K_l = 2 Re(sum_n C_n B̄_n Ā_n^l) (+ D at l = 0)
+    x = torch.zeros(1, 6, 3, dtype=DT)
+    x[0, 0, 0] = 1
+    y = m(x)[0, :, 0]
+    dtA = A[0] * dt[0]
+    C = torch.view_as_complex(m.C)[0]
+    K = torch.stack([2 * (C * (torch.exp(dtA) - 1) / A[0] * torch.exp(dtA * l)).sum().real for l in range(6)])
+    K[0] += m.D[0]
+    torch.testing.assert_close(y, K.detach())
+
+
+def test_s5_hippo_init():
+    m = tfun.nn.S5(4, 6, dtype=DT)
+    torch.testing.assert_close(m.Lambda_re.detach(), torch.full((6,), -0.5, dtype=DT))
+    assert (m.Lambda_im > 0).all()
+    assert m.B.shape == (6, 4, 2) and m.C.shape == (4, 6, 2)
+
+
+def test_mamba_reference_parameter_layout():
+    m = tfun.nn.Mamba(16)  # d_inner 32, dt_rank 1, d_state 16, d_conv 4
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {
+        "A_log": (32, 16), "D": (32,), "in_proj.weight": (64, 16), "conv1d.weight": (32, 1, 4),
+        "conv1d.bias": (32,), "x_proj.weight": (33, 32), "dt_proj.weight": (32, 1), "dt_proj.bias": (32,),
+        "out_proj.weight": (16, 32),
+    }
+    torch.testing.assert_close(m.A_log[3], torch.log(torch.arange(1, 17, dtype=torch.float32)))
+    dt = torch.nn.functional.softplus(m.dt_proj.bias)
+    assert dt.min() >= 1e-4 * 0.999 and dt.max() <= 0.1 * 1.001
+    assert m.conv1d.padding == (3,) and m.conv1d.groups == 32
+    m2 = tfun.nn.Mamba(16)
+    m2.load_state_dict(m.state_dict(), strict=True)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(m2(x), m(x))
+
+
+def test_mamba_is_causal():
+    m = LAYERS["Mamba"]
+    x = torch.randn(1, 8, H, dtype=DT)
+    x2 = x.clone()
+    x2[:, 5:] = torch.randn(1, 3, H, dtype=DT)
+    torch.testing.assert_close(m(x)[:, :5], m(x2)[:, :5])
+
+
+def test_mingru_h0_continues_a_sequence():
+    m = LAYERS["MinGRU"]
+    x = torch.randn(2, 9, H, dtype=DT)
+    full = m(x)
+    torch.testing.assert_close(m(x[:, 4:], full[:, 3]), full[:, 4:])

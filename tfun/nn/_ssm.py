@@ -1,0 +1,434 @@
+"""Diagonal linear-recurrent layers: `S4D`, `S5`, `LRU`, `MinGRU`.
+
+Each runs its recurrence in parallel over time (`linear_recurrence`: `tfun.lax.linear_scan`
+for real recurrences where available, else `tfun.lax.associative_scan`; complex
+recurrences use `associative_scan` with the S5 operator) and has a `step` mode for
+inference that computes the same function one position at a time.
+"""
+
+
+import math
+from typing import Any
+
+import torch
+from jaxtyping import Complex, Float
+from torch import Tensor, nn
+
+from .. import lax
+from .._errors import ArgumentValueError
+from ._common import check_input, check_state, linear_recurrence
+
+
+def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
+def s5_operator(x: tuple[Tensor, Tensor], y: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The S5 binary operator `(a_i, b_i) • (a_j, b_j) = (a_j a_i, a_j b_i + b_j)` (Smith et al. 2023)."""
+    a_i, bu_i = x
+    a_j, bu_j = y
+    return a_j * a_i, a_j * bu_i + bu_j
+
+
+def _complex_scan(a: Tensor, bu: Tensor, h0: Tensor | None) -> Tensor:
+    """All states of `h_t = a * h_{t-1} + bu_t` along axis 1 (complex), via associative_scan."""
+    if h0 is not None:
+        bu = torch.cat([bu[:, :1] + a * h0.unsqueeze(1), bu[:, 1:]], dim=1)
+    if bu.shape[1] == 0:
+        return bu
+    _, h = lax.associative_scan(s5_operator, (a.expand_as(bu), bu), axis=1)
+    return h
+
+
+class _SSMBase(nn.Module):
+    _layer_name = "tfun.nn.SSM"
+    d_model: int
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _check_x(self, x: Any) -> Tensor:
+        return check_input(self._layer_name, x, ndims=(3,), features=self.d_model, dtype=self._param_dtype(),
+                           layout="(batch, length, d_model)")
+
+    def _check_xt(self, x: Any) -> Tensor:
+        return check_input(f"{self._layer_name}.step", x, ndims=(2,), features=self.d_model,
+                           dtype=self._param_dtype(), layout="(batch, d_model)")
+
+    def _check_state(self, state: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return check_state(f"{self._layer_name}.step", "state", state, shape, dtype)
+
+
+class LRU(_SSMBase):
+    """Linear Recurrent Unit of Orvieto et al., "Resurrecting Recurrent Neural Networks for Long Sequences" (ICML 2023).
+
+    `h_t = λ ⊙ h_{t-1} + γ ⊙ (B u_t)`, `y_t = Re(C h_t) + D ⊙ u_t`, with a complex diagonal
+    `λ = exp(-exp(ν_log) + i exp(θ_log))` (exponential parameterization), the normalization
+    `γ = exp(γ_log)` initialized to `sqrt(1 - |λ|²)`, and the ring initialization: `|λ|`
+    uniform on the ring `[r_min, r_max]` of the complex disk (`ν_log = log(-½ log(u₁(r_max² -
+    r_min²) + r_min²))`) and phase uniform in `[0, max_phase]`. `B`, `C` are complex
+    Glorot-style normals (`B ~ N(0, 1/(2 d_model))`, `C ~ N(0, 1/d_state)` per part), `D ~ N(0, 1)`.
+
+    **Arguments:**
+
+    - `d_model`: input and output width H.
+    - `d_state`: number of complex state units N.
+    - `r_min`, `r_max`: ring of the eigenvalue magnitudes (default 0, 1).
+    - `max_phase`: largest eigenvalue phase (default 2π).
+    - `device`, `dtype`: factory arguments (real dtype; the state is its complex counterpart).
+
+    **Returns:** `forward(x)` maps `(batch, length, d_model)` to the same shape.
+    """
+
+    _layer_name = "tfun.nn.LRU"
+
+    def __init__(self, d_model: int, d_state: int, r_min: float = 0.0, r_max: float = 1.0,
+                 max_phase: float = 2 * math.pi, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        if not 0 <= r_min < r_max <= 1:
+            raise ArgumentValueError(f"{self._layer_name}: need 0 <= r_min < r_max <= 1, got r_min={r_min}, r_max={r_max}.")
+        f = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state = d_model, d_state
+        u1 = torch.rand(d_state, **f)
+        u2 = torch.rand(d_state, **f)
+        nu_log = torch.log(-0.5 * torch.log(u1 * (r_max**2 - r_min**2) + r_min**2))
+        theta_log = torch.log(max_phase * u2)
+        self.nu_log = nn.Parameter(nu_log)
+        self.theta_log = nn.Parameter(theta_log)
+        lam_abs = torch.exp(-torch.exp(nu_log))
+        self.gamma_log = nn.Parameter(torch.log(torch.sqrt(1 - lam_abs**2)))
+        self.B_re = nn.Parameter(torch.randn(d_state, d_model, **f) / math.sqrt(2 * d_model))
+        self.B_im = nn.Parameter(torch.randn(d_state, d_model, **f) / math.sqrt(2 * d_model))
+        self.C_re = nn.Parameter(torch.randn(d_model, d_state, **f) / math.sqrt(d_state))
+        self.C_im = nn.Parameter(torch.randn(d_model, d_state, **f) / math.sqrt(d_state))
+        self.D = nn.Parameter(torch.randn(d_model, **f))
+
+    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+        lam = torch.exp(torch.complex(-torch.exp(self.nu_log), torch.exp(self.theta_log)))
+        B = torch.complex(self.B_re, self.B_im) * torch.exp(self.gamma_log).unsqueeze(-1)
+        C = torch.complex(self.C_re, self.C_im)
+        return lam, B, C
+
+    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
+        """Parallel mode.
+
+        **Arguments:**
+
+        - `x`: `(batch, length, d_model)`.
+
+        **Returns:** `(batch, length, d_model)`.
+        """
+        x = self._check_x(x)
+        lam, B, C = self._discrete()
+        bu = x.to(B.dtype) @ B.t()  # (b, l, n)
+        h = _complex_scan(lam, bu, None)
+        return (h @ C.t()).real + self.D * x
+
+    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
+        """Zero state `(batch, d_state)`, complex.
+
+        **Arguments:**
+
+        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
+
+        **Returns:** the zero state.
+        """
+        dtype = _complex_dtype(dtype or self._param_dtype())
+        return torch.zeros(batch_size, self.d_state, dtype=dtype, device=device or self.D.device)
+
+    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_state"]
+             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_state"]]:
+        """One position of the recurrence.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, d_model)`.
+        - `state`: `(batch, d_state)` complex.
+
+        **Returns:** `(y_t, new_state)`.
+        """
+        x_t = self._check_xt(x_t)
+        lam, B, C = self._discrete()
+        h = self._check_state(state, (x_t.shape[0], self.d_state), lam.dtype)
+        h = lam * h + x_t.to(B.dtype) @ B.t()
+        return (h @ C.t()).real + self.D * x_t, h
+
+
+class S4D(_SSMBase):
+    """S4D: the diagonal S4 of Gu, Gupta, Goel & Ré, "On the Parameterization and Initialization of Diagonal State Space Models" (NeurIPS 2022).
+
+    Per channel `h` of `d_model` channels, a diagonal complex SSM with `d_state // 2` modes
+    (the other half are their complex conjugates, hence the `2 Re`):
+    `x_t = Ā x_{t-1} + B̄ u_t`, `y_t = 2 Re(C x_t) + D u_t`, discretized with zero-order hold,
+    `Ā = exp(ΔA)`, `B̄ = (exp(ΔA) - 1) / A · B` (`B = 1`, folded into `C` as in the paper).
+    S4D-Lin initialization: `A_n = -½ + iπn`, stored as `log_A_real = log ½` and `A_imag = πn`;
+    `Δ = exp(log_dt)` log-uniform in `[dt_min, dt_max]`; `C ~ CN(0, 1)` (stored as its real
+    view `(d_model, d_state // 2, 2)`); `D ~ N(0, 1)`. The recurrence (not the paper's
+    Vandermonde convolution kernel) runs through `associative_scan`, so `step` is exact.
+
+    **Arguments:**
+
+    - `d_model`: channels H.
+    - `d_state`: state size N (N // 2 complex modes; default 64).
+    - `dt_min`, `dt_max`: range of the step size initialization.
+    - `device`, `dtype`: factory arguments.
+
+    **Returns:** `forward(x)` maps `(batch, length, d_model)` to the same shape.
+    """
+
+    _layer_name = "tfun.nn.S4D"
+
+    def __init__(self, d_model: int, d_state: int = 64, dt_min: float = 0.001, dt_max: float = 0.1,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        if d_state < 2 or d_state % 2:
+            raise ArgumentValueError(f"{self._layer_name}: d_state must be an even number >= 2, got {d_state}.")
+        f = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state = d_model, d_state
+        n = d_state // 2
+        self.log_dt = nn.Parameter(torch.rand(d_model, **f) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dtype_c = _complex_dtype(self.log_dt.dtype)
+        self.C = nn.Parameter(torch.view_as_real(torch.randn(d_model, n, dtype=dtype_c, device=device)).contiguous())
+        self.log_A_real = nn.Parameter(torch.log(0.5 * torch.ones(d_model, n, **f)))
+        self.A_imag = nn.Parameter(math.pi * torch.arange(n, **f).repeat(d_model, 1))
+        self.D = nn.Parameter(torch.randn(d_model, **f))
+
+    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+        dt = torch.exp(self.log_dt).unsqueeze(-1)
+        A = torch.complex(-torch.exp(self.log_A_real), self.A_imag)
+        dtA = A * dt
+        A_bar = torch.exp(dtA)
+        B_bar = (A_bar - 1) / A
+        return A_bar, B_bar, torch.view_as_complex(self.C)
+
+    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
+        """Parallel mode.
+
+        **Arguments:**
+
+        - `x`: `(batch, length, d_model)`.
+
+        **Returns:** `(batch, length, d_model)`.
+        """
+        x = self._check_x(x)
+        A_bar, B_bar, C = self._discrete()
+        bu = B_bar * x.unsqueeze(-1).to(B_bar.dtype)  # (b, l, h, n)
+        h = _complex_scan(A_bar, bu, None)
+        return 2 * (h * C).sum(-1).real + self.D * x
+
+    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_model modes"]:
+        """Zero state `(batch, d_model, d_state // 2)`, complex.
+
+        **Arguments:**
+
+        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
+
+        **Returns:** the zero state.
+        """
+        dtype = _complex_dtype(dtype or self._param_dtype())
+        return torch.zeros(batch_size, self.d_model, self.d_state // 2, dtype=dtype, device=device or self.D.device)
+
+    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_model modes"]
+             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_model modes"]]:
+        """One position of the recurrence.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, d_model)`.
+        - `state`: `(batch, d_model, d_state // 2)` complex.
+
+        **Returns:** `(y_t, new_state)`.
+        """
+        x_t = self._check_xt(x_t)
+        A_bar, B_bar, C = self._discrete()
+        h = self._check_state(state, (x_t.shape[0], self.d_model, self.d_state // 2), A_bar.dtype)
+        h = A_bar * h + B_bar * x_t.unsqueeze(-1).to(B_bar.dtype)
+        return 2 * (h * C).sum(-1).real + self.D * x_t, h
+
+
+def _hippo_n(n: int) -> tuple[Tensor, Tensor]:
+    """Eigen-decomposition of HiPPO-N, the normal part of HiPPO-LegS (S5 paper, §4.1): (Λ, V)."""
+    idx = torch.arange(n, dtype=torch.float64)
+    p = torch.sqrt(2 * idx + 1)
+    A = -torch.tril(p[:, None] * p[None, :], -1) - torch.diag(idx + 1)
+    P = torch.sqrt(idx + 0.5)
+    S = A + P[:, None] * P[None, :]  # normal: -1/2 I + skew-symmetric
+    lam_re = torch.diagonal(S).mean()
+    lam_im, V = torch.linalg.eigh(S.to(torch.complex128) * -1j)
+    return torch.complex(torch.full_like(lam_im, lam_re.item()), lam_im), V
+
+
+class S5(_SSMBase):
+    """S5 layer of Smith, Warrington & Linderman, "Simplified State Space Layers for Sequence Modeling" (ICLR 2023).
+
+    One multi-input multi-output SSM with a complex diagonal state of `d_state` modes and
+    their conjugates (conjugate symmetry): `x_t = Λ̄ x_{t-1} + B̄ u_t`,
+    `y_t = 2 Re(C̃ x_t) + D u_t`. Zero-order hold with one learned step per mode:
+    `Λ̄ = exp(ΛΔ)`, `B̄ = Λ⁻¹(Λ̄ - 1) B̃`. Initialization (the paper's): `Λ` are the
+    eigenvalues with positive imaginary part of HiPPO-N of size `2 d_state` (real part
+    -½), `B̃ = V⁻¹B`, `C̃ = CV` with `V` its eigenvectors, `B` LeCun-normal, `C` complex
+    normal, `D ~ N(0, 1)`, `Δ = exp(log_step)` log-uniform in `[dt_min, dt_max]`. The
+    recurrence is `tfun.lax.associative_scan` with the S5 binary operator on complex tensors.
+
+    **Arguments:**
+
+    - `d_model`: input/output width H.
+    - `d_state`: number of complex modes P (the real state size is 2P).
+    - `dt_min`, `dt_max`: range of the step initialization.
+    - `device`, `dtype`: factory arguments.
+
+    **Returns:** `forward(x)` maps `(batch, length, d_model)` to the same shape.
+    """
+
+    _layer_name = "tfun.nn.S5"
+
+    def __init__(self, d_model: int, d_state: int, dt_min: float = 0.001, dt_max: float = 0.1,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        f = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state = d_model, d_state
+        lam, V = _hippo_n(2 * d_state)
+        keep = torch.argsort(lam.imag, descending=True)[:d_state]
+        lam, V = lam[keep], V[:, keep]  # (P,), (2P, P)
+        B = torch.randn(2 * d_state, d_model, dtype=torch.float64) / math.sqrt(d_model)
+        C = torch.complex(torch.randn(d_model, 2 * d_state, dtype=torch.float64),
+                          torch.randn(d_model, 2 * d_state, dtype=torch.float64)) / math.sqrt(2 * d_state)
+        B_t = V.conj().t() @ B.to(torch.complex128)
+        C_t = C @ V
+        pd = dtype or torch.get_default_dtype()
+        self.Lambda_re = nn.Parameter(lam.real.to(device=device, dtype=pd))
+        self.Lambda_im = nn.Parameter(lam.imag.to(device=device, dtype=pd))
+        self.B = nn.Parameter(torch.view_as_real(B_t).to(device=device, dtype=pd).contiguous())
+        self.C = nn.Parameter(torch.view_as_real(C_t).to(device=device, dtype=pd).contiguous())
+        self.D = nn.Parameter(torch.randn(d_model, **f))
+        self.log_step = nn.Parameter(torch.rand(d_state, **f) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+
+    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+        lam = torch.complex(self.Lambda_re, self.Lambda_im)
+        step = torch.exp(self.log_step)
+        lam_bar = torch.exp(lam * step)
+        B_bar = ((lam_bar - 1) / lam).unsqueeze(-1) * torch.view_as_complex(self.B)
+        return lam_bar, B_bar, torch.view_as_complex(self.C)
+
+    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
+        """Parallel mode.
+
+        **Arguments:**
+
+        - `x`: `(batch, length, d_model)`.
+
+        **Returns:** `(batch, length, d_model)`.
+        """
+        x = self._check_x(x)
+        lam_bar, B_bar, C = self._discrete()
+        bu = x.to(B_bar.dtype) @ B_bar.t()  # (b, l, p)
+        if bu.shape[1] == 0:
+            return x.clone()
+        _, h = lax.associative_scan(s5_operator, (lam_bar.expand_as(bu), bu), axis=1)
+        return 2 * (h @ C.t()).real + self.D * x
+
+    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
+        """Zero state `(batch, d_state)`, complex.
+
+        **Arguments:**
+
+        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
+
+        **Returns:** the zero state.
+        """
+        dtype = _complex_dtype(dtype or self._param_dtype())
+        return torch.zeros(batch_size, self.d_state, dtype=dtype, device=device or self.D.device)
+
+    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_state"]
+             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_state"]]:
+        """One position of the recurrence.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, d_model)`.
+        - `state`: `(batch, d_state)` complex.
+
+        **Returns:** `(y_t, new_state)`.
+        """
+        x_t = self._check_xt(x_t)
+        lam_bar, B_bar, C = self._discrete()
+        h = self._check_state(state, (x_t.shape[0], self.d_state), lam_bar.dtype)
+        h = lam_bar * h + x_t.to(B_bar.dtype) @ B_bar.t()
+        return 2 * (h @ C.t()).real + self.D * x_t, h
+
+
+class MinGRU(_SSMBase):
+    """minGRU of Feng, Tung, Ahmed, Bengio & Hajimirsadeghi, "Were RNNs All We Needed?" (2024).
+
+    `z_t = σ(Linear_z(x_t))`, `h̃_t = Linear_h(x_t)`, `h_t = (1 - z_t) ⊙ h_{t-1} + z_t ⊙ h̃_t`.
+    The gates depend on the input only, so the recurrence is linear in `h` and runs in
+    parallel with `linear_recurrence` (a = 1 - z, b = z ⊙ h̃), in the paper's linear-space form.
+    Parameters: `linear_z` and `linear_h` (`nn.Linear(d_model, d_hidden)`, default init).
+
+    **Arguments:**
+
+    - `d_model`: input width.
+    - `d_hidden`: hidden (and output) width; defaults to `d_model`.
+    - `bias`: bias in the two linear maps.
+    - `device`, `dtype`: factory arguments.
+
+    **Returns:** `forward(x, h0=None)` maps `(batch, length, d_model)` to `(batch, length, d_hidden)`.
+    """
+
+    _layer_name = "tfun.nn.MinGRU"
+
+    def __init__(self, d_model: int, d_hidden: int | None = None, bias: bool = True,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        f = {"device": device, "dtype": dtype}
+        self.d_model = d_model
+        self.d_hidden = d_hidden or d_model
+        self.linear_z = nn.Linear(d_model, self.d_hidden, bias=bias, **f)
+        self.linear_h = nn.Linear(d_model, self.d_hidden, bias=bias, **f)
+
+    def forward(self, x: Float[Tensor, "batch length d_model"],
+                h0: Float[Tensor, "batch d_hidden"] | None = None) -> Float[Tensor, "batch length d_hidden"]:
+        """Parallel mode.
+
+        **Arguments:**
+
+        - `x`: `(batch, length, d_model)`.
+        - `h0`: initial state `(batch, d_hidden)`, zeros if omitted.
+
+        **Returns:** all states `(batch, length, d_hidden)`.
+        """
+        x = self._check_x(x)
+        if h0 is not None:
+            h0 = check_state(self._layer_name, "h0", h0, (x.shape[0], self.d_hidden), self._param_dtype())
+        z = torch.sigmoid(self.linear_z(x))
+        h_tilde = self.linear_h(x)
+        return linear_recurrence(1 - z, z * h_tilde, axis=1, init=h0)
+
+    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Float[Tensor, "batch d_hidden"]:
+        """Zero state `(batch, d_hidden)`.
+
+        **Arguments:**
+
+        - `batch_size`: batch size; `device`, `dtype` default to the parameters'.
+
+        **Returns:** the zero state.
+        """
+        return torch.zeros(batch_size, self.d_hidden, dtype=dtype or self._param_dtype(),
+                           device=device or self.linear_z.weight.device)
+
+    def step(self, x_t: Float[Tensor, "batch d_model"], state: Float[Tensor, "batch d_hidden"]
+             ) -> tuple[Float[Tensor, "batch d_hidden"], Float[Tensor, "batch d_hidden"]]:
+        """One position: `h = (1 - z) h + z h̃`.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, d_model)`.
+        - `state`: `(batch, d_hidden)`.
+
+        **Returns:** `(h_t, h_t)`.
+        """
+        x_t = self._check_xt(x_t)
+        h = self._check_state(state, (x_t.shape[0], self.d_hidden), self._param_dtype())
+        z = torch.sigmoid(self.linear_z(x_t))
+        h = (1 - z) * h + z * self.linear_h(x_t)
+        return h, h
