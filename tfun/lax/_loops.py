@@ -179,7 +179,9 @@ def fori_loop(
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
     val: Any = tree_unflatten(treedef, leaves)
 
-    if _hop.is_tracing():
+    if _hop.is_tracing() or any(_batching.is_batched(t) for t in tensors):
+        # Traced, or a bound that differs per example under vmap: a static trip count is
+        # not known, so loop with while_loop (whose batching rule freezes finished examples).
         if not tensors:
             n = max(int(upper) - int(lower), 0)
 
