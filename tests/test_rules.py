@@ -181,7 +181,7 @@ def test_scan_xs_lengths_must_agree():
         lax.scan(lambda c, x: (c, None), 0.0, {"a": torch.zeros(3), "b": torch.zeros(4, 2)})
     msg = str(e.value)
     assert msg.splitlines()[0] == (
-        "tfun.lax.scan: xs leaves and `length` must agree on the size of axis 0, but they do not:"
+        "tfun.lax.scan: xs leaves must agree on the size of axis 0, but they do not:"
     )
     assert "  * xs['a']: float32[3] on cpu (size 3)" in msg
     assert "  * xs['b']: float32[4,2] on cpu (size 4)" in msg

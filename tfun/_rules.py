@@ -338,7 +338,9 @@ def leading_length(
             bullets.append(f"length argument: {length}")
         raise ArgumentValueError(
             format_message(
-                f"{op}: {arg} leaves and `length` must agree on the size of axis {axis}, but they do not:",
+                f"{op}: {arg} leaves and `length` must agree on the size of axis {axis}, but they do not:"
+                if length is not None
+                else f"{op}: {arg} leaves must agree on the size of axis {axis}, but they do not:",
                 bullets,
                 revise=f"Make every leaf of {arg} the same length along axis {axis}"
                 + (" and equal to `length`." if length is not None else "."),

@@ -132,7 +132,7 @@ def tree_map_with_path(
 
 
 def tree_all(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> bool:
-    """`all(tree_leaves(tree))`."""
+    """True if every leaf of `tree` is truthy: `all(tree_leaves(tree))`. An empty tree gives True."""
     return all(tree_leaves(tree, is_leaf))
 
 

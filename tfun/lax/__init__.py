@@ -8,6 +8,7 @@ from ._associative_scan import associative_scan as associative_scan
 from ._cond import cond as cond
 from ._cond import select as select
 from ._cond import switch as switch
+from ._linear_scan import linear_scan as linear_scan
 from ._loops import fori_loop as fori_loop
 from ._loops import while_loop as while_loop
 from ._map import map as map
@@ -22,4 +23,5 @@ __all__ = [
     "scan",
     "associative_scan",
     "map",
+    "linear_scan",
 ]
