@@ -10,7 +10,7 @@ import torch
 import tfun
 from tfun import lax
 from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TfunError
-from tfun._jit import JitError
+from tfun.errors import JitError
 
 from .helpers import assert_tree_allclose
 

@@ -22,6 +22,7 @@ __all__ = [
     "StructureMismatchError",
     "TensorMismatchError",
     "SideEffectError",
+    "JitError",
     "ArgumentTypeError",
     "ArgumentValueError",
 ]
@@ -49,6 +50,14 @@ class SideEffectError(TfunError, RuntimeError):
     The forbidden side effects are: mutating a Python object the function did not create
     (list append, dict or set write, attribute assignment), rebinding a global or nonlocal
     name, and writing in place to a tensor the function did not create.
+    """
+
+
+class JitError(TfunError, RuntimeError):
+    """`tfun.jit` could not capture a function as one graph (or compile it).
+
+    The message names the user's `file:line` where Dynamo stopped and, where it can, what
+    to change (e.g. a graph break inside a body, or a torch limitation to work around).
     """
 
 

@@ -20,14 +20,10 @@ from typing import Any
 import torch
 
 from . import _funcinfo
-from ._errors import ArgumentTypeError, ArgumentValueError, TfunError, format_message
+from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from .lax import _hop
 
 __all__ = ["jit", "JitError", "Jitted", "Lowered"]
-
-
-class JitError(TfunError, RuntimeError):
-    """`tfun.jit` could not capture a function as one graph (or compile it)."""
 
 
 _CACHE_SIZE = 64

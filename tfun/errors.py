@@ -2,6 +2,7 @@
 
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ArgumentValueError as ArgumentValueError
+from ._errors import JitError as JitError
 from ._errors import SideEffectError as SideEffectError
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import TensorMismatchError as TensorMismatchError
@@ -12,6 +13,7 @@ __all__ = [
     "StructureMismatchError",
     "TensorMismatchError",
     "SideEffectError",
+    "JitError",
     "ArgumentTypeError",
     "ArgumentValueError",
 ]

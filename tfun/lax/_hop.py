@@ -44,6 +44,7 @@ import ast
 import collections
 import functools
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,7 +68,16 @@ __all__ = [
 # Feature detection (torch 2.11 - 2.13)
 # ----------------------------------------------------------------------------------------
 
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+def _detect_is_compiling() -> Callable[[], bool]:
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if f is not None:
+        return f
+    import importlib  # older torch: only Dynamo's own flag (imports Dynamo, ~1 s)
+
+    return importlib.import_module("torch._dynamo").is_compiling
+
+
+_is_compiling: Callable[[], bool] = _detect_is_compiling()
 
 
 def is_tracing() -> bool:
@@ -118,7 +128,19 @@ def _torch_associative_scan() -> Callable[..., Any]:
 # Escape hatches: plain Python run by Dynamo at trace time with constant arguments
 # ----------------------------------------------------------------------------------------
 
-_assume_constant = getattr(torch._dynamo, "assume_constant_result", lambda f: f)
+def _assume_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch._dynamo.assume_constant_result`, without importing Dynamo at tfun's import.
+
+    Importing `torch._dynamo` costs about a second; eager users never need it. When Dynamo
+    is already loaded its decorator is used; otherwise the function gets the marker that
+    decorator sets in torch 2.11-2.13 (`_dynamo_marked_constant`), which Dynamo reads
+    when it later traces a call to the function.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and hasattr(dynamo, "assume_constant_result"):
+        return dynamo.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 # key -> {label: description}; entries are small tuples of constants. Bounded.
 _EXCHANGE: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
