@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+import itertools
+from typing import Any, Callable
 
+import numpy as np
 import torch
+from hypothesis import strategies as st
 
 import tfun
-from tfun.tree import register_dataclass, tree_flatten, tree_leaves, tree_structure
+from tfun.tree import (
+    keystr,
+    register_dataclass,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_structure,
+)
 
 
 def tree_allclose(x: Any, y: Any, *, rtol: float = 1e-5, atol: float = 1e-6, equal_nan: bool = True) -> bool:
@@ -68,4 +79,118 @@ def to_numpy_tree(x: Any) -> Any:
     return tfun.tree.tree_map(lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t, x)
 
 
-__all__ = ["tree_allclose", "assert_tree_allclose", "Point", "State", "sample_trees", "to_numpy_tree", "tree_flatten"]
+def assert_grads_close(got: Any, want: Any, *, rtol: float, atol: float) -> None:
+    """Two tuples of gradients (as torch.autograd.grad returns them): the same length,
+    None in the same places (allow_unused=True), and the rest close."""
+    assert len(got) == len(want), (len(got), len(want))
+    for u, v in zip(got, want):
+        assert (u is None) == (v is None)
+        if u is not None:
+            torch.testing.assert_close(u, v, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------------------
+# Random pytree structures for hypothesis: templates whose leaves say what to put there
+# ("t": a tensor, "i": a Python int, "f": a Python float), made concrete by `materialize`.
+# ----------------------------------------------------------------------------------------
+
+
+def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.tuples(kids),
+            st.lists(kids, min_size=0, max_size=2),
+            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
+            st.builds(Point, kids, kids),
+            st.builds(State, kids, kids),
+            st.tuples(kids, st.none()),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+_TRAILING = [(), (2,), (1, 3)]
+
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
+
+
+def materialize(
+    template: Any,
+    dtype: torch.dtype,
+    seed: int,
+    *,
+    lead: tuple[int, ...] = (),
+    shape: tuple[int, ...] | Callable[[int], Any] | None = None,
+    int_range: tuple[int, int] = (-3, 4),
+) -> Any:
+    """The leaves of a `structures()` template, drawn from a generator seeded with `seed`.
+
+    The k-th tensor leaf ("t") has shape `(*lead, *_TRAILING[k % 3])`, or `shape` where
+    given (one shape for every leaf, or a function of k); integer tensors are drawn from
+    `int_range` (low inclusive, high exclusive). "i" and "f" leaves are Python scalars.
+    """
+    g = torch.Generator().manual_seed(seed)
+    counter = itertools.count()
+
+    def make(kind: str) -> Any:
+        k = next(counter)
+        if kind == "i":
+            return int(torch.randint(-3, 4, (), generator=g))
+        if kind == "f":
+            return float(torch.randn((), generator=g))
+        if shape is None:
+            s = (*lead, *_TRAILING[k % 3])
+        else:
+            s = shape(k) if callable(shape) else shape
+        if dtype.is_floating_point:
+            return torch.randn(s, generator=g, dtype=dtype)
+        return torch.randint(*int_range, s, generator=g, dtype=dtype)
+
+    return tree_map(make, template)
+
+
+def as_tensor(v: Any) -> torch.Tensor:
+    """The documented rule for Python scalars in carries and operands: int -> int64, float -> float32."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    return torch.tensor(v, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# JAX as a differential oracle (the `jax` fixture is in tests/lax/conftest.py)
+# ----------------------------------------------------------------------------------------
+
+
+def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+    """Same leaves at the same key paths (keystr), with the same dtypes and shapes and close values."""
+    import jax
+
+    ours_p, _ = tree_flatten_with_path(ours)
+    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
+    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
+    for (p, a), (_, b) in zip(ours_p, theirs_p):
+        a = a.detach().numpy()
+        b = np.asarray(b)
+        assert a.dtype == b.dtype, (keystr(p), a.dtype, b.dtype)
+        assert a.shape == b.shape, (keystr(p), a.shape, b.shape)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
+
+
+__all__ = [
+    "tree_allclose",
+    "assert_tree_allclose",
+    "assert_grads_close",
+    "Point",
+    "State",
+    "sample_trees",
+    "to_numpy_tree",
+    "tree_flatten",
+    "structures",
+    "DTYPES",
+    "materialize",
+    "as_tensor",
+    "assert_matches_jax",
+]

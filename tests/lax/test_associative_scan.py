@@ -3,7 +3,6 @@ gradients, and JAX as an oracle."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -12,41 +11,21 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tests.helpers import Point, State, assert_tree_allclose
+from tests.helpers import assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 from tfun import lax
-from tfun.tree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
+from tfun.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
-def structures(max_leaves: int = 4) -> st.SearchStrategy[Any]:
-    return st.recursive(
-        st.just("t"),
-        lambda kids: st.one_of(
-            st.tuples(kids),
-            st.lists(kids, min_size=0, max_size=2),
-            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
-            st.builds(Point, kids, kids),
-            st.builds(State, kids, kids),
-            st.tuples(kids, st.none()),
-        ),
-        max_leaves=max_leaves,
-    )
-
-
-def materialize(template: Any, n: int, rank: int, axis: int, dtype: torch.dtype, seed: int) -> Any:
-    """Leaves of rank `rank` with size `n` along `axis`; other sizes vary per leaf."""
-    g = torch.Generator().manual_seed(seed)
-    counter = itertools.count()
+def along_axis(n: int, rank: int, axis: int) -> Any:
+    """The shape of leaf k for `materialize`: rank `rank` with size `n` along `axis`; other sizes vary per leaf."""
     ax = axis % rank
 
-    def make(_: str) -> torch.Tensor:
-        k = next(counter)
-        shape = [1 + (k + d) % 2 for d in range(rank)]
-        shape[ax] = n
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=g, dtype=dtype)
-        return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+    def shape(k: int) -> list[int]:
+        s = [1 + (k + d) % 2 for d in range(rank)]
+        s[ax] = n
+        return s
 
-    return tree_map(make, template)
+    return shape
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,7 +100,7 @@ def rank_and_axis(draw: Any) -> tuple[int, int]:
 )
 def test_associative_scan_matches_sequential_loop(tree_t, n, ra, reverse, op, dtype, seed):
     rank, axis = ra
-    elems = materialize(tree_t, n, rank, axis, dtype, seed)
+    elems = materialize(tree_t, dtype, seed, shape=along_axis(n, rank, axis), int_range=(-5, 6))
     assume(tree_leaves(elems))
     out = lax.associative_scan(OPS[op], elems, reverse=reverse, axis=axis)
     want = ref_associative_scan(OPS[op], elems, reverse=reverse, axis=axis)
@@ -207,8 +186,7 @@ def test_associative_scan_grad_matches_sequential_loop(reverse, n):
 
     got = torch.autograd.grad(loss(lax.associative_scan(fn, (a, b * w), reverse=reverse)), (a, b, w))
     want = torch.autograd.grad(loss(ref_associative_scan(fn, (a, b * w), reverse=reverse)), (a, b, w))
-    for u, v in zip(got, want):
-        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10)
+    assert_grads_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_associative_scan_gradcheck():
@@ -221,26 +199,6 @@ def test_associative_scan_gradcheck():
 # ----------------------------------------------------------------------------------------
 # JAX as a differential oracle
 # ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
-    return jax
-
-
-def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-10, atol: float = 1e-10) -> None:
-    import jax
-
-    ours_p, _ = tree_flatten_with_path(ours)
-    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
-    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
-    for (p, a), (_, b) in zip(ours_p, theirs_p):
-        a = a.detach().numpy()
-        b = np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -258,7 +216,7 @@ def test_associative_scan_affine_matches_jax(jax, reverse, n):
 
     ours = lax.associative_scan(fn, tree_map(torch.from_numpy, elems), reverse=reverse)
     theirs = jax.jit(lambda e: jax.lax.associative_scan(fn, e, reverse=reverse))(elems)
-    assert_matches_jax(ours, theirs)
+    assert_matches_jax(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2, -1, -2, -3])
@@ -272,11 +230,11 @@ def test_associative_scan_axis_matches_jax(jax, axis, reverse):
     jax_axis = axis % 3 if reverse else axis
     ours = lax.associative_scan(torch.add, torch.from_numpy(x), reverse=reverse, axis=axis)
     theirs = jax.jit(lambda e: jax.lax.associative_scan(jax.numpy.add, e, reverse=reverse, axis=jax_axis))(x)
-    assert_matches_jax(ours, theirs)
+    assert_matches_jax(ours, theirs, rtol=1e-10, atol=1e-10)
     if m is not None:  # non-commutative: batched 2x2 matrix products along a leading axis
         ours = lax.associative_scan(op_matmul, torch.from_numpy(m), reverse=reverse, axis=axis)
         theirs = jax.jit(lambda e: jax.lax.associative_scan(jax.numpy.matmul, e, reverse=reverse, axis=axis))(m)
-        assert_matches_jax(ours, theirs)
+        assert_matches_jax(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
 def test_associative_scan_negative_axis_on_leaves_of_different_rank_matches_jax(jax):
@@ -288,4 +246,4 @@ def test_associative_scan_negative_axis_on_leaves_of_different_rank_matches_jax(
 
     theirs = jax.jit(lambda e: jax.lax.associative_scan(fn, e, axis=-1))((a, b))
     ours = lax.associative_scan(fn, (torch.from_numpy(a), torch.from_numpy(b)), axis=-1)
-    assert_matches_jax(ours, theirs)
+    assert_matches_jax(ours, theirs, rtol=1e-10, atol=1e-10)

@@ -3,7 +3,6 @@ and JAX as an oracle."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -12,56 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.helpers import Point, State, assert_tree_allclose
+from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 from tfun import lax
-from tfun.tree import keystr, tree_flatten_with_path, tree_map
-
-
-def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
-    return st.recursive(
-        leaf,
-        lambda kids: st.one_of(
-            st.tuples(kids),
-            st.lists(kids, min_size=0, max_size=2),
-            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
-            st.builds(Point, kids, kids),
-            st.builds(State, kids, kids),
-            st.tuples(kids, st.none()),
-        ),
-        max_leaves=max_leaves,
-    )
-
-
-_TRAILING = [(), (2,), (1, 3)]
-
-
-def materialize(template: Any, dtype: torch.dtype, seed: int, same_shape: tuple[int, ...] | None = None) -> Any:
-    g = torch.Generator().manual_seed(seed)
-    counter = itertools.count()
-
-    def make(kind: str) -> Any:
-        k = next(counter)
-        if kind == "i":
-            return int(torch.randint(-3, 4, (), generator=g))
-        if kind == "f":
-            return float(torch.randn((), generator=g))
-        shape = same_shape if same_shape is not None else _TRAILING[k % 3]
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=g, dtype=dtype)
-        return torch.randint(-3, 4, shape, generator=g, dtype=dtype)
-
-    return tree_map(make, template)
-
-
-def as_tensor(v: Any) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    return torch.tensor(v, dtype=torch.float32)
-
-
-DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
+from tfun.tree import tree_map
 
 
 # Branches with distinct code objects (tfun caches branch checks per code object).
@@ -198,8 +150,8 @@ def ref_select(pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     seed=st.integers(0, 2**16),
 )
 def test_select_matches_elementwise_choice(t_t, shape, pred_kind, dtype, seed):
-    a = materialize(t_t, dtype, seed, same_shape=shape)
-    b = materialize(t_t, dtype, seed + 1, same_shape=shape)
+    a = materialize(t_t, dtype, seed, shape=shape)
+    b = materialize(t_t, dtype, seed + 1, shape=shape)
     g = torch.Generator().manual_seed(seed)
     if pred_kind == "full":
         pred = torch.rand(shape, generator=g) < 0.5
@@ -239,16 +191,10 @@ def test_switch_and_cond_grads_match_python(k):
 
     want = torch.autograd.grad(loss(branches[k](x, h)), (W, x, h), allow_unused=True)
     got = torch.autograd.grad(loss(lax.switch(torch.tensor(k), branches, x, h)), (W, x, h), allow_unused=True)
-    for u, v in zip(got, want):
-        assert (u is None) == (v is None)
-        if u is not None:
-            torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
     if k < 2:
         got = torch.autograd.grad(loss(lax.cond(k == 0, branches[0], branches[1], x, h)), (W, x, h), allow_unused=True)
-        for u, v in zip(got, want):
-            assert (u is None) == (v is None)
-            if u is not None:
-                torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+        assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_cond_switch_select_gradcheck():
@@ -269,26 +215,6 @@ def test_cond_switch_select_gradcheck():
 # ----------------------------------------------------------------------------------------
 # JAX as a differential oracle
 # ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
-    return jax
-
-
-def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
-    import jax
-
-    ours_p, _ = tree_flatten_with_path(ours)
-    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
-    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
-    for (p, a), (_, b) in zip(ours_p, theirs_p):
-        a = a.detach().numpy()
-        b = np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
 
 
 def _jx_branches(lib: Any) -> list[Any]:

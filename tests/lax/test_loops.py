@@ -3,7 +3,6 @@ JAX as an oracle."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -12,53 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.helpers import Point, State, assert_tree_allclose
+from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 from tfun import lax
-from tfun.tree import keystr, tree_flatten_with_path, tree_map
-
-
-def structures(leaf: st.SearchStrategy[str] = st.just("t"), max_leaves: int = 4) -> st.SearchStrategy[Any]:
-    return st.recursive(
-        leaf,
-        lambda kids: st.one_of(
-            st.tuples(kids),
-            st.lists(kids, min_size=0, max_size=2),
-            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
-            st.builds(Point, kids, kids),
-            st.builds(State, kids, kids),
-            st.tuples(kids, st.none()),
-        ),
-        max_leaves=max_leaves,
-    )
-
-
-_TRAILING = [(), (2,), (1, 3)]
-
-
-def materialize(template: Any, dtype: torch.dtype, seed: int) -> Any:
-    g = torch.Generator().manual_seed(seed)
-    counter = itertools.count()
-
-    def make(kind: str) -> Any:
-        k = next(counter)
-        if kind == "i":
-            return int(torch.randint(-3, 4, (), generator=g))
-        if kind == "f":
-            return float(torch.randn((), generator=g))
-        shape = _TRAILING[k % 3]
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=g, dtype=dtype)
-        return torch.randint(-3, 4, shape, generator=g, dtype=dtype)
-
-    return tree_map(make, template)
-
-
-def as_tensor(v: Any) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    return torch.tensor(v, dtype=torch.float32)
+from tfun.tree import tree_map
 
 
 def update(tree: Any, i: torch.Tensor) -> Any:
@@ -71,8 +26,6 @@ def update(tree: Any, i: torch.Tensor) -> Any:
 
     return tree_map(up, tree)
 
-
-DTYPES = st.sampled_from([torch.float32, torch.float64, torch.int64])
 
 # ----------------------------------------------------------------------------------------
 # while_loop
@@ -220,12 +173,10 @@ def test_fori_and_while_grads_match_python_loop():
     want = torch.autograd.grad(loss(ref_fori(1, 5, body, init, torch.int64)), (W, h0, xs))
 
     got = torch.autograd.grad(loss(lax.fori_loop(1, 5, body, init)), (W, h0, xs))
-    for u, v in zip(got, want):
-        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
 
     got = torch.autograd.grad(loss(lax.fori_loop(torch.tensor(1), torch.tensor(5), body, init)), (W, h0, xs))
-    for u, v in zip(got, want):
-        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
 
     def w_cond_(c):
         return c[0] < 5
@@ -237,8 +188,7 @@ def test_fori_and_while_grads_match_python_loop():
 
     out = lax.while_loop(w_cond_, w_body_, (1, h0, torch.zeros((), dtype=torch.float64)))
     got = torch.autograd.grad(out[1].sum() + out[2], (W, h0, xs))
-    for u, v in zip(got, want):
-        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_fori_and_while_gradcheck():
@@ -257,26 +207,6 @@ def test_fori_and_while_gradcheck():
 # ----------------------------------------------------------------------------------------
 # JAX as a differential oracle
 # ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
-    return jax
-
-
-def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
-    import jax
-
-    ours_p, _ = tree_flatten_with_path(ours)
-    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
-    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
-    for (p, a), (_, b) in zip(ours_p, theirs_p):
-        a = a.detach().numpy()
-        b = np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
 
 
 def test_while_loop_matches_jax(jax):

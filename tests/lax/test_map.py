@@ -3,7 +3,6 @@ oracle."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -12,40 +11,9 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tests.helpers import Point, State, assert_tree_allclose
+from tests.helpers import Point, State, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 from tfun import lax
-from tfun.tree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
-
-
-def structures(max_leaves: int = 4) -> st.SearchStrategy[Any]:
-    return st.recursive(
-        st.just("t"),
-        lambda kids: st.one_of(
-            st.tuples(kids),
-            st.lists(kids, min_size=0, max_size=2),
-            st.dictionaries(st.sampled_from("abc"), kids, max_size=2),
-            st.builds(Point, kids, kids),
-            st.builds(State, kids, kids),
-            st.tuples(kids, st.none()),
-        ),
-        max_leaves=max_leaves,
-    )
-
-
-_TRAILING = [(), (2,), (1, 3)]
-
-
-def materialize(template: Any, n: int, dtype: torch.dtype, seed: int) -> Any:
-    g = torch.Generator().manual_seed(seed)
-    counter = itertools.count()
-
-    def make(_: str) -> torch.Tensor:
-        shape = (n, *_TRAILING[next(counter) % 3])
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=g, dtype=dtype)
-        return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
-
-    return tree_map(make, template)
+from tfun.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def ref_map(f: Any, xs: Any) -> Any:
@@ -98,7 +66,7 @@ def f_empty(x: Any) -> Any:  # no reductions: they are undefined on empty slices
     seed=st.integers(0, 2**16),
 )
 def test_map_matches_python_loop(tree_t, n, batch_size, dtype, seed):
-    xs = materialize(tree_t, n, dtype, seed)
+    xs = materialize(tree_t, dtype, seed, lead=(n,), int_range=(-5, 6))
     assume(tree_leaves(xs))
     if n == 0:
         f = f_empty
@@ -166,8 +134,7 @@ def test_map_grad_matches_python_loop(batch_size):
 
     want = torch.autograd.grad(loss(ref_map(f, {"x": xs, "k": ks})), (W, xs, ks))
     got = torch.autograd.grad(loss(lax.map(f, {"x": xs, "k": ks}, batch_size=batch_size)), (W, xs, ks))
-    for u, v in zip(got, want):
-        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+    assert_grads_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_map_gradcheck():
@@ -184,26 +151,6 @@ def test_map_gradcheck():
 # ----------------------------------------------------------------------------------------
 # JAX as a differential oracle
 # ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)  # float64/int64 compare exactly
-    return jax
-
-
-def assert_matches_jax(ours: Any, theirs: Any, *, rtol: float = 1e-12, atol: float = 1e-12) -> None:
-    import jax
-
-    ours_p, _ = tree_flatten_with_path(ours)
-    theirs_p, _ = jax.tree_util.tree_flatten_with_path(theirs)
-    assert [keystr(p) for p, _ in ours_p] == [jax.tree_util.keystr(p) for p, _ in theirs_p]
-    for (p, a), (_, b) in zip(ours_p, theirs_p):
-        a = a.detach().numpy()
-        b = np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape, (keystr(p), a.dtype, b.dtype, a.shape, b.shape)
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=keystr(p))
 
 
 @pytest.mark.parametrize("n,batch_size", [(0, None), (1, None), (5, None), (5, 2), (6, 3), (4, 10)])
