@@ -245,3 +245,33 @@ def test_jax_custom_jvp(jax):
         (tfun.hessian(lambda u: softplus(u).sum())(x), jax.hessian(lambda u: jsp(u).sum())(x.numpy())),
     ):
         np.testing.assert_allclose(mine.numpy(), np.asarray(ref), rtol=1e-10)
+
+
+@tfun.custom_vjp
+def _sin_with_residual(x):
+    return torch.sin(x)
+
+
+def _sin_fwd(x):
+    return torch.sin(x), torch.cos(x)  # a residual computed in fwd, not an input
+
+
+def _sin_bwd(c, g):
+    return (g * c,)
+
+
+_sin_with_residual.defvjp(_sin_fwd, _sin_bwd)
+
+
+def test_custom_vjp_second_order_through_computed_residuals():
+    # As in JAX, residuals are differentiable functions of the inputs: d2/dx2 sin = -sin.
+    x = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    second = torch.func.vmap(torch.func.grad(torch.func.grad(_sin_with_residual)))(x)
+    torch.testing.assert_close(second, -torch.sin(x))
+    torch.testing.assert_close(tfun.grad(tfun.grad(_sin_with_residual))(x[0]), -torch.sin(x[0]))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(_sin_with_residual(xr).sum(), xr, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), xr)
+    torch.testing.assert_close(g, torch.cos(x))
+    torch.testing.assert_close(gg, -torch.sin(x))
+    assert torch.autograd.gradgradcheck(_sin_with_residual, (xr,))

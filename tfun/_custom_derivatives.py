@@ -270,8 +270,12 @@ class _CustomVjpFunction(torch.autograd.Function):
         spec: _VjpSpec = inputs[0]
         tensors = inputs[1:]
         extra = output[spec.n_out :]
-        if extra:
-            ctx.mark_non_differentiable(*extra)
+        # Residuals that fwd computes are differentiable functions of the inputs (as in JAX):
+        # a second-order derivative that flows into them is pulled back through fwd again
+        # (see `_residual_pullback`), so they stay differentiable outputs here.
+        ctx.set_materialize_grads(False)
+        ctx.n_inputs = len(tensors)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in output[: spec.n_out]]
         ctx.spec = spec
         # save only what the residuals reference
         to_save: list[torch.Tensor] = []
@@ -283,17 +287,34 @@ class _CustomVjpFunction(torch.autograd.Function):
             src = tensors[v] if kind == "in" else output[v] if kind == "out" else extra[v]
             ctx.res_slots.append(len(to_save))
             to_save.append(src)
+        ctx.n_res_saved = len(to_save)
+        if extra:
+            to_save.extend(tensors)  # to recompute fwd's residuals if they are differentiated
         ctx.save_for_backward(*to_save)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         spec: _VjpSpec = ctx.spec
         saved = ctx.saved_tensors
+        inputs = saved[ctx.n_res_saved :]
+        saved = saved[: ctx.n_res_saved]
         res_leaves = [
             v if slot is None else saved[slot] for (kind, v), slot in zip(spec.res_src, ctx.res_slots)
         ]
         res = tree_unflatten(spec.res_td, res_leaves)
-        g = tree_unflatten(spec.out_td, list(grads[: spec.n_out]))
+        out_grads = list(grads[: spec.n_out])
+        res_grads = list(grads[spec.n_out :])
+        pulled = _residual_pullback(spec, inputs, res_grads) if any(r is not None for r in res_grads) else None
+        if all(o is None for o in out_grads):
+            if pulled is None:
+                return (None,) * (1 + ctx.n_inputs)
+            return (None, *pulled)
+        out_meta = ctx.out_meta
+        out_grads = [
+            torch.zeros(shape, dtype=dtype, device=device) if o is None else o
+            for o, (shape, dtype, device) in zip(out_grads, out_meta)
+        ]
+        g = tree_unflatten(spec.out_td, out_grads)
         cts = spec.bwd(*spec.nondiff, res, g)
         n_diff = len(spec.diff_argnums)
         op = "tfun.custom_vjp"
@@ -328,7 +349,39 @@ class _CustomVjpFunction(torch.autograd.Function):
         flat = _check_cotangents(
             op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
         )
-        return (None, *[flat[k] for k in spec.tensor_pos])
+        result = [flat[k] for k in spec.tensor_pos]
+        if pulled is not None:
+            result = [a if b is None else b if a is None else a + b for a, b in zip(result, pulled)]
+        return (None, *result)
+
+
+def _residual_pullback(spec: _VjpSpec, inputs: Sequence[torch.Tensor], res_grads: Sequence[Any]) -> list[Any]:
+    """Cotangents of the inputs for cotangents of fwd's computed residuals.
+
+    Reached only by higher-order differentiation (a derivative of `bwd`'s output flows into
+    a residual): fwd's residual map is differentiated with `torch.func.vjp`, which composes
+    with both `torch.autograd` and the `torch.func` transforms.
+    """
+    diff = [k for k, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+    keep = [k for k, g in enumerate(res_grads) if g is not None]
+    if not diff or not keep:
+        return [None] * len(inputs)
+
+    def residual_map(*d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(inputs)
+        for k, t in zip(diff, d):
+            full[k] = t
+        with _InsideForward():
+            _, res = spec.fwd(*spec.all_args(full))
+        computed = [r for (kind, _), r in zip(spec.res_src, tree_flatten(res)[0]) if kind == "res"]
+        return tuple(computed[k] for k in keep)
+
+    _, pull = torch.func.vjp(residual_map, *[inputs[k] for k in diff])
+    got = pull(tuple(res_grads[k] for k in keep))
+    out: list[Any] = [None] * len(inputs)
+    for k, gk in zip(diff, got):
+        out[k] = gk
+    return out
 
 
 class custom_vjp:
@@ -352,8 +405,10 @@ class custom_vjp:
     Works under `.backward()`, `torch.autograd.grad`, `tfun.grad`/`vjp`/`jacrev`/`vmap`
     and their `torch.func` counterparts. Forward mode (`jvp`, `jacfwd`) is not available
     for a `custom_vjp` function, as in JAX. When no autograd or transform can see the call,
-    the primal function `f` runs; otherwise `fwd` does. `bwd` runs differentiably, so
-    `grad(grad(f))` differentiates through it.
+    the primal function `f` runs; otherwise `fwd` does. `bwd` runs differentiably, and, as
+    in JAX, residuals that `fwd` computes are differentiable functions of the inputs, so
+    `grad(grad(f))` is exact: a second-order cotangent that reaches a residual is pulled
+    back through `fwd` (which then runs once more).
 
     **Arguments:**
 
