@@ -205,3 +205,32 @@ def test_bad_inputs():
         tfun.nn.GRUCell(IN, HID)(torch.randn(1, 2, IN))
     with pytest.raises(ArgumentValueError, match=r"tfun.nn.LSTMCell: h has the wrong shape"):
         tfun.nn.LSTMCell(IN, HID)(torch.randn(B, IN), (torch.zeros(B, HID + 1), torch.zeros(B, HID)))
+
+
+@pytest.mark.parametrize("cls", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("batched", [True, False])
+def test_step_mode_matches_forward(cls, batch_first, batched):
+    kw = {"proj_size": 3} if cls == "LSTM" else {}
+    layer = getattr(tfun.nn, cls)(5, 6, num_layers=2, batch_first=batch_first, **kw).double()
+    T, B = 7, 3
+    x = torch.randn((B, T, 5) if batch_first else (T, B, 5), dtype=torch.float64)
+    if not batched:
+        x = x[0] if batch_first else x[:, 0]
+    out, final = layer(x)
+    state = layer.init_state(B if batched else None)
+    ys = []
+    for t in range(T):
+        x_t = (x[:, t] if batch_first else x[t]) if batched else x[t]
+        y_t, state = layer.step(x_t, state)
+        ys.append(y_t)
+    stacked = torch.stack(ys, dim=1 if (batch_first and batched) else 0)
+    torch.testing.assert_close(stacked, out)
+    for a, b in zip(tfun.tree.tree_leaves(state), tfun.tree.tree_leaves(final)):
+        torch.testing.assert_close(a, b)
+
+
+def test_step_mode_refuses_bidirectional():
+    layer = tfun.nn.GRU(4, 4, bidirectional=True)
+    with pytest.raises(tfun.errors.ArgumentValueError, match=r"tfun\.nn\.GRU\.step: a bidirectional layer has no step mode"):
+        layer.step(torch.zeros(2, 4), layer.init_state(2))

@@ -262,6 +262,52 @@ class _RNNBase(nn.Module):
                 x = F.dropout(x, p=self.dropout, training=True)
         return x, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
 
+    def init_state(self, batch_size: int | None = None, device: Any = None, dtype: Any = None) -> Any:
+        """The zero state for `step` (what `forward` uses when `hx` is omitted).
+
+        **Arguments:**
+
+        - `batch_size`: the batch size, or `None` for unbatched inputs.
+        - `device`, `dtype`: default to the parameters'.
+
+        **Returns:** `h` of shape `(D * num_layers, batch_size, H_out)` (no batch axis when
+        unbatched), where `H_out` is `proj_size` if set, else `hidden_size`; for `LSTM`, the
+        pair `(h, c)` with `c` of shape `(D * num_layers, batch_size, hidden_size)`.
+        """
+        ref = next(self.parameters())
+        factory = {"device": device or ref.device, "dtype": dtype or ref.dtype}
+        layers = (2 if self.bidirectional else 1) * self.num_layers
+        batch = () if batch_size is None else (batch_size,)
+        h = torch.zeros(layers, *batch, self.proj_size or self.hidden_size, **factory)
+        if self.mode == "LSTM":
+            return h, torch.zeros(layers, *batch, self.hidden_size, **factory)
+        return h
+
+    def step(self, x_t: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """One time step, for inference: exactly what `forward` computes at that step.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, input_size)`, or `(input_size,)` unbatched.
+        - `state`: from `init_state` or the previous `step` (`hx` of `forward`).
+
+        **Returns:** `(y_t, new_state)`: `y_t` is `(batch, H_out)` (`(H_out,)` unbatched)
+        and `new_state` has the structure of `state`.
+        """
+        if self.bidirectional:
+            raise ArgumentValueError(
+                f"{self._layer_name}.step: a bidirectional layer has no step mode (its reverse direction "
+                "reads the future); run `forward` over the whole sequence."
+            )
+        if not isinstance(x_t, Tensor) or x_t.dim() not in (1, 2):
+            shape = tuple(x_t.shape) if isinstance(x_t, Tensor) else type(x_t).__name__
+            raise ArgumentValueError(
+                f"{self._layer_name}.step: x_t must be (batch, input_size) or (input_size,), but got {shape}."
+            )
+        time_axis = 1 if (self.batch_first and x_t.dim() == 2) else 0
+        out, new_state = self(x_t.unsqueeze(time_axis), state)
+        return out.squeeze(time_axis), new_state
+
     def _finish(self, out: Tensor, batched: bool) -> Tensor:
         if not batched:
             return out.squeeze(1)
