@@ -123,3 +123,20 @@ def test_saves_only_inputs_and_closed_over_tensors():
 def test_policy_validation():
     with pytest.raises(ArgumentTypeError, match="policy must be None or a callable"):
         tfun.checkpoint(body, policy="dots")
+
+
+def test_checkpoint_forward_mode_jvp_jacfwd_hessian():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    plain = lambda x: torch.sin(lin(x)) * 2  # noqa: E731
+    ck = tfun.checkpoint(plain)
+    x = torch.randn(3, dtype=torch.float64)
+    t = torch.randn(3, dtype=torch.float64)
+    out, tan = tfun.jvp(ck, (x,), (t,))
+    ref_out, ref_tan = torch.func.jvp(plain, (x,), (t,))
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(tan, ref_tan)
+    torch.testing.assert_close(tfun.jacfwd(ck)(x), torch.func.jacrev(plain)(x))
+    torch.testing.assert_close(
+        tfun.hessian(lambda v: ck(v).sum())(x), torch.func.hessian(lambda v: plain(v).sum())(x)
+    )

@@ -275,3 +275,15 @@ def test_custom_vjp_second_order_through_computed_residuals():
     torch.testing.assert_close(g, torch.cos(x))
     torch.testing.assert_close(gg, -torch.sin(x))
     assert torch.autograd.gradgradcheck(_sin_with_residual, (xr,))
+
+
+def test_custom_vjp_refuses_forward_mode_with_a_tfun_error():
+    x = torch.tensor(0.5, dtype=torch.float64)
+    with pytest.raises(tfun.errors.ArgumentTypeError) as e:
+        tfun.jvp(_sin_with_residual, (x,), (torch.ones_like(x),))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.custom_vjp: forward-mode differentiation (jvp, jacfwd, hessian) of a custom_vjp function is not "
+        "supported, as in JAX."
+    )
+    assert lines[1].startswith("The function is `_sin_fwd at ")

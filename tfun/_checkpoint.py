@@ -328,7 +328,33 @@ class _CheckpointFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*extra)
         ctx.spec = spec
         ctx.n_tensors = len(inputs) - 1
+        ctx.n_extra = len(extra)
         ctx.save_for_backward(*inputs[1:], *extra)
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def jvp(ctx: Any, _spec_tangent: Any, *tangents: Any) -> Any:  # type: ignore[override]
+        # Forward mode saves nothing across a backward pass, so checkpointing has nothing to
+        # save: push the tangents through the function itself.
+        spec: _Spec = ctx.spec
+        tensors = list(ctx.saved_tensors)
+        diff = [k for k, t in enumerate(tensors) if is_inexact(t)]
+
+        def run(*d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            vals = list(tensors)
+            for k, v in zip(diff, d):
+                vals[k] = v
+            with _Mode(subst=spec.subst(vals[spec.n_in :])):
+                out = spec.call(vals[: spec.n_in])
+            leaves = tree_flatten(out)[0]
+            return tuple(leaves[k] for k in spec.out_tensor_pos)
+
+        primals = tuple(tensors[k] for k in diff)
+        tans = tuple(
+            torch.zeros_like(tensors[k]) if tangents[k] is None else tangents[k] for k in diff
+        )
+        _, out_tangents = torch.func.jvp(run, primals, tans)
+        return (*out_tangents, *([None] * ctx.n_extra))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
@@ -388,8 +414,8 @@ def checkpoint(
     `tfun.grad`/`vmap`/`torch.func.grad`/`vjp`/`vmap` (unlike `torch.utils.checkpoint`).
     Tensors `fun` closes over (e.g. the parameters of an `nn.Module` it calls) are found
     by a `TorchFunctionMode` and receive gradients. Under a `torch.func` transform the
-    discovery costs one extra forward run of `fun`. Forward mode (`jvp`, `jacfwd`) is not
-    supported. `fun` must be deterministic (same ops each run) and must not mutate the
+    discovery costs one extra forward run of `fun`. Forward mode (`jvp`, `jacfwd`,
+    `hessian`) pushes tangents through `fun` itself (it has nothing to save). `fun` must be deterministic (same ops each run) and must not mutate the
     tensors it closes over between forward and backward.
 
     **Arguments:**

@@ -293,6 +293,19 @@ class _CustomVjpFunction(torch.autograd.Function):
         ctx.save_for_backward(*to_save)
 
     @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:  # type: ignore[override]
+        spec: _VjpSpec = ctx.spec
+        raise ArgumentTypeError(
+            format_message(
+                "tfun.custom_vjp: forward-mode differentiation (jvp, jacfwd, hessian) of a custom_vjp "
+                "function is not supported, as in JAX.",
+                function=describe(spec.fwd),
+                revise="Differentiate it in reverse mode (grad, vjp, jacrev), or give it a forward-mode rule "
+                "with tfun.custom_jvp instead.",
+            )
+        )
+
+    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         spec: _VjpSpec = ctx.spec
         saved = ctx.saved_tensors
