@@ -59,7 +59,46 @@ class _SSMBase(nn.Module):
         return check_state(f"{self._layer_name}.step", "state", state, shape, dtype)
 
 
-class LRU(_SSMBase):
+class _ComplexDiagonalSSM(_SSMBase):
+    """LRU and S5: a complex diagonal state `(batch, d_state)` read out as
+    `readout_scale * Re(h C^T) + D * x`."""
+
+    _readout_scale = 1.0
+
+    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
+        """Zero state `(batch, d_state)`, complex.
+
+        **Arguments:**
+
+        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
+
+        **Returns:** the zero state.
+        """
+        dtype = _complex_dtype(dtype or self._param_dtype())
+        return torch.zeros(batch_size, self.d_state, dtype=dtype, device=device or self.D.device)
+
+    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_state"]
+             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_state"]]:
+        """One position of the recurrence.
+
+        **Arguments:**
+
+        - `x_t`: `(batch, d_model)`.
+        - `state`: `(batch, d_state)` complex.
+
+        **Returns:** `(y_t, new_state)`.
+        """
+        x_t = self._check_xt(x_t)
+        lam, B, C = self._discrete()
+        h = self._check_state(state, (x_t.shape[0], self.d_state), lam.dtype)
+        h = lam * h + x_t.to(B.dtype) @ B.t()
+        return self._readout_scale * (h @ C.t()).real + self.D * x_t, h
+
+
+class LRU(_ComplexDiagonalSSM):
     """Linear Recurrent Unit of Orvieto et al., "Resurrecting Recurrent Neural Networks for Long Sequences" (ICML 2023).
 
     `h_t = λ ⊙ h_{t-1} + γ ⊙ (B u_t)`, `y_t = Re(C h_t) + D ⊙ u_t`, with a complex diagonal
@@ -123,36 +162,6 @@ class LRU(_SSMBase):
         bu = x.to(B.dtype) @ B.t()  # (b, l, n)
         h = _complex_scan(lam, bu, None)
         return (h @ C.t()).real + self.D * x
-
-    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
-        """Zero state `(batch, d_state)`, complex.
-
-        **Arguments:**
-
-        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
-
-        **Returns:** the zero state.
-        """
-        dtype = _complex_dtype(dtype or self._param_dtype())
-        return torch.zeros(batch_size, self.d_state, dtype=dtype, device=device or self.D.device)
-
-    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_state"]
-             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_state"]]:
-        """One position of the recurrence.
-
-        **Arguments:**
-
-        - `x_t`: `(batch, d_model)`.
-        - `state`: `(batch, d_state)` complex.
-
-        **Returns:** `(y_t, new_state)`.
-        """
-        x_t = self._check_xt(x_t)
-        lam, B, C = self._discrete()
-        h = self._check_state(state, (x_t.shape[0], self.d_state), lam.dtype)
-        h = lam * h + x_t.to(B.dtype) @ B.t()
-        return (h @ C.t()).real + self.D * x_t, h
-
 
 class S4D(_SSMBase):
     """S4D: the diagonal S4 of Gu, Gupta, Goel & Ré, "On the Parameterization and Initialization of Diagonal State Space Models" (NeurIPS 2022).
@@ -258,7 +267,7 @@ def _hippo_n(n: int) -> tuple[Tensor, Tensor]:
     return torch.complex(torch.full_like(lam_im, lam_re.item()), lam_im), V
 
 
-class S5(_SSMBase):
+class S5(_ComplexDiagonalSSM):
     """S5 layer of Smith, Warrington & Linderman, "Simplified State Space Layers for Sequence Modeling" (ICLR 2023).
 
     One multi-input multi-output SSM with a complex diagonal state of `d_state` modes and
@@ -280,6 +289,7 @@ class S5(_SSMBase):
     **Returns:** `forward(x)` maps `(batch, length, d_model)` to the same shape.
     """
 
+    _readout_scale = 2.0  # conjugate-symmetric eigenvalues: y = 2 Re(C h)
     _layer_name = "tfun.nn.S5"
 
     def __init__(self, d_model: int, d_state: int, dt_min: float = 0.001, dt_max: float = 0.1,
@@ -326,36 +336,6 @@ class S5(_SSMBase):
             return x.clone()
         _, h = lax.associative_scan(s5_operator, (lam_bar.expand_as(bu), bu), axis=1)
         return 2 * (h @ C.t()).real + self.D * x
-
-    def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
-        """Zero state `(batch, d_state)`, complex.
-
-        **Arguments:**
-
-        - `batch_size`: batch size; `device`, `dtype` (real) default to the parameters'.
-
-        **Returns:** the zero state.
-        """
-        dtype = _complex_dtype(dtype or self._param_dtype())
-        return torch.zeros(batch_size, self.d_state, dtype=dtype, device=device or self.D.device)
-
-    def step(self, x_t: Float[Tensor, "batch d_model"], state: Complex[Tensor, "batch d_state"]
-             ) -> tuple[Float[Tensor, "batch d_model"], Complex[Tensor, "batch d_state"]]:
-        """One position of the recurrence.
-
-        **Arguments:**
-
-        - `x_t`: `(batch, d_model)`.
-        - `state`: `(batch, d_state)` complex.
-
-        **Returns:** `(y_t, new_state)`.
-        """
-        x_t = self._check_xt(x_t)
-        lam_bar, B_bar, C = self._discrete()
-        h = self._check_state(state, (x_t.shape[0], self.d_state), lam_bar.dtype)
-        h = lam_bar * h + x_t.to(B_bar.dtype) @ B_bar.t()
-        return 2 * (h @ C.t()).real + self.D * x_t, h
-
 
 class MinGRU(_SSMBase):
     """minGRU of Feng, Tung, Ahmed, Bengio & Hajimirsadeghi, "Were RNNs All We Needed?" (2024).
