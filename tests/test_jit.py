@@ -151,6 +151,46 @@ def test_module_method_and_backward():
         assert torch.allclose(m.W.grad, g_ref, atol=1e-6)
 
 
+def test_module_whose_scan_closes_over_parameters_trains_with_inductor():
+    import copy
+
+    class RNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = torch.nn.Linear(8, 8)
+            self.inp = torch.nn.Linear(3, 8)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, xs):
+            def step(h, x):  # closes over the parameters of three submodules
+                h = torch.tanh(self.cell(h) + self.inp(x))
+                return h, self.head(h)
+
+            h, ys = lax.scan(step, torch.zeros(xs.shape[1], 8), xs)
+            return ys.pow(2).mean() + h.sum()
+
+    torch.manual_seed(0)
+    m = RNN()
+    ref = copy.deepcopy(m)
+    step_c = tfun.jit(m)  # default backend: inductor, forward and backward
+    opt, opt_ref = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        xs = torch.randn(7, 2, 3)
+        opt.zero_grad()
+        loss = step_c(xs)
+        loss.backward()
+        opt_ref.zero_grad()
+        loss_ref = ref(xs)
+        loss_ref.backward()
+        assert torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_grad_of_jit_runs_eagerly_inside_the_transform():
     W, xs = torch.randn(4, 4) * 0.3, torch.randn(5, 4)
     g_ref = torch.func.grad(_loss)(W, xs)
@@ -169,7 +209,10 @@ def test_jit_of_grad_without_control_flow_is_one_graph():
 
 
 def test_jit_of_grad_with_control_flow_is_a_clear_error():
-    # torch 2.13 cannot compile torch.func.grad around any control-flow HOP.
+    # torch 2.13 cannot compile torch.func.grad around any control-flow HOP: Dynamo's HOP
+    # speculation asserts that the body's inputs are FakeTensors, but under the grad
+    # transform they are functorch-wrapped (torch/_higher_order_ops/utils.py,
+    # _collect_fake_inputs, called from check_aliasing_and_input_mutation).
     W, xs = torch.randn(4, 4) * 0.3, torch.randn(5, 4)
     with pytest.raises(JitError, match="cannot trace a torch.func transform"):
         tfun.jit(torch.func.grad(_loss), backend="aot_eager")(W, xs)

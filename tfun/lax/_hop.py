@@ -33,9 +33,17 @@ How the lowering works (torch 2.11-2.13):
   (`torch._dynamo.assume_constant_result`). Dynamo reports such an exception wrapped in
   `torch._dynamo.exc.Unsupported`/`UncapturedHigherOrderOpError`; `tfun.jit` unwraps it
   (`unwrap_dynamo_error`).
+- Gradients come from torch's own HOP autograd. For scan under inductor, torch 2.13 needs
+  two workarounds, applied under grad mode except while exporting (see `scan`): every body
+  output is cloned (else "scan might be aliasing the input or the output"), and the
+  gradients reaching the outputs are made contiguous by a hook (inductor's scan computes
+  wrong values from stride-0 tangents such as the gradient of `carry.sum()`).
 - Known torch 2.13 limitations: `x.T` inside a cond branch triggers a spurious Dynamo
   aliasing error (use `x.t()` / `x.mT`); `associative_scan` on the CPU lowers to torch's
-  "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node).
+  "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node);
+  gradients through a scan nested in a scan body are not implemented by torch (any
+  backend); `torch.compile(torch.func.grad(f))` fails for every control-flow HOP (see
+  `is_tracing`).
 """
 
 from __future__ import annotations
@@ -88,9 +96,10 @@ def is_tracing() -> bool:
     in eager mode and under plain `torch.func` transforms. About 0.1 us per call in eager.
 
     Known torch 2.13 limitation: `torch.compile(torch.func.grad(f))` fails for every
-    control-flow HOP (cond, scan, map: "Expected FakeTensor, got Tensor"), so
+    control-flow HOP (cond, scan, map: "Expected FakeTensor, got Tensor", asserted by
+    Dynamo's aliasing check of the HOP body, whose inputs are functorch-wrapped there), so
     `tfun.jit(tfun.grad(f))` with lax ops inside does not compile; `tfun.jit(f)` followed by
-    `.backward()` does.
+    `.backward()` does, with any backend.
     """
     return _is_compiling()
 
@@ -389,14 +398,17 @@ def _view_root(t: torch.Tensor) -> torch.Tensor:
     return t if base is None else base
 
 
-def _unalias(outs: list[Any], ins: Sequence[Any]) -> list[Any]:
-    """Clone outputs that are (views of) inputs or of earlier outputs: HOP bodies may not alias."""
+def _unalias(outs: list[Any], ins: Sequence[Any], clone_all: bool = False) -> list[Any]:
+    """Clone outputs that are (views of) inputs or of earlier outputs: HOP bodies may not alias.
+
+    `clone_all`: clone every output (scan under autograd; see `scan`).
+    """
     seen = [_view_root(t) for t in ins if isinstance(t, torch.Tensor)]
     result = []
     for t in outs:
         if isinstance(t, torch.Tensor):
             root = _view_root(t)
-            if t._base is not None or any(root is s for s in seen):
+            if t._base is not None or any(root is s for s in seen) or clone_all:
                 t = t.clone()
                 root = t
             seen.append(root)
@@ -570,6 +582,17 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
 
     c_carrier, x_carrier = _carrier(c_td, c_leaves), _carrier(x_td, x_leaves)
     n_x = len(x_leaves)
+    # Workarounds for inductor compiling torch 2.13's scan backward (not needed by export):
+    # 1. torch's scan autograd saves per-step intermediates next to the body's outputs; when
+    #    one of them *is* an output (tanh's result is both the new carry and what tanh's
+    #    backward saves), its functionalization fails with "scan might be aliasing the input
+    #    or the output". Cloning every body output avoids that. It is done whenever grad
+    #    mode is on: the body may close over tensors that require grad, and inside the body
+    #    a carry's `requires_grad` is that of `init`, not of later steps.
+    # 2. inductor's scan lowering computes wrong values when the backward scan's tangents
+    #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
+    for_inductor = not _is_exporting()
+    clone_all = for_inductor and torch.is_grad_enabled()
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
         c_td_in = tree_structure(c_carrier)
@@ -590,7 +613,7 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         y_leaves, y_td = tree_flatten(y)
         y_leaves = [_as_tensor(t) for t in y_leaves]
         ins = list(carry_flat) + list(x_flat)
-        outs = _unalias(new_leaves + y_leaves, ins)
+        outs = _unalias(new_leaves + y_leaves, ins, clone_all=clone_all)
         if n_c == 0:
             outs = [carry_flat[0].clone()] + outs  # the placeholder carry
         k = max(n_c, 1)
@@ -604,7 +627,31 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
     init_flat = c_leaves if n_c else [torch.zeros((), device=dev)]
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
     carry_flat, (ys, _) = _torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
-    return tree_unflatten(c_td, list(carry_flat)[:n_c]), _unpack(ys)
+    carry_flat = list(carry_flat)[:n_c]
+    ys = _unpack(ys)
+    if for_inductor:
+        carry_flat = [_contiguous_grad(t) for t in carry_flat]
+        y_leaves, y_td = tree_flatten(ys)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in y_leaves):
+            ys = tree_unflatten(y_td, [_contiguous_grad(t) for t in y_leaves])
+    return tree_unflatten(c_td, carry_flat), ys
+
+
+def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
+    return g.contiguous()
+
+
+def _contiguous_grad(t: Any) -> Any:
+    """`t`, whose gradient is made dense (contiguous) before it reaches scan's backward."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        t = t.view_as(t)
+        t.register_hook(_make_contiguous)
+    return t
+
+
+def _is_exporting() -> bool:
+    f = getattr(torch.compiler, "is_exporting", None)
+    return bool(f()) if f is not None else False
 
 
 def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> tuple[Any, Any]:
