@@ -218,6 +218,32 @@ def test_jit_of_grad_with_control_flow_is_a_clear_error():
         tfun.jit(torch.func.grad(_loss), backend="aot_eager")(W, xs)
 
 
+def _cf_loss(params, xs):
+    W = params["W"]
+    h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(W.shape[0], dtype=W.dtype), xs)
+    z = lax.cond(h.sum() > 0, lambda a: a * 2, lambda a: a.sin(), h)
+    return ys.sum() + z.sum() + lax.map(lambda r: (r @ W).sin(), xs).sum(), {"h": h}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_of_tfun_grad_with_control_flow_is_one_graph(backend):
+    # JAX's training-step form: jit(grad(loss)) with scan, cond and map inside the loss.
+    torch.manual_seed(0)
+    params = {"W": torch.randn(4, 4, dtype=torch.float64) * 0.3}
+    xs = torch.randn(5, 4, dtype=torch.float64)
+    (ref_val, ref_aux), ref_g = tfun.value_and_grad(_cf_loss, has_aux=True)(params, xs)
+    step = tfun.jit(tfun.value_and_grad(_cf_loss, has_aux=True), backend=backend)
+    (val, aux), g = step(params, xs)
+    torch.testing.assert_close(val, ref_val)
+    torch.testing.assert_close(aux["h"], ref_aux["h"])
+    torch.testing.assert_close(g["W"], ref_g["W"])
+    g_only = tfun.jit(tfun.grad(lambda p, x: _cf_loss(p, x)[0]), backend=backend)(params, xs)
+    torch.testing.assert_close(g_only["W"], ref_g["W"])
+    low = tfun.jit(tfun.grad(lambda p, x: _cf_loss(p, x)[0])).lower(params, xs)
+    assert low.graph_breaks == 0 and len(low.graphs) == 1
+    assert low.count("higher_order.scan") == 1 and low.count("higher_order.cond") == 1
+
+
 def test_lower_introspection():
     W = torch.randn(4, 4) * 0.3
     low = tfun.jit(_loss).lower(W, torch.randn(7, 4))

@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._funcinfo import describe
 from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from .lax import _hop
 
 __all__ = [
     "grad",
@@ -336,7 +337,18 @@ def _value_and_grad_call(
         out = _check_scalar_output(op, fun, out)
         return out, _pack_aux(box, aux)
 
-    if fl.leaves:
+    if fl.leaves and _hop.is_tracing():
+        # Under torch.compile / tfun.jit, torch.func.grad cannot trace tfun's control-flow
+        # ops (torch 2.13 asserts "Expected FakeTensor"), but reverse-mode autograd can:
+        # tfun.jit lets Dynamo trace torch.autograd.grad, so jit(grad(loss)) is one graph.
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in fl.leaves]
+            value, aux_leaves = f_flat(*leaves)
+            found = torch.autograd.grad(value, leaves, allow_unused=True)
+        grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
+        value = value.detach()
+        aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
+    elif fl.leaves:
         grads, (value, aux_leaves) = torch.func.grad_and_value(
             f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
         )(*fl.leaves)

@@ -304,7 +304,8 @@ class Jitted:
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
         try:
-            return compiled(*dyn_args, **dyn_kwargs)
+            with _trace_autograd():
+                return compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below
             err = translate_error(e, self._fn_text)
             if err is e:
@@ -331,7 +332,8 @@ class Jitted:
             run = _copy_function(run, "tfun_jit_lower")
         compiled = torch.compile(run, backend=recorder, fullgraph=False, dynamic=self._options.get("dynamic"))
         try:
-            compiled(*dyn_args, **dyn_kwargs)
+            with _trace_autograd():
+                compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001
             err = translate_error(e, self._fn_text)
             if err is e:
@@ -449,6 +451,19 @@ def _headline(e: BaseException) -> str:
     return " ".join(body[:3]) if body else type(e).__name__
 
 
+def _trace_autograd() -> Any:
+    """Let Dynamo trace `torch.autograd.grad` (how `tfun.grad` differentiates when traced),
+    so that `tfun.jit(tfun.grad(loss))` compiles to one graph. The flag is Dynamo's
+    (`trace_autograd_ops`, torch >= 2.12); where it does not exist this is a no-op."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
+
+    if hasattr(dynamo_config, "trace_autograd_ops"):
+        return dynamo_config.patch(trace_autograd_ops=True)
+    return contextlib.nullcontext()
+
+
 def translate_error(e: BaseException, fn_text: str) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
@@ -461,8 +476,9 @@ def translate_error(e: BaseException, fn_text: str) -> BaseException:
                 f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
                 "transform (grad, vmap, ...) around a control-flow op (cond, scan, map, while_loop) in "
                 f"torch {torch.__version__}.",
-                revise="Compile the function without the transform and differentiate with autograd: "
-                "`loss = tfun.jit(loss_fn); loss(params, batch).backward()`.",
+                revise="Use `tfun.grad` / `tfun.value_and_grad` instead of `torch.func.grad` inside `tfun.jit` "
+                "(traced, they differentiate with autograd, which compiles to one graph), or compile the "
+                "function without the transform and call `.backward()`.",
             )
         )
         err.dynamo_error = e  # type: ignore[attr-defined]
