@@ -115,6 +115,8 @@ def _scan_kernel(
     pid_s = tl.program_id(1)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
+    # (a vector mask: Triton 3.9's interpreter rejects a tensor & scalar-bool mask)
+    carry_mask = cmask & ((c * 0 + pid_s) > 0)
     c64 = c.to(tl.int64)
     o = c64 // INNER
     i = c64 % INNER
@@ -123,10 +125,10 @@ def _scan_kernel(
     out_row = o * so_o + i * so_i
     if ACC_F64:
         h0v = tl.load(H0 + o * sh0_o + i * sh0_i, mask=cmask, other=0.0).to(tl.float64)
-        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=cmask & (pid_s > 0), other=0.0).to(tl.float64)
+        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=carry_mask, other=0.0).to(tl.float64)
     else:
         h0v = tl.load(H0 + o * sh0_o + i * sh0_i, mask=cmask, other=0.0).to(tl.float32)
-        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=cmask & (pid_s > 0), other=0.0).to(tl.float32)
+        carry = tl.load(CARRY + c64 * sc_c + (pid_s - 1) * sc_s, mask=carry_mask, other=0.0).to(tl.float32)
     if BWD:
         h = carry  # the gradient recurrence starts from zero
     else:
