@@ -14,7 +14,7 @@ DT = torch.float64
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
 @pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("rows", [(29,), (3, 5)])
 def test_values_and_grads_match_full_logits(chunk_size, use_bias, reduction, rows):
     g = torch.Generator().manual_seed(chunk_size * 7 + use_bias)
@@ -27,10 +27,14 @@ def test_values_and_grads_match_full_logits(chunk_size, use_bias, reduction, row
     ours = tfun.nn.chunked_cross_entropy(hidden, weight, target, bias, chunk_size=chunk_size, reduction=reduction)
     logits = hidden @ weight.T + (bias if bias is not None else 0)
     ref = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction=reduction)
+    if reduction == "none":
+        ref = ref.reshape(rows)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     inputs = [t for t in (hidden, weight, bias) if t is not None]
-    ga = torch.autograd.grad(ours * 1.7, inputs)
-    gb = torch.autograd.grad(ref * 1.7, inputs)
+    # per-row weights of the incoming gradient matter for reduction="none"
+    w_out = torch.rand(rows, dtype=DT, generator=g) if reduction == "none" else 1.7
+    ga = torch.autograd.grad((ours * w_out).sum(), inputs)
+    gb = torch.autograd.grad((ref * w_out).sum(), inputs)
     for a, b in zip(ga, gb):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -61,8 +65,8 @@ def test_float32_inputs_float32_loss():
 
 def test_errors():
     h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,))
-    with pytest.raises(ArgumentValueError, match="reduction must be 'mean' or 'sum'"):
-        tfun.nn.chunked_cross_entropy(h, w, t, reduction="none")
+    with pytest.raises(ArgumentValueError, match="reduction must be 'mean', 'sum' or 'none', but got 'max'"):
+        tfun.nn.chunked_cross_entropy(h, w, t, reduction="max")
     with pytest.raises(ArgumentValueError, match="chunk_size must be a positive int"):
         tfun.nn.chunked_cross_entropy(h, w, t, chunk_size=0)
     with pytest.raises(ArgumentValueError, match=r"weight: shape \(5, 4\)"):

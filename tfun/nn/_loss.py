@@ -89,6 +89,63 @@ class _ChunkedCE(torch.autograd.Function):
         return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None
 
 
+def _chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + chunk_size, n)) for i in range(0, n, chunk_size)]
+
+
+class _ChunkedCENone(torch.autograd.Function):
+    """reduction="none": per-row losses. The backward's per-row weights (the incoming
+    gradient) are unknown in the forward, so the backward scans the chunks again: it
+    recomputes each chunk's softmax and forms the gradients then. Memory stays one chunk's
+    logits; the cost is a second pass over the logits."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int,
+                ignore_index: int) -> Tensor:
+        ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        w = weight.to(ct)
+        b = bias.to(ct) if bias is not None else None
+        losses = []
+        for lo, hi in _chunks(hidden.shape[0], chunk_size):
+            h = hidden[lo:hi].to(ct)
+            t = target[lo:hi]
+            logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+            valid = t != ignore_index
+            safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+            row = torch.logsumexp(logits, dim=1) - logits.gather(1, safe_t).squeeze(1)
+            losses.append(row * valid.to(ct))
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        out = torch.cat(losses) if losses else hidden.new_zeros((0,), dtype=ct)
+        return out.to(hidden.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        hidden, weight, bias, target = ctx.saved_tensors
+        ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        w = weight.to(ct)
+        b = bias.to(ct) if bias is not None else None
+        grad_w = torch.zeros_like(w)
+        grad_b = torch.zeros(w.shape[0], dtype=ct, device=w.device)
+        grad_h = []
+        for lo, hi in _chunks(hidden.shape[0], ctx.chunk_size):
+            h = hidden[lo:hi].to(ct)
+            t = target[lo:hi]
+            logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+            valid = t != ctx.ignore_index
+            safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+            p = torch.softmax(logits, dim=1)
+            p.scatter_add_(1, safe_t, -torch.ones_like(safe_t, dtype=ct))
+            p.mul_((valid.to(ct) * grad_out[lo:hi].to(ct)).unsqueeze(1))
+            grad_w += p.t() @ h
+            grad_b += p.sum(0)
+            grad_h.append(p @ w)
+        gh = torch.cat(grad_h).to(hidden.dtype) if grad_h else torch.zeros_like(hidden)
+        gb = grad_b.to(bias.dtype) if bias is not None else None
+        return gh, grad_w.to(weight.dtype), gb, None, None, None
+
+
 def chunked_cross_entropy(
     hidden: Float[Tensor, "*rows hidden"],
     weight: Float[Tensor, "vocab hidden"],
@@ -97,7 +154,7 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = -100,
     reduction: str = "mean",
-) -> Float[Tensor, ""]:
+) -> Float[Tensor, "..."]:
     """`F.cross_entropy(hidden @ weight.T + bias, target)` without ever holding the full logits.
 
     The memory-saving loss of the PyTorch control-flow paper ("Chunked Loss Computation",
@@ -119,18 +176,18 @@ def chunked_cross_entropy(
     - `bias`: `(vocab,)` or `None`.
     - `chunk_size`: rows per chunk (a positive int).
     - `ignore_index`: target value that contributes neither loss nor gradient.
-    - `reduction`: `"mean"` (over non-ignored rows) or `"sum"`. `"none"` is not supported,
-      because per-row weights of the backward are unknown when the gradients are formed.
+    - `reduction`: `"mean"` (over non-ignored rows), `"sum"`, or `"none"` (per-row losses,
+      shape `(*rows,)`, 0 for ignored rows). With `"none"` the per-row weights of the
+      backward are unknown in the forward, so the gradients are formed in a second chunked
+      pass during the backward instead (same memory, a second matmul per chunk).
 
-    **Returns:** the scalar loss. It is differentiable once (no double backward).
+    **Returns:** the loss: a scalar, or `(*rows,)` with `reduction="none"`. It is
+    differentiable once (no double backward).
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         check_tensor(_OP, name, t)
-    if reduction not in ("mean", "sum"):
-        raise ArgumentValueError(
-            f"{_OP}: reduction must be 'mean' or 'sum', but got {reduction!r} (per-row losses are not supported, "
-            "since the gradients are formed in the forward pass)."
-        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ArgumentValueError(f"{_OP}: reduction must be 'mean', 'sum' or 'none', but got {reduction!r}.")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ArgumentValueError(f"{_OP}: chunk_size must be a positive int, but got {chunk_size!r}.")
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -164,4 +221,6 @@ def chunked_cross_entropy(
         )
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1)
+    if reduction == "none":
+        return _ChunkedCENone.apply(h2, weight, bias, t1, chunk_size, ignore_index).reshape(target.shape)
     return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, reduction)
