@@ -43,6 +43,12 @@ def describe(fn: Callable[..., Any]) -> str:
     name = getattr(base, "__name__", None) or getattr(base, "__qualname__", None) or repr(fn)
     if code is None:
         return str(name)
+    return describe_code(code, str(name))
+
+
+def describe_code(code: types.CodeType, name: str | None = None) -> str:
+    """`name at file:line` for a code object (the path relative to the working directory
+    when it lies below it)."""
     filename = code.co_filename
     try:
         rel = os.path.relpath(filename)
@@ -50,7 +56,7 @@ def describe(fn: Callable[..., Any]) -> str:
             filename = rel
     except ValueError:
         pass
-    return f"{name} at {filename}:{code.co_firstlineno}"
+    return f"{name or code.co_name} at {filename}:{code.co_firstlineno}"
 
 
 def short_name(fn: Callable[..., Any]) -> str:

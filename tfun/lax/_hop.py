@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from .. import _funcinfo
 from .._errors import StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
@@ -238,18 +239,7 @@ def _code_of(fn: Any) -> Any:
 
 
 def _fn_text(code: Any) -> str | None:
-    if code is None:
-        return None
-    import os
-
-    filename = code.co_filename
-    try:
-        rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
-    except ValueError:
-        pass
-    return f"{code.co_name} at {filename}:{code.co_firstlineno}"
+    return None if code is None else _funcinfo.describe_code(code)
 
 
 def _node_text(sk: Any) -> str:
