@@ -445,6 +445,29 @@ def _check_same_tree(op: str, what: str, fun: Callable[..., Any], a: Any, b: Any
         )
 
 
+def _call_flat(
+    op: str,
+    fun: Callable[..., Any],
+    has_aux: bool,
+    box: dict[str, Any],
+    leaves: Sequence[Any],
+    diff_idx: Sequence[int],
+    ptd: Any,
+    diff: Sequence[torch.Tensor],
+) -> tuple[list[Any], list[Any]]:
+    """Call `fun` on the primals with the differentiated leaves replaced by `diff`: its flat
+    outputs and packed aux (the output structure is left in `box["out_td"]`)."""
+    cur = list(leaves)
+    for k, d in zip(diff_idx, diff):
+        cur[k] = d
+    out = fun(*tree_unflatten(ptd, cur))
+    aux = None
+    if has_aux:
+        out, aux = _split_aux(op, fun, out)
+    ol, box["out_td"] = tree_flatten(out)
+    return list(ol), list(_pack_aux(box, aux))
+
+
 def jvp(
     fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool = False
 ) -> tuple[Any, ...]:
@@ -507,16 +530,7 @@ def jvp(
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], list[Any]]:
-        cur = list(leaves)
-        for k, d in zip(diff_idx, diff):
-            cur[k] = d
-        out = fun(*tree_unflatten(ptd, cur))
-        aux = None
-        if has_aux:
-            out, aux = _split_aux(op, fun, out)
-        ol, box["out_td"] = tree_flatten(out)
-        al = _pack_aux(box, aux)
-        return list(ol), list(al)
+        return _call_flat(op, fun, has_aux, box, leaves, diff_idx, ptd, diff)
 
     diff_primals = tuple(leaves[k] for k in diff_idx)
     _forward_ad_ready()
@@ -560,15 +574,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], Any]:
-        cur = list(leaves)
-        for k, d in zip(diff_idx, diff):
-            cur[k] = d
-        out = fun(*tree_unflatten(ptd, cur))
-        aux = None
-        if has_aux:
-            out, aux = _split_aux(op, fun, out)
-        ol, box["out_td"] = tree_flatten(out)
-        al = _pack_aux(box, aux)
+        ol, al = _call_flat(op, fun, has_aux, box, leaves, diff_idx, ptd, diff)
         # torch.func.vjp differentiates inexact tensor outputs only; the rest ride along as aux.
         box["inexact"] = [isinstance(o, torch.Tensor) and is_inexact(o) for o in ol]
         diff_out = [o for o, d in zip(ol, box["inexact"]) if d]
