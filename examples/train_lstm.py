@@ -26,16 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import tfun  # noqa: E402
-
-
-def selective_copy_batch(batch: int, length: int, n_memorize: int, n_tokens: int, gen: torch.Generator):
-    """Inputs (batch, length + n_memorize) and targets (batch, n_memorize). 0 = blank, n_tokens + 1 = marker."""
-    data = torch.randint(1, n_tokens + 1, (batch, n_memorize), generator=gen)
-    pos = torch.rand(batch, length, generator=gen).argsort(1)[:, :n_memorize].sort(1).values
-    x = torch.zeros(batch, length + n_memorize, dtype=torch.long)
-    x.scatter_(1, pos, data)
-    x[:, length:] = n_tokens + 1
-    return x, data
+from _tasks import selective_copy_batch  # noqa: E402  (examples/_tasks.py)
 
 
 class Model(torch.nn.Module):
