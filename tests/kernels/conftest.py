@@ -5,9 +5,47 @@ decorates, which is when triton 3.6 itself reads it), so setting it per test wit
 works whatever imported torch/triton/tfun first, and does not leak into other test directories
 when the whole suite runs in one process. `TFUN_KERNELS_NAN_FILL=1` makes the launchers allocate
 NaN-filled outputs, so a kernel that skips a store fails the comparison.
+
+Two ways the interpreter differs from a GPU are closed here, so that what passes on the CPU
+also holds on CUDA:
+
+- Plans. On the CPU the launcher never splits time into segments (the interpreter runs programs
+  one by one). `gpu_plans` makes it plan as an H100 would (`SIMULATE_SMS`), so the segmented
+  plans a GPU picks for few channels x long sequences run here too.
+- Reduction order. `tl.reduce` on a GPU reduces in-thread, then with butterfly shuffles across
+  lanes, so it may reassociate and *commute* the combine's operands (triton-lang/triton#4962);
+  the interpreter folds strictly left to right. `_reversed_reduce` (autouse) makes the
+  interpreter fold right to left, which changes the result of any non-commutative combine, so
+  a kernel that relies on the interpreter's order fails here instead of only on CUDA.
+  (`tl.associative_scan` keeps the order on GPUs too, and is left as it is.)
 """
 
+import numpy as np
 import pytest
+
+#: an H100's streaming multiprocessors (the machine the GPU bug was measured on)
+H100_SMS = 132
+
+
+def _reverse_generic_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.ReduceOps.generic_reduce
+
+    def reversed_order(self, input):  # type: ignore[no-untyped-def]
+        if self.axis is None:
+            return original(self, input)
+        flipped = tuple(
+            tl.core.tensor(
+                interpreter.TensorHandle(np.ascontiguousarray(np.flip(t.handle.data, self.axis)), t.handle.dtype),
+                t.type,
+            )
+            for t in input
+        )
+        return original(self, flipped)
+
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", reversed_order)
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +55,14 @@ def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     from tfun.kernels import _linear_scan_triton
 
     monkeypatch.setattr(_linear_scan_triton, "FORCE_SEGMENT", None)
+    monkeypatch.setattr(_linear_scan_triton, "SIMULATE_SMS", None)
+    _reverse_generic_reduce(monkeypatch)
+
+
+@pytest.fixture
+def gpu_plans(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Plan every launch as on an H100; returns its SM count."""
+    from tfun.kernels import _linear_scan_triton
+
+    monkeypatch.setattr(_linear_scan_triton, "SIMULATE_SMS", H100_SMS)
+    return H100_SMS

@@ -7,8 +7,11 @@ to the torch path cannot pass, and outputs are NaN-filled before the kernels wri
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import triton.language as tl
 
 import tfun
 from tfun.kernels import _linear_scan_triton as K
@@ -275,3 +278,67 @@ def test_default_impl_on_cpu_is_torch_even_when_interpreting() -> None:
     before = K.LAUNCHES.copy()
     linear_scan(*_inputs())
     assert K.LAUNCHES == before
+
+
+# ----------------------------------------------------------------------------------------------
+# What a GPU runs: its segmented plans, and tl.reduce's freedom to commute (see conftest.py)
+
+
+def _combine_first_kernel(X, Y, OUT, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    x = tl.load(X + cols)[None, :]
+    y = tl.load(Y + cols)[None, :]
+    ra, rb = tl.reduce((x, y), 1, K._combine_jit)
+    tl.store(OUT + tl.arange(0, 1), ra)
+    tl.store(OUT + 1 + tl.arange(0, 1), rb)
+
+
+def test_reduce_order_emulation_catches_a_non_commutative_reduce() -> None:
+    """The autouse reversed-order reduce really changes a non-commutative tl.reduce (the bug
+    that made the segmented plan wrong on CUDA), so the tests below would have caught it."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kern = InterpretedFunction(_combine_first_kernel)
+    a = torch.tensor([0.5, 0.9, 0.7, 0.6])
+    b = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    out = torch.zeros(2)
+    kern[(1,)](a, b, out, N=4)
+    h = torch.zeros(())
+    for a_t, b_t in zip(a, b):  # the in-order fold: h from a zero state, and prod(a)
+        h = a_t * h + b_t
+    assert out[0].item() == pytest.approx(a.prod().item())  # the product commutes
+    assert abs(out[1].item() - h.item()) > 0.1, "the interpreter folded in order: emulation inactive"
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis"),
+    [
+        ((1024, 4), 0),  # shapes of the CUDA bug report (2026-11-23), where the H100 split time
+        ((2048, 4), 0),
+        ((8192, 1), 0),
+        ((2, 3, 1537), -1),
+        ((1031, 17), 0),  # two channel tiles, an odd length
+    ],
+)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gpu_plans_run_in_the_interpreter(shape: tuple[int, ...], axis: int, reverse: bool, gpu_plans: int) -> None:
+    T = shape[axis]
+    C = math.prod(shape) // T
+    block_c, block_t, seg = K.plan(C, T, torch.device("cpu"))
+    assert seg < T, f"an H100 plan for {shape} should split time; got one segment of {seg}"
+    before = K.LAUNCHES.copy()
+    check(shape, axis, reverse, seed=T + C)
+    assert K.LAUNCHES["summary"] == before["summary"] + 2  # segmented forward and backward ran
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_gpu_plans_other_dtypes(dtype: torch.dtype, gpu_plans: int) -> None:
+    check((1100, 3), 0, True, dtype=dtype, seed=11)
+
+
+@pytest.mark.parametrize("T", [1, 63, 1000, 5000])
+@pytest.mark.parametrize("seg", [128, 256])
+def test_every_forced_segment_length(T: int, seg: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla-style odd lengths under forced small segments: every segment boundary case."""
+    monkeypatch.setattr(K, "FORCE_SEGMENT", seg)
+    check((T, 2), 0, T % 2 == 1, seed=T + seg)

@@ -40,7 +40,14 @@ version of each kernel are built at import and `_kernel()` picks one at launch f
 
 Test hooks: `LAUNCHES` counts launches per kernel; with `TFUN_KERNELS_NAN_FILL=1` in the
 environment, outputs are allocated NaN-filled so a skipped store shows up; `FORCE_SEGMENT`
-(module attribute) forces the multi-segment plan with that segment length.
+(module attribute) forces the multi-segment plan with that segment length, and `SIMULATE_SMS`
+makes `plan` pick what a CUDA device with that many SMs would, so the interpreter covers the GPU's
+plans.
+
+`tl.reduce` is only ever given a commutative combine (`_add`): Triton may reorder and commute a
+reduction's operands on GPUs (triton-lang/triton#4962) while its interpreter folds in order, so
+a non-commutative reduce passes the interpreter and is wrong on CUDA. The tests run the
+interpreter with a reduce that folds in the opposite order to catch exactly that.
 """
 
 import collections
@@ -66,6 +73,9 @@ __all__ = ["linear_scan_fwd", "linear_scan_bwd", "linear_scan_triton", "triton_u
 LAUNCHES: collections.Counter = collections.Counter()
 #: force the multi-segment plan with this segment length (a multiple of the time tile); tests set it
 FORCE_SEGMENT: int | None = None
+#: plan as if on a CUDA device with this many SMs, so the CPU interpreter runs exactly the plans a
+#: GPU picks (an H100 has 132); tests set it
+SIMULATE_SMS: int | None = None
 MAX_BLOCK_T = 128
 MAX_BLOCK_C = 16
 MIN_SEGMENT = 512
@@ -219,7 +229,15 @@ def _summary_kernel(
         else:
             av = av.to(tl.float32)
             bv = bv.to(tl.float32)
-        ra, rb = tl.reduce((av, bv), 1, _combine_jit)
+        # Not `tl.reduce((av, bv), 1, _combine_jit)`: tl.reduce may reorder AND commute the
+        # operands of its combine (on GPUs it reduces in-thread, then with butterfly shuffles;
+        # triton-lang/triton#4962), and `_combine` is not commutative, so that summary was
+        # wrong on CUDA while the in-order interpreter got it right. The scan keeps the order
+        # (only the commutative `_add` is left to tl.reduce, to pick the last column).
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit)
+        last = cols[None, :] == BLOCK_T - 1
+        ra = tl.reduce(tl.where(last, ca, 0.0), 1, _add_jit)
+        rb = tl.reduce(tl.where(last, cb, 0.0), 1, _add_jit)
         acc_b = ra * acc_b + rb
         acc_a = ra * acc_a
         k += BLOCK_T
@@ -285,6 +303,8 @@ def _as_3d(x: Tensor, O: int, T: int, I: int) -> Tensor:
 
 
 def _target_programs(device: torch.device) -> int:
+    if SIMULATE_SMS is not None:
+        return 4 * SIMULATE_SMS
     if device.type == "cuda" and not _interpreting():
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the interpreter runs programs one after another: splitting only adds work
