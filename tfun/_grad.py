@@ -12,7 +12,6 @@ follow JAX: `grad` requires a scalar real output; integer inputs may not be diff
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import optree
 import torch
 import torch.func
 
+from ._compat import forward_ad_ready
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -259,22 +259,7 @@ def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-def _forward_ad_ready() -> None:
-    """torch.func's forward-mode AD lazily scripts its decompositions on first use, which
-    emits torch's own `torch.jit.script` DeprecationWarning; do that import quietly once."""
-    global _FWD_READY
-    if _FWD_READY:
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
-        try:
-            import torch._decomp.decompositions_for_jvp  # noqa: F401
-        except Exception:  # pragma: no cover - layout differs in other torch versions
-            pass
-    _FWD_READY = True
-
-
-_FWD_READY = False
+_forward_ad_ready = forward_ad_ready  # torch's forward-AD import warns once; tfun._compat
 
 
 def _pack_aux(box: dict[str, Any], aux: Any) -> list[torch.Tensor]:

@@ -59,8 +59,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 from triton.runtime.jit import JITFunction
+
+from .._compat import triton_launcher
 
 try:  # the interpreter ships with triton; guard anyway so a stripped build still imports
     from triton.runtime.interpreter import InterpretedFunction
@@ -327,7 +329,7 @@ def plan(C: int, T: int, device: torch.device) -> tuple[int, int, int]:
 
 def _launch(name: str, grid: tuple[int, int], *args: Any, **meta: Any) -> None:
     LAUNCHES[name] += 1
-    wrap_triton(_kernel(name.split("_")[0]))[grid](*args, num_warps=4, **meta)
+    triton_launcher(_kernel(name.split("_")[0]))[grid](*args, num_warps=4, **meta)
 
 
 def _segment_carries(

@@ -1,0 +1,155 @@
+"""Run a differential case along one path and compare it with the float64 eager oracle.
+
+Paths:
+
+- `"eager"`: the op as called, in the given dtype and device.
+- `"aot_eager"`, `"inductor"`: `tfun.jit(fn, backend=...)`, gradients by `torch.autograd.grad`
+  of a loss computed from the jitted outputs (the backward is compiled by AOTAutograd).
+- `"aot_eager+grad"`, `"inductor+grad"`: JAX's training step, `tfun.jit(tfun.value_and_grad(loss))`,
+  the whole forward and backward traced into one graph.
+
+The loss is a fixed random weighting of every floating output, so every output's gradient
+matters. A path either gives the oracle's outputs and gradients within the dtype's tolerance, or
+raises a `tfun.errors.TfunError` (returned as `Refused`); any other exception propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import tfun
+from tfun.errors import TfunError
+from tfun.tree import tree_leaves
+
+from .cases import CASES, Spec
+
+#: (relative tolerance on outputs, on gradients), relative to the largest oracle magnitude
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-8),
+    torch.float32: (2e-4, 1e-3),
+    torch.bfloat16: (6e-2, 1.5e-1),
+}
+PATHS = ("eager", "aot_eager", "inductor", "aot_eager+grad", "inductor+grad")
+
+
+@dataclasses.dataclass
+class Result:
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class Refused:
+    error: TfunError
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _weights(outs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(t.shape, generator=g, dtype=torch.float64) if _floating(t) else None for t in outs]
+
+
+def _loss(outs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    total = None
+    for t, w in zip(outs, weights):
+        if w is not None:
+            term = (t.to(torch.float64) * w.to(t.device)).sum()
+            total = term if total is None else total + term
+    assert total is not None, "a differential case must have a floating output"
+    return total
+
+
+def _cpu64(ts: Sequence[Any]) -> list[torch.Tensor]:
+    out = []
+    for t in ts:
+        t = torch.as_tensor(t).detach().cpu()
+        out.append(t.to(torch.float64) if _floating(t) else t)
+    return out
+
+
+def run(
+    name: str, spec: Spec, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Result | Refused:
+    """Outputs and gradients of case `name` built for `spec`, along `path`."""
+    fn, args = CASES[name](spec, dtype, torch.device(device))
+    args = tuple(a.detach().requires_grad_() for a in args)
+    try:
+        if path == "eager":
+            return _forward_then_grad(fn, args)
+        backend, _, mode = path.partition("+")
+        if backend not in ("aot_eager", "inductor"):
+            raise ValueError(f"unknown path {path!r}")
+        if mode == "":
+            return _forward_then_grad(tfun.jit(fn, backend=backend), args)
+        if mode == "grad":
+            return _jit_value_and_grad(fn, args, backend)
+        raise ValueError(f"unknown path {path!r}")
+    except TfunError as e:
+        return Refused(e)
+
+
+def _forward_then_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> Result:
+    outs = tree_leaves(fn(*args))
+    weights = _weights(_cpu64(outs))
+    grads = torch.autograd.grad(_loss(outs, weights), args, allow_unused=True)
+    return Result(_cpu64(outs), _cpu64([torch.zeros_like(a) if g is None else g for a, g in zip(args, grads)]))
+
+
+def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str) -> Result:
+    # the loss weights depend only on the output shapes: take them from an eager call
+    with torch.no_grad():
+        weights = _weights(_cpu64(tree_leaves(fn(*args))))
+
+    def loss(*xs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        outs = tree_leaves(fn(*xs))
+        return _loss(outs, weights), outs
+
+    step = tfun.jit(tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True), backend=backend)
+    (_, outs), grads = step(*(a.detach() for a in args))
+    return Result(_cpu64(outs), _cpu64(grads))
+
+
+def max_rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    """The largest |got - want| over all leaves, relative to the largest |want| (at least 1)."""
+    if len(got) != len(want):
+        return float("inf")
+    err = 0.0
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            return float("inf")
+        if not _floating(w):
+            if not torch.equal(g, w):
+                return float("inf")
+            continue
+        if w.numel() == 0:
+            continue
+        scale = max(w.abs().max().item(), 1.0)
+        err = max(err, (g - w).abs().max().item() / scale)
+    return err
+
+
+def compare(name: str, spec: Spec, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[float, float] | Refused:
+    """(output error, gradient error) of a path against the float64 eager oracle on the CPU."""
+    oracle = run(name, spec, "eager", torch.float64, "cpu")
+    assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
+    got = run(name, spec, path, dtype, device)
+    if isinstance(got, Refused):
+        return got
+    return max_rel_error(got.outs, oracle.outs), max_rel_error(got.grads, oracle.grads)
+
+
+def assert_matches(name: str, spec: Spec, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    res = compare(name, spec, path, dtype, device)
+    if isinstance(res, Refused):
+        raise AssertionError(f"{name} {spec} along {path} refused:\n{res.error}")
+    out_err, grad_err = res
+    out_tol, grad_tol = TOLERANCE[dtype]
+    assert out_err <= out_tol, f"{name} {spec} {path} {dtype}: outputs off by {out_err:.3g} (tolerance {out_tol})"
+    assert grad_err <= grad_tol, f"{name} {spec} {path} {dtype}: gradients off by {grad_err:.3g} (tolerance {grad_tol})"

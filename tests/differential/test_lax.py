@@ -1,0 +1,120 @@
+"""Every `tfun.lax` op along every path against the float64 eager oracle (outputs and gradients).
+
+Eager float32 (and bfloat16 where the op accumulates in float32) is drawn by hypothesis over
+shapes: T = 1, odd and long lengths with few channels, reverse, every axis. The compiled paths
+(`tfun.jit` with `aot_eager` and with Inductor, the forward jitted and the whole
+`value_and_grad` step jitted) run on a fixed set of shapes, since each new shape compiles anew.
+A path must give the oracle's numbers or raise a tfun error; `REFUSED` lists the combinations
+that raise one today, and each of them is asserted to raise it (not a torch error, not a number).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tfun.errors import TfunError
+
+from . import harness
+from .cases import CASES
+
+# (case, path) -> why it is refused on torch 2.13 with a tfun error (JitError) instead of run.
+REFUSED: dict[tuple[str, str], str] = {
+    # `xs[i]` with the loop index, a 0-d tensor under the scan lowering, is a data-dependent
+    # index to torch.compile: "Could not extract specialized integer from data-dependent expression"
+    ("fori_loop", "aot_eager"): "xs[i] with a traced index",
+    ("fori_loop", "aot_eager+grad"): "xs[i] with a traced index",
+    ("fori_loop", "inductor"): "xs[i] with a traced index",
+    ("fori_loop", "inductor+grad"): "xs[i] with a traced index",
+}
+# (case, path, spec id) -> a known bug, pinned with a strict xfail until its fix lands
+KNOWN: dict[tuple[str, str, str], str] = {
+    ("map", "aot_eager", "T9"): "map(batch_size=...) records its output structure by mutating a list: a HOP side effect",
+    ("map", "aot_eager+grad", "T9"): "map(batch_size=...) records its output structure by mutating a list: a HOP side effect",
+    ("scan_stacked", "inductor", ""): "stacked scans under Inductor",
+}
+
+lengths = st.one_of(st.sampled_from([1, 2, 3, 7, 63]), st.integers(1, 300))
+channels = st.sampled_from([1, 2, 3, 5, 16])
+
+
+@st.composite
+def specs(draw: st.DrawFn, name: str) -> dict:
+    spec = {"T": draw(lengths), "C": draw(channels), "seed": draw(st.integers(0, 10_000))}
+    if name in ("scan", "associative_scan", "linear_scan"):
+        spec["reverse"] = draw(st.booleans())
+    if name == "associative_scan":
+        spec["axis"] = draw(st.sampled_from([0, 1]))
+    if name == "map":
+        spec["batch_size"] = draw(st.sampled_from([None, 1, 2, 4]))
+    return spec
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@given(data=st.data())
+def test_eager_float32_matches_float64(name: str, data: st.DataObject) -> None:
+    harness.assert_matches(name, data.draw(specs(name)), "eager", torch.float32)
+
+
+@pytest.mark.parametrize(("T", "C"), [(1, 1), (63, 2), (1000, 1), (5000, 2)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["scan", "linear_scan", "associative_scan"])
+def test_eager_long_few_channels(name: str, T: int, C: int, reverse: bool) -> None:
+    """fla's odd lengths (63, 1000, 5000) with few channels, both directions."""
+    harness.assert_matches(name, {"T": T, "C": C, "reverse": reverse, "seed": T}, "eager", torch.float32)
+
+
+@pytest.mark.parametrize("name", ["linear_scan", "select", "cond"])
+@given(data=st.data())
+def test_eager_bfloat16(name: str, data: st.DataObject) -> None:
+    harness.assert_matches(name, data.draw(specs(name)), "eager", torch.bfloat16)
+
+
+def _check_path(name: str, spec: dict, path: str) -> None:
+    torch._dynamo.reset()  # each cell compiles from scratch, as a new program would
+    why = REFUSED.get((name, path))
+    if why is None:
+        harness.assert_matches(name, spec, path, torch.float32)
+        return
+    res = harness.compare(name, spec, path, torch.float32)
+    assert isinstance(res, harness.Refused), f"{name} along {path} now runs ({why}): move it out of REFUSED"
+    assert isinstance(res.error, TfunError)
+
+
+JIT_SPECS = [{"T": 1, "C": 1, "seed": 3}, {"T": 9, "C": 3, "seed": 4, "reverse": True, "axis": 1, "batch_size": 2}]
+
+
+@pytest.mark.parametrize("spec", JIT_SPECS, ids=["T1", "T9"])
+@pytest.mark.parametrize("path", ["aot_eager", "aot_eager+grad"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jit_aot_eager(name: str, path: str, spec: dict) -> None:
+    _xfail_known(name, path, "T1" if spec["T"] == 1 else "T9")
+    _check_path(name, spec, path)
+
+
+def _xfail_known(name: str, path: str, spec_id: str) -> None:
+    why = KNOWN.get((name, path, spec_id))
+    if why is not None:
+        pytest.xfail(why)
+
+
+@pytest.mark.parametrize("path", ["inductor", "inductor+grad"])
+@pytest.mark.parametrize("name", ["scan", "scan_stacked", "cond", "while_loop", "map", "linear_scan"])
+def test_jit_inductor(name: str, path: str) -> None:
+    _xfail_known(name, path, "")
+    _check_path(name, {"T": 5, "C": 2, "seed": 5, "reverse": True}, path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cond's trace-time check under automatic dynamic shapes passes SymInts to an assume_constant_result escape",
+)
+def test_compiled_paths_one_after_another() -> None:
+    """Cells in one process, without resetting Dynamo between them, as a user's program runs
+    them (Dynamo caches and automatic dynamic shapes carry over from one to the next)."""
+    torch._dynamo.reset()
+    for name in ["scan", "scan_stacked", "cond", "switch", "map"]:
+        for spec in ({"T": 4, "C": 2, "seed": 1}, {"T": 6, "C": 3, "seed": 2}):
+            harness.assert_matches(name, spec, "aot_eager+grad", torch.float32)

@@ -1,0 +1,56 @@
+"""Every difference between the torch (and triton) releases tfun supports, in one place.
+
+Each entry is *feature detection*: it asks the installed torch whether it has a thing, never
+compares version strings. The supported range and what was run on each release are in
+`docs/compatibility.md`. (The lowering's use of torch's private higher-order-op entry points is
+feature-detected in `tfun/lax/_hop.py`, the one module that calls them.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Any
+
+__all__ = ["forward_ad_ready", "triton_launcher"]
+
+_FWD_READY = False
+
+
+def forward_ad_ready() -> None:
+    """Import torch.func's forward-mode decompositions once, quietly.
+
+    torch scripts them with `torch.jit.script` on first use, which warns that `torch.jit.script`
+    is deprecated: a `DeprecationWarning` up to torch 2.13, a `FutureWarning` from 2.14. That
+    warning is torch's, about torch's own code; a tfun user would see it on their first
+    `tfun.jvp`. Later calls find the module imported and warn no more.
+    """
+    global _FWD_READY
+    if _FWD_READY:
+        return
+    if importlib.util.find_spec("torch._decomp.decompositions_for_jvp") is not None:
+        with warnings.catch_warnings():
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=category)
+            importlib.import_module("torch._decomp.decompositions_for_jvp")
+    _FWD_READY = True
+
+
+def triton_launcher(kernel: Any) -> Any:
+    """What to index with a grid to launch `kernel` so that torch.compile/export can trace it.
+
+    A compiled kernel (`JITFunction`) goes through `torch.library.wrap_triton`. A kernel run by
+    Triton's CPU interpreter (`InterpretedFunction`) is launched as it is: torch >= 2.13's
+    `wrap_triton` passes it through, torch 2.11/2.12 refuse it ("wrap_triton only works on
+    functions annotated with triton.jit"), and there is nothing to trace in it either way
+    (tfun keeps the op opaque while interpreting).
+    """
+    from torch.library import wrap_triton
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a triton build without the interpreter
+        return wrap_triton(kernel)
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    return wrap_triton(kernel)
