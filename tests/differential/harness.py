@@ -137,7 +137,9 @@ def max_rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> 
 
 def compare(name: str, spec: Spec, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[float, float] | Refused:
     """(output error, gradient error) of a path against the float64 eager oracle on the CPU."""
-    oracle = run(name, spec, "eager", torch.float64, "cpu")
+    # the oracle runs the pure-torch algorithms (a spec's `impl` picks the path under test)
+    oracle_spec = {**spec, "impl": "torch"} if "impl" in spec else spec
+    oracle = run(name, oracle_spec, "eager", torch.float64, "cpu")
     assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
     got = run(name, spec, path, dtype, device)
     if isinstance(got, Refused):

@@ -1,0 +1,24 @@
+"""The GPU check script runs (on the CPU here, on CUDA where there is one) and finds nothing wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import check_cuda
+
+
+def test_quick_check_on_the_cpu_finds_nothing_wrong(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Triton rows run in the interpreter on the CPU; keep them short
+    monkeypatch.setattr(check_cuda, "KERNEL_SPECS", [{"T": 70, "C": 3, "seed": 1, "impl": "torch"}])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status = check_cuda.main(["--device", "cpu", "--quick"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "WRONG" not in out and "CRASH" not in out
+    assert out.count(" | ok | ") >= len(check_cuda.CASES) + len(check_cuda.nn_cases())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_check_on_cuda() -> None:
+    assert check_cuda.main(["--device", "cuda"]) == 0
