@@ -287,3 +287,89 @@ def test_custom_vjp_refuses_forward_mode_with_a_tfun_error():
         "supported, as in JAX."
     )
     assert lines[1].startswith("The function is `_sin_fwd at ")
+
+
+# ---------------------------------------------------------------- a rule that calls its own function
+
+
+@tfun.custom_jvp
+def _neg(x):
+    return -x
+
+
+@_neg.defjvp
+def _neg_jvp(primals, tangents):
+    # JAX custom_api_test `test_linear_in_scan`: the tangent map is the function itself.
+    return _neg(primals[0]), _neg(tangents[0])
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+def test_rule_calling_its_own_function_in_scan_terminates_with_exact_grad(length):
+    # It used to recurse without end: transposing the rule re-entered the rule.
+    def through_scan(x):
+        c, ys = tfun.lax.scan(lambda c, _: (_neg(c), _neg(c)), x, None, length=length)
+        return c, ys
+
+    x = torch.tensor(3.0, dtype=torch.float64)
+    assert tfun.grad(lambda u: through_scan(u)[0])(x).item() == (-1.0) ** length
+    # ys[k] = (-1)^(k+1) x, so d(sum ys)/dx = sum_k (-1)^(k+1)
+    assert tfun.grad(lambda u: through_scan(u)[1].sum())(x).item() == sum((-1.0) ** (k + 1) for k in range(length))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(through_scan(xr)[0], xr)
+    assert g.item() == (-1.0) ** length
+    assert tfun.jvp(lambda u: through_scan(u)[0], (x,), (torch.ones_like(x),))[1].item() == (-1.0) ** length
+
+
+def test_rule_calling_its_own_function_outside_scan():
+    x = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    assert torch.equal(tfun.grad(lambda u: _neg(u).sum())(x), -torch.ones_like(x))
+    assert torch.equal(tfun.jacrev(_neg)(x), -torch.eye(2, dtype=torch.float64))
+    assert torch.equal(tfun.grad(tfun.grad(lambda u: _neg(u) ** 2))(x[0]), torch.tensor(2.0, dtype=torch.float64))
+
+
+@tfun.custom_jvp
+def _sin_doubled_rule(x):
+    return torch.sin(x)
+
+
+@_sin_doubled_rule.defjvp
+def _sin_doubled_rule_jvp(primals, tangents):
+    # deliberately not sin's derivative, so the test sees which derivative is used
+    return _sin_doubled_rule(primals[0]), 2 * torch.cos(primals[0]) * tangents[0]
+
+
+@tfun.custom_jvp
+def _square_via_custom(x):
+    return x**2
+
+
+@_square_via_custom.defjvp
+def _square_via_custom_jvp(primals, tangents):
+    return _square_via_custom(primals[0]), _sin_doubled_rule(primals[0]) * tangents[0]
+
+
+def test_custom_function_of_primals_inside_a_rule_keeps_its_rule_under_second_order(jax):
+    # Only calls on the tangent path fall back to the primal function; a custom function of the
+    # primals inside a rule is still differentiated by its own rule (as in JAX).
+    jnp = jax.numpy
+
+    @jax.custom_jvp
+    def jsin(x):
+        return jnp.sin(x)
+
+    jsin.defjvp(lambda p, t: (jsin(p[0]), 2 * jnp.cos(p[0]) * t[0]))
+
+    @jax.custom_jvp
+    def jsq(x):
+        return x**2
+
+    jsq.defjvp(lambda p, t: (jsq(p[0]), jsin(p[0]) * t[0]))
+    x = torch.tensor(0.7, dtype=torch.float64)
+    ours = tfun.grad(tfun.grad(_square_via_custom))(x)
+    theirs = jax.grad(jax.grad(jsq))(0.7)
+    np.testing.assert_allclose(ours.item(), float(theirs), rtol=1e-12)
+    np.testing.assert_allclose(ours.item(), 2 * np.cos(0.7), rtol=1e-12)
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(_square_via_custom(xr), xr, create_graph=True)
+    (gg,) = torch.autograd.grad(g, xr)
+    np.testing.assert_allclose(gg.item(), 2 * np.cos(0.7), rtol=1e-12)

@@ -48,6 +48,44 @@ class _InsideForward:
         _STATE.depth -= 1
 
 
+def _tensor_level(t: torch.Tensor) -> int:
+    """The torch.func level a tensor is wrapped at (-1 for a plain tensor)."""
+    try:
+        return int(torch._C._functorch.maybe_get_level(t))  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - older torch
+        return -1
+
+
+class _Transposing:
+    """While a custom_jvp rule's tangent map is transposed (reverse mode), the tangents are
+    wrapped at one torch.func level. A custom_jvp function applied inside the rule to a value
+    that depends on those tangents is on the linear (tangent) path: as in JAX, it is
+    differentiated as its primal function there, not through its own rule. (Through its rule,
+    a rule that calls its own function, e.g. `f(x) = -x` with `tangent_out = f(t)`, would
+    transpose itself forever.)"""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def __enter__(self) -> None:
+        stack = getattr(_STATE, "transposing", None)
+        if stack is None:
+            stack = _STATE.transposing = []
+        stack.append(self.level)
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE.transposing.pop()
+
+
+def _on_tangent_path(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether some tensor depends on the tangents of a custom_jvp rule being transposed."""
+    stack = getattr(_STATE, "transposing", None)
+    if not stack:
+        return False
+    level = stack[-1]
+    return any(_tensor_level(t) >= level for t in tensors)
+
+
 def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the custom rule can matter: autograd or a torch.func transform may see it."""
     if getattr(_STATE, "depth", 0) > 0:
@@ -570,7 +608,8 @@ class _CustomJvpFunction(torch.autograd.Function):
             tans = [torch.zeros_like(p) for p in primals]
             for k, t in zip(diff_in, t_diff):
                 tans[k] = t
-            flat = _call_jvp_rule(spec, primals, tans)
+            with _Transposing(_tensor_level(t_diff[0])):
+                flat = _call_jvp_rule(spec, primals, tans)
             res = []
             for k in diff_out:
                 f = flat[k]
@@ -696,7 +735,7 @@ class custom_jvp:
             )
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _JvpSpec(op, self.fun, self.nondiff_argnums, args)
-        if not _needs_rule(spec.tensors):
+        if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         outs = _CustomJvpFunction.apply(spec, *spec.tensors)
