@@ -140,3 +140,92 @@ def test_checkpoint_forward_mode_jvp_jacfwd_hessian():
     torch.testing.assert_close(
         tfun.hessian(lambda v: ck(v).sum())(x), torch.func.hessian(lambda v: plain(v).sum())(x)
     )
+
+
+# ---------------------------------------------------------------- randomness (dropout) inside
+
+
+X_DROP = t(1000, seed=3)
+W_DROP = t(1000, seed=4)
+
+
+def dropped(x, w):
+    return (torch.nn.functional.dropout(torch.tanh(x * w), p=0.5, training=True) * w).sum()
+
+
+def _seeded(fn, *args):
+    torch.manual_seed(1234)
+    out = fn(*args)
+    after = torch.rand(3)  # the generator must be left where the un-checkpointed run leaves it
+    return out, after
+
+
+def _backward_grad(f):
+    def run(x, w):
+        w = w.clone().requires_grad_()
+        f(x, w).backward()
+        return w.grad
+
+    return run
+
+
+@pytest.mark.parametrize("policy", [None, tfun.checkpoint_policies.dots_saveable])
+@pytest.mark.parametrize(
+    "how",
+    ["backward", "tfun.grad", "torch.func.grad", "tfun.jvp"],
+)
+def test_dropout_inside_checkpoint_gives_the_uncheckpointed_gradients(how, policy):
+    # (jacrev/jacfwd/hessian vmap over the function, and torch.func.vmap refuses random ops)
+    ck = tfun.checkpoint(dropped, policy=policy)
+    x, w = X_DROP, W_DROP
+    transforms = {
+        "backward": _backward_grad,
+        "tfun.grad": lambda f: tfun.grad(f, argnums=1),
+        "torch.func.grad": lambda f: torch.func.grad(f, argnums=1),
+        "tfun.jvp": lambda f: lambda x, w: tfun.jvp(lambda v: f(x, v), (w,), (torch.ones_like(w),))[1],
+    }
+    ref, ref_after = _seeded(transforms[how](dropped), x, w)
+    got, got_after = _seeded(transforms[how](ck), x, w)
+    assert torch.equal(got, ref)
+    assert torch.equal(got_after, ref_after)
+    # the mask is random: about half the entries are dropped, so a fresh mask would differ
+    if how in ("backward", "tfun.grad", "torch.func.grad"):
+        assert 300 < int((ref == 0).sum()) < 700
+
+
+def test_dropout_inside_checkpoint_without_preserving_rng_state_differs():
+    # preserve_rng_state=False recomputes with the generator where it is: a different mask
+    ck = tfun.checkpoint(dropped, preserve_rng_state=False)
+    ref, _ = _seeded(_backward_grad(dropped), X_DROP, W_DROP)
+    got, _ = _seeded(_backward_grad(ck), X_DROP, W_DROP)
+    assert not torch.equal(got, ref)
+    with pytest.raises(ArgumentTypeError) as e:
+        tfun.checkpoint(dropped, preserve_rng_state=1)
+    assert str(e.value).splitlines()[0] == "tfun.checkpoint: preserve_rng_state must be a bool, got a int leaf (1)."
+
+
+def test_dropout_inside_a_checkpointed_scan_body():
+    xs = t(6, 50, seed=5)
+
+    def loss(w, h0, ck):
+        def body(h, x):
+            h = torch.nn.functional.dropout(torch.tanh(h * w + x), p=0.3, training=True)
+            return h, h.sum()
+
+        step = tfun.checkpoint(body) if ck else body
+        return tfun.lax.scan(step, h0, xs)[1].sum()
+
+    w, h0 = t(50, seed=6), t(50, seed=8)
+    for grad in (tfun.grad, lambda f: torch.func.grad(f)):
+        ref, ref_after = _seeded(grad(loss), w, h0, False)
+        got, got_after = _seeded(grad(loss), w, h0, True)
+        assert torch.equal(got, ref)
+        assert torch.equal(got_after, ref_after)
+    wr = w.clone().requires_grad_()
+    torch.manual_seed(7)
+    loss(wr, h0, False).backward()
+    ref = wr.grad
+    wr.grad = None
+    torch.manual_seed(7)
+    loss(wr, h0, True).backward()
+    assert torch.equal(wr.grad, ref)
