@@ -373,3 +373,65 @@ def test_custom_function_of_primals_inside_a_rule_keeps_its_rule_under_second_or
     (g,) = torch.autograd.grad(_square_via_custom(xr), xr, create_graph=True)
     (gg,) = torch.autograd.grad(g, xr)
     np.testing.assert_allclose(gg.item(), 2 * np.cos(0.7), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- complex values: JAX's convention
+
+
+@tfun.custom_vjp
+def _csin_scale(z, w):
+    return torch.sin(z) * w
+
+
+_csin_scale.defvjp(
+    lambda z, w: (_csin_scale(z, w), (z, w)),
+    # JAX's convention: the transpose of the tangent map, no conjugates
+    lambda res, g: (torch.cos(res[0]) * res[1] * g, torch.sin(res[0]) * g),
+)
+
+
+@tfun.custom_jvp
+def _cexp(z):
+    return torch.exp(z)
+
+
+@_cexp.defjvp
+def _cexp_jvp(primals, tangents):
+    return _cexp(primals[0]), torch.exp(primals[0]) * tangents[0]
+
+
+def test_jax_complex_custom_vjp_and_custom_jvp(jax):
+    jnp = jax.numpy
+
+    @jax.custom_vjp
+    def jsin_scale(z, w):
+        return jnp.sin(z) * w
+
+    jsin_scale.defvjp(
+        lambda z, w: (jsin_scale(z, w), (z, w)), lambda res, g: (jnp.cos(res[0]) * res[1] * g, jnp.sin(res[0]) * g)
+    )
+
+    @jax.custom_jvp
+    def jexp(z):
+        return jnp.exp(z)
+
+    jexp.defjvp(lambda p, t: (jexp(p[0]), jnp.exp(p[0]) * t[0]))
+
+    g = torch.Generator().manual_seed(0)
+    z, w, ct = (torch.randn(3, generator=g, dtype=torch.complex128) for _ in range(3))
+    jz, jw, jct = z.numpy(), w.numpy(), ct.numpy()
+    loss = lambda z, w: (torch.abs(_csin_scale(z, w)) ** 2 + (_cexp(z) * w).real).sum()  # noqa: E731
+    jloss = lambda z, w: (jnp.abs(jsin_scale(z, w)) ** 2 + (jexp(z) * w).real).sum()  # noqa: E731
+    for ours, theirs in zip(tfun.grad(loss, argnums=(0, 1))(z, w), jax.grad(jloss, argnums=(0, 1))(jz, jw)):
+        np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-12)
+    for ours, theirs in zip(tfun.vjp(_csin_scale, z, w)[1](ct), jax.vjp(jsin_scale, jz, jw)[1](jct)):
+        np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-12)
+    np.testing.assert_allclose(tfun.vjp(_cexp, z)[1](ct)[0].numpy(), np.asarray(jax.vjp(jexp, jz)[1](jct)[0]), rtol=1e-12)
+    # the custom rules give what plain autodiff of the same functions gives, under .backward() too
+    zr, wr = z.clone().requires_grad_(), w.clone().requires_grad_()
+    loss(zr, wr).backward()
+    plain = lambda z, w: (torch.abs(torch.sin(z) * w) ** 2 + (torch.exp(z) * w).real).sum()  # noqa: E731
+    zp, wp = z.clone().requires_grad_(), w.clone().requires_grad_()
+    plain(zp, wp).backward()
+    torch.testing.assert_close(zr.grad, zp.grad)
+    torch.testing.assert_close(wr.grad, wp.grad)

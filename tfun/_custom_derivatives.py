@@ -21,7 +21,7 @@ import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError, format_message
 from ._funcinfo import describe
-from ._grad import PrefixMismatch, _is_node, broadcast_prefix, describe_value, is_inexact
+from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
 from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["custom_vjp", "custom_jvp"]
@@ -365,7 +365,9 @@ class _CustomVjpFunction(torch.autograd.Function):
             torch.zeros(shape, dtype=dtype, device=device) if o is None else o
             for o, (shape, dtype, device) in zip(out_grads, out_meta)
         ]
-        g = tree_unflatten(spec.out_td, out_grads)
+        # bwd is written in JAX's convention: for complex values its cotangents are the
+        # conjugates of torch's (see tfun._grad), both ways
+        g = tree_unflatten(spec.out_td, [conj_ct(o) for o in out_grads])
         cts = spec.bwd(*spec.nondiff, res, g)
         n_diff = len(spec.diff_argnums)
         op = "tfun.custom_vjp"
@@ -400,7 +402,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         flat = _check_cotangents(
             op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
         )
-        result = [flat[k] for k in spec.tensor_pos]
+        result = [conj_ct(flat[k]) for k in spec.tensor_pos]
         if pulled is not None:
             result = [a if b is None else b if a is None else a + b for a, b in zip(result, pulled)]
         return (None, *result)
@@ -459,7 +461,9 @@ class custom_vjp:
     the primal function `f` runs; otherwise `fwd` does. `bwd` runs differentiably, and, as
     in JAX, residuals that `fwd` computes are differentiable functions of the inputs, so
     `grad(grad(f))` is exact: a second-order cotangent that reaches a residual is pulled
-    back through `fwd` (which then runs once more).
+    back through `fwd` (which then runs once more). With complex values `bwd` follows JAX's
+    convention (the transpose: for `f(z) = c * z`, `bwd` returns `(c * g,)`); torch's
+    conjugated cotangents are converted on the way in and out.
 
     **Arguments:**
 
