@@ -247,3 +247,32 @@ def test_dropout_inside_nested_checkpoints():
         got, got_after = _seeded(_backward_grad(f), X_DROP, W_DROP)
         torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
         assert torch.equal(got_after, ref_after)
+
+
+def test_nested_checkpoints_under_torch_func_and_tfun_grad():
+    # A checkpoint inside a checkpointed function used to hit a torch internal assert under
+    # torch.func.grad / tfun.grad (its backward ran after the outer recomputation's level
+    # was gone).
+    x, w = t(5, seed=1), t(5, seed=2)
+    inner = tfun.checkpoint(lambda x, w: torch.tanh(x * w) * w)
+    nested = tfun.checkpoint(lambda x, w: (torch.sin(inner(x, w)) * w).sum())
+    plain = lambda x, w: (torch.sin(torch.tanh(x * w) * w) * w).sum()  # noqa: E731
+    for grad in (tfun.grad, torch.func.grad):
+        got = grad(nested, argnums=(0, 1))(x, w)
+        ref = grad(plain, argnums=(0, 1))(x, w)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    hess = tfun.hessian(nested, argnums=1)(x, w)
+    torch.testing.assert_close(hess, tfun.hessian(plain, argnums=1)(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_complex_values_through_checkpoint():
+    z = torch.randn(3, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    f = lambda u: torch.sin(u) * u  # noqa: E731
+    loss = lambda g: lambda z: torch.abs(g(z)).sum()  # noqa: E731
+    torch.testing.assert_close(tfun.grad(loss(tfun.checkpoint(f)))(z), tfun.grad(loss(f))(z))
+    zr = z.clone().requires_grad_()
+    loss(tfun.checkpoint(f))(zr).backward()
+    zp = z.clone().requires_grad_()
+    loss(f)(zp).backward()
+    torch.testing.assert_close(zr.grad, zp.grad)

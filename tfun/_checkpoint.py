@@ -419,12 +419,24 @@ class _CheckpointFunction(torch.autograd.Function):
             out_diff[:] = [k for k, o in enumerate(leaves) if is_inexact(o)]
             return [leaves[k] for k in out_diff]
 
-        if not diff:
+        if not diff or all(g is None for g in grads[: spec.n_out]):
             return (None,) * (1 + ctx.n_tensors)
+
+        def pairing(*d: torch.Tensor) -> torch.Tensor:
+            # <grads, outputs>, whose gradient is the VJP (torch's convention for complex
+            # values: Re(sum(conj(g) * o))). torch.func.grad differentiates it inside its own
+            # level, so a checkpoint nested in `fun` runs its backward while this level is
+            # live (a vjp's pullback would run it after the level is gone).
+            outs = recompute(*d)
+            total = torch.zeros((), dtype=outs[0].real.dtype if outs else d[0].real.dtype, device=d[0].device)
+            for k, o in zip(out_diff, outs):
+                gk = grads[k]
+                if gk is not None:
+                    total = total + ((gk.conj() * o).real.sum() if o.is_complex() else (gk * o).sum())
+            return total
+
         with _replaying(spec.rng):
-            outs, pull = torch.func.vjp(recompute, *[tensors[k] for k in diff])  # type: ignore[misc]
-        g = [torch.zeros_like(o) if grads[k] is None else grads[k] for k, o in zip(out_diff, outs)]
-        cts = pull(g)
+            cts = torch.func.grad(pairing, argnums=tuple(range(len(diff))))(*[tensors[k] for k in diff])
         result: list[Any] = [None] * ctx.n_tensors
         for k, c in zip(diff, cts):
             result[k] = c
