@@ -140,3 +140,139 @@ def test_checkpoint_forward_mode_jvp_jacfwd_hessian():
     torch.testing.assert_close(
         tfun.hessian(lambda v: ck(v).sum())(x), torch.func.hessian(lambda v: plain(v).sum())(x)
     )
+
+
+# ---------------------------------------------------------------- randomness (dropout) inside
+
+
+X_DROP = t(1000, seed=3)
+W_DROP = t(1000, seed=4)
+
+
+def dropped(x, w):
+    return (torch.nn.functional.dropout(torch.tanh(x * w), p=0.5, training=True) * w).sum()
+
+
+def _seeded(fn, *args):
+    torch.manual_seed(1234)
+    out = fn(*args)
+    after = torch.rand(3)  # the generator must be left where the un-checkpointed run leaves it
+    return out, after
+
+
+def _backward_grad(f):
+    def run(x, w):
+        w = w.clone().requires_grad_()
+        f(x, w).backward()
+        return w.grad
+
+    return run
+
+
+@pytest.mark.parametrize("policy", [None, tfun.checkpoint_policies.dots_saveable])
+@pytest.mark.parametrize(
+    "how",
+    ["backward", "tfun.grad", "torch.func.grad", "tfun.jvp"],
+)
+def test_dropout_inside_checkpoint_gives_the_uncheckpointed_gradients(how, policy):
+    # (jacrev/jacfwd/hessian vmap over the function, and torch.func.vmap refuses random ops)
+    ck = tfun.checkpoint(dropped, policy=policy)
+    x, w = X_DROP, W_DROP
+    transforms = {
+        "backward": _backward_grad,
+        "tfun.grad": lambda f: tfun.grad(f, argnums=1),
+        "torch.func.grad": lambda f: torch.func.grad(f, argnums=1),
+        "tfun.jvp": lambda f: lambda x, w: tfun.jvp(lambda v: f(x, v), (w,), (torch.ones_like(w),))[1],
+    }
+    ref, ref_after = _seeded(transforms[how](dropped), x, w)
+    got, got_after = _seeded(transforms[how](ck), x, w)
+    # (a different mask would differ by O(1) in about half the entries; allow only rounding)
+    torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
+    assert torch.equal(got_after, ref_after)
+    # the mask is random: about half the entries are dropped, so a fresh mask would differ
+    if how in ("backward", "tfun.grad", "torch.func.grad"):
+        assert 300 < int((ref == 0).sum()) < 700
+
+
+def test_dropout_inside_checkpoint_without_preserving_rng_state_differs():
+    # preserve_rng_state=False recomputes with the generator where it is: a different mask
+    ck = tfun.checkpoint(dropped, preserve_rng_state=False)
+    ref, _ = _seeded(_backward_grad(dropped), X_DROP, W_DROP)
+    got, _ = _seeded(_backward_grad(ck), X_DROP, W_DROP)
+    assert not torch.equal(got, ref)
+    with pytest.raises(ArgumentTypeError) as e:
+        tfun.checkpoint(dropped, preserve_rng_state=1)
+    assert str(e.value).splitlines()[0] == "tfun.checkpoint: preserve_rng_state must be a bool, got a int leaf (1)."
+
+
+def test_dropout_inside_a_checkpointed_scan_body():
+    xs = t(6, 50, seed=5)
+
+    def loss(w, h0, ck):
+        def body(h, x):
+            h = torch.nn.functional.dropout(torch.tanh(h * w + x), p=0.3, training=True)
+            return h, h.sum()
+
+        step = tfun.checkpoint(body) if ck else body
+        return tfun.lax.scan(step, h0, xs)[1].sum()
+
+    w, h0 = t(50, seed=6), t(50, seed=8)
+    for grad in (tfun.grad, lambda f: torch.func.grad(f)):
+        ref, ref_after = _seeded(grad(loss), w, h0, False)
+        got, got_after = _seeded(grad(loss), w, h0, True)
+        torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
+        assert torch.equal(got_after, ref_after)
+    wr = w.clone().requires_grad_()
+    torch.manual_seed(7)
+    loss(wr, h0, False).backward()
+    ref = wr.grad
+    wr.grad = None
+    torch.manual_seed(7)
+    loss(wr, h0, True).backward()
+    torch.testing.assert_close(wr.grad, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_dropout_inside_nested_checkpoints():
+    inner = tfun.checkpoint(lambda x, w: torch.nn.functional.dropout(torch.tanh(x * w), 0.5, True) * w)
+
+    def outer(x, w):
+        return (torch.nn.functional.dropout(inner(x, w), 0.3, True) * w).sum()
+
+    def plain(x, w):
+        h = torch.nn.functional.dropout(torch.tanh(x * w), 0.5, True) * w
+        return (torch.nn.functional.dropout(h, 0.3, True) * w).sum()
+
+    ref, ref_after = _seeded(_backward_grad(plain), X_DROP, W_DROP)
+    for f in (outer, tfun.checkpoint(outer)):
+        got, got_after = _seeded(_backward_grad(f), X_DROP, W_DROP)
+        torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
+        assert torch.equal(got_after, ref_after)
+
+
+def test_nested_checkpoints_under_torch_func_and_tfun_grad():
+    # A checkpoint inside a checkpointed function used to hit a torch internal assert under
+    # torch.func.grad / tfun.grad (its backward ran after the outer recomputation's level
+    # was gone).
+    x, w = t(5, seed=1), t(5, seed=2)
+    inner = tfun.checkpoint(lambda x, w: torch.tanh(x * w) * w)
+    nested = tfun.checkpoint(lambda x, w: (torch.sin(inner(x, w)) * w).sum())
+    plain = lambda x, w: (torch.sin(torch.tanh(x * w) * w) * w).sum()  # noqa: E731
+    for grad in (tfun.grad, torch.func.grad):
+        got = grad(nested, argnums=(0, 1))(x, w)
+        ref = grad(plain, argnums=(0, 1))(x, w)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    hess = tfun.hessian(nested, argnums=1)(x, w)
+    torch.testing.assert_close(hess, tfun.hessian(plain, argnums=1)(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_complex_values_through_checkpoint():
+    z = torch.randn(3, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    f = lambda u: torch.sin(u) * u  # noqa: E731
+    loss = lambda g: lambda z: torch.abs(g(z)).sum()  # noqa: E731
+    torch.testing.assert_close(tfun.grad(loss(tfun.checkpoint(f)))(z), tfun.grad(loss(f))(z))
+    zr = z.clone().requires_grad_()
+    loss(tfun.checkpoint(f))(zr).backward()
+    zp = z.clone().requires_grad_()
+    loss(f)(zp).backward()
+    torch.testing.assert_close(zr.grad, zp.grad)

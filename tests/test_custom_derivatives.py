@@ -287,3 +287,151 @@ def test_custom_vjp_refuses_forward_mode_with_a_tfun_error():
         "supported, as in JAX."
     )
     assert lines[1].startswith("The function is `_sin_fwd at ")
+
+
+# ---------------------------------------------------------------- a rule that calls its own function
+
+
+@tfun.custom_jvp
+def _neg(x):
+    return -x
+
+
+@_neg.defjvp
+def _neg_jvp(primals, tangents):
+    # JAX custom_api_test `test_linear_in_scan`: the tangent map is the function itself.
+    return _neg(primals[0]), _neg(tangents[0])
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+def test_rule_calling_its_own_function_in_scan_terminates_with_exact_grad(length):
+    # It used to recurse without end: transposing the rule re-entered the rule.
+    def through_scan(x):
+        c, ys = tfun.lax.scan(lambda c, _: (_neg(c), _neg(c)), x, None, length=length)
+        return c, ys
+
+    x = torch.tensor(3.0, dtype=torch.float64)
+    assert tfun.grad(lambda u: through_scan(u)[0])(x).item() == (-1.0) ** length
+    # ys[k] = (-1)^(k+1) x, so d(sum ys)/dx = sum_k (-1)^(k+1)
+    assert tfun.grad(lambda u: through_scan(u)[1].sum())(x).item() == sum((-1.0) ** (k + 1) for k in range(length))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(through_scan(xr)[0], xr)
+    assert g.item() == (-1.0) ** length
+    assert tfun.jvp(lambda u: through_scan(u)[0], (x,), (torch.ones_like(x),))[1].item() == (-1.0) ** length
+
+
+def test_rule_calling_its_own_function_outside_scan():
+    x = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    assert torch.equal(tfun.grad(lambda u: _neg(u).sum())(x), -torch.ones_like(x))
+    assert torch.equal(tfun.jacrev(_neg)(x), -torch.eye(2, dtype=torch.float64))
+    assert torch.equal(tfun.grad(tfun.grad(lambda u: _neg(u) ** 2))(x[0]), torch.tensor(2.0, dtype=torch.float64))
+
+
+@tfun.custom_jvp
+def _sin_doubled_rule(x):
+    return torch.sin(x)
+
+
+@_sin_doubled_rule.defjvp
+def _sin_doubled_rule_jvp(primals, tangents):
+    # deliberately not sin's derivative, so the test sees which derivative is used
+    return _sin_doubled_rule(primals[0]), 2 * torch.cos(primals[0]) * tangents[0]
+
+
+@tfun.custom_jvp
+def _square_via_custom(x):
+    return x**2
+
+
+@_square_via_custom.defjvp
+def _square_via_custom_jvp(primals, tangents):
+    return _square_via_custom(primals[0]), _sin_doubled_rule(primals[0]) * tangents[0]
+
+
+def test_custom_function_of_primals_inside_a_rule_keeps_its_rule_under_second_order(jax):
+    # Only calls on the tangent path fall back to the primal function; a custom function of the
+    # primals inside a rule is still differentiated by its own rule (as in JAX).
+    jnp = jax.numpy
+
+    @jax.custom_jvp
+    def jsin(x):
+        return jnp.sin(x)
+
+    jsin.defjvp(lambda p, t: (jsin(p[0]), 2 * jnp.cos(p[0]) * t[0]))
+
+    @jax.custom_jvp
+    def jsq(x):
+        return x**2
+
+    jsq.defjvp(lambda p, t: (jsq(p[0]), jsin(p[0]) * t[0]))
+    x = torch.tensor(0.7, dtype=torch.float64)
+    ours = tfun.grad(tfun.grad(_square_via_custom))(x)
+    theirs = jax.grad(jax.grad(jsq))(0.7)
+    np.testing.assert_allclose(ours.item(), float(theirs), rtol=1e-12)
+    np.testing.assert_allclose(ours.item(), 2 * np.cos(0.7), rtol=1e-12)
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(_square_via_custom(xr), xr, create_graph=True)
+    (gg,) = torch.autograd.grad(g, xr)
+    np.testing.assert_allclose(gg.item(), 2 * np.cos(0.7), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- complex values: JAX's convention
+
+
+@tfun.custom_vjp
+def _csin_scale(z, w):
+    return torch.sin(z) * w
+
+
+_csin_scale.defvjp(
+    lambda z, w: (_csin_scale(z, w), (z, w)),
+    # JAX's convention: the transpose of the tangent map, no conjugates
+    lambda res, g: (torch.cos(res[0]) * res[1] * g, torch.sin(res[0]) * g),
+)
+
+
+@tfun.custom_jvp
+def _cexp(z):
+    return torch.exp(z)
+
+
+@_cexp.defjvp
+def _cexp_jvp(primals, tangents):
+    return _cexp(primals[0]), torch.exp(primals[0]) * tangents[0]
+
+
+def test_jax_complex_custom_vjp_and_custom_jvp(jax):
+    jnp = jax.numpy
+
+    @jax.custom_vjp
+    def jsin_scale(z, w):
+        return jnp.sin(z) * w
+
+    jsin_scale.defvjp(
+        lambda z, w: (jsin_scale(z, w), (z, w)), lambda res, g: (jnp.cos(res[0]) * res[1] * g, jnp.sin(res[0]) * g)
+    )
+
+    @jax.custom_jvp
+    def jexp(z):
+        return jnp.exp(z)
+
+    jexp.defjvp(lambda p, t: (jexp(p[0]), jnp.exp(p[0]) * t[0]))
+
+    g = torch.Generator().manual_seed(0)
+    z, w, ct = (torch.randn(3, generator=g, dtype=torch.complex128) for _ in range(3))
+    jz, jw, jct = z.numpy(), w.numpy(), ct.numpy()
+    loss = lambda z, w: (torch.abs(_csin_scale(z, w)) ** 2 + (_cexp(z) * w).real).sum()  # noqa: E731
+    jloss = lambda z, w: (jnp.abs(jsin_scale(z, w)) ** 2 + (jexp(z) * w).real).sum()  # noqa: E731
+    for ours, theirs in zip(tfun.grad(loss, argnums=(0, 1))(z, w), jax.grad(jloss, argnums=(0, 1))(jz, jw)):
+        np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-12)
+    for ours, theirs in zip(tfun.vjp(_csin_scale, z, w)[1](ct), jax.vjp(jsin_scale, jz, jw)[1](jct)):
+        np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-12)
+    np.testing.assert_allclose(tfun.vjp(_cexp, z)[1](ct)[0].numpy(), np.asarray(jax.vjp(jexp, jz)[1](jct)[0]), rtol=1e-12)
+    # the custom rules give what plain autodiff of the same functions gives, under .backward() too
+    zr, wr = z.clone().requires_grad_(), w.clone().requires_grad_()
+    loss(zr, wr).backward()
+    plain = lambda z, w: (torch.abs(torch.sin(z) * w) ** 2 + (torch.exp(z) * w).real).sum()  # noqa: E731
+    zp, wp = z.clone().requires_grad_(), w.clone().requires_grad_()
+    plain(zp, wp).backward()
+    torch.testing.assert_close(zr.grad, zp.grad)
+    torch.testing.assert_close(wr.grad, wp.grad)

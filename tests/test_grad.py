@@ -251,3 +251,136 @@ def test_jax_pytree_node_types(jax):
     gs = tfun.grad(lambda s: (s.h * s.c["k"]).sum())(s)
     assert isinstance(gs, State) and torch.allclose(gs.h, s.c["k"])
     _ = jnp
+
+
+# ---------------------------------------------------------------- complex numbers: JAX's convention
+
+C = torch.complex128
+
+
+def tc(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=C)
+
+
+def test_grad_of_real_loss_of_complex_input_is_jax_not_torch():
+    z = torch.tensor(3 + 4j, dtype=C)
+    # JAX: 6-8j; torch's .backward() leaves the conjugate, 6+8j
+    assert tfun.grad(lambda z: z.real**2 + z.imag**2)(z) == torch.tensor(6 - 8j, dtype=C)
+    v, g = tfun.value_and_grad(lambda z: torch.abs(z) ** 2)(z)
+    assert v.item() == pytest.approx(25.0) and g.item() == pytest.approx(6 - 8j)
+    zr = z.clone().requires_grad_()
+    (zr.real**2 + zr.imag**2).backward()
+    assert zr.grad == torch.tensor(6 + 8j, dtype=C)  # torch's own convention, for contrast
+    assert tfun.grad(lambda z: z**2, holomorphic=True)(z) == torch.tensor(6 + 8j, dtype=C)
+    g = tfun.grad(lambda z: z.real**2 + z.imag**2)(z)
+    assert not g.is_conj()
+    np.testing.assert_equal(g.numpy(), np.complex128(6 - 8j))
+
+
+def _complex_cases(jnp):
+    a, b = tc(3, seed=1), tc(3, seed=2)
+    x = t(3, seed=3)
+    return [
+        # (name, torch fn, jax fn, args)
+        ("holomorphic", lambda z: torch.sin(z) * z, lambda z: jnp.sin(z) * z, (a,)),
+        ("conj", lambda z: z.conj() * z**2, lambda z: jnp.conj(z) * z**2, (a,)),
+        ("abs", lambda z: torch.abs(z) * z, lambda z: jnp.abs(z) * z, (a,)),
+        ("two args", lambda z, w: torch.exp(z) * w.conj() + z.real, lambda z, w: jnp.exp(z) * jnp.conj(w) + z.real, (a, b)),
+        ("real to complex", lambda r: torch.exp(1j * r) * r, lambda r: jnp.exp(1j * r) * r, (x,)),
+        ("complex to real", lambda z: torch.abs(z) ** 3 + z.imag * z.real, lambda z: jnp.abs(z) ** 3 + z.imag * z.real, (a,)),
+        ("mixed", lambda z, r: (torch.sin(z) * r, torch.abs(z) * r), lambda z, r: (jnp.sin(z) * r, jnp.abs(z) * r), (a, x)),
+    ]
+
+
+def test_jax_complex_vjp_and_jvp(jax):
+    jnp = jax.numpy
+    for name, f, jf, args in _complex_cases(jnp):
+        out, pull = tfun.vjp(f, *args)
+        jout, jpull = jax.vjp(jf, *to_np(args))
+        close_np(out, jout)
+        ct = tfun.tree.tree_map(lambda o: tc(*o.shape, seed=9).to(o.dtype) if o.is_complex() else t(*o.shape, seed=9), out)
+        close_np(pull(ct), jpull(to_np(ct)))
+        tans = tuple(tc(*a.shape, seed=7) if a.is_complex() else t(*a.shape, seed=7) for a in args)
+        close_np(tfun.jvp(f, args, tans), jax.jvp(jf, to_np(args), to_np(tans)))
+
+
+def test_jax_complex_grad_and_jacrev_of_real_outputs(jax):
+    jnp = jax.numpy
+    z, w, x = tc(4, seed=1), tc(4, seed=2), t(4, seed=3)
+
+    def f(z, w, x):
+        return {"a": torch.abs(torch.sin(z) * w) ** 2 * x, "b": (z * w.conj()).real}
+
+    def jf(z, w, x):
+        return {"a": jnp.abs(jnp.sin(z) * w) ** 2 * x, "b": (z * jnp.conj(w)).real}
+
+    loss = lambda z, w, x: sum(v.sum() for v in f(z, w, x).values())  # noqa: E731
+    jloss = lambda z, w, x: sum(v.sum() for v in jf(z, w, x).values())  # noqa: E731
+    args, jargs = (z, w, x), to_np((z, w, x))
+    close_np(tfun.grad(loss, argnums=(0, 1, 2))(*args), jax.grad(jloss, argnums=(0, 1, 2))(*jargs))
+    close_np(tfun.value_and_grad(loss, argnums=(0, 2))(*args), jax.value_and_grad(jloss, argnums=(0, 2))(*jargs))
+    close_np(tfun.jacrev(f, argnums=(0, 1, 2))(*args), jax.jacrev(jf, argnums=(0, 1, 2))(*jargs))
+    # under torch.func.vmap, and through torch.func.grad, still JAX's
+    close_np(torch.func.vmap(tfun.grad(lambda z: torch.abs(torch.sin(z)) ** 2))(z),
+             jax.vmap(jax.grad(lambda z: jnp.abs(jnp.sin(z)) ** 2))(z.numpy()))
+    # second order: the gradient of a real function of JAX's gradient
+    g2 = tfun.grad(lambda z: (tfun.grad(lambda u: (torch.abs(u) ** 4).sum())(z) * w).real.sum())(z)
+    jg2 = jax.grad(lambda z: (jax.grad(lambda u: (jnp.abs(u) ** 4).sum())(z) * w.numpy()).real.sum())(z.numpy())
+    close_np(g2, jg2)
+
+
+def test_jax_complex_holomorphic_grad_jacobians_hessian(jax):
+    jnp = jax.numpy
+    z, w = tc(3, seed=1), tc(3, seed=2)
+    tf = lambda z, w: {"u": torch.sin(z) * w, "v": (z**2).sum() * torch.exp(w)}  # noqa: E731
+    jf = lambda z, w: {"u": jnp.sin(z) * w, "v": (z**2).sum() * jnp.exp(w)}  # noqa: E731
+    jz, jw = z.numpy(), w.numpy()
+    for tj, jj in ((tfun.jacfwd, jax.jacfwd), (tfun.jacrev, jax.jacrev)):
+        close_np(tj(tf, argnums=(0, 1), holomorphic=True)(z, w), jj(jf, argnums=(0, 1), holomorphic=True)(jz, jw))
+    s = lambda z: (torch.sin(z) * z.prod()).sum()  # noqa: E731
+    js = lambda z: (jnp.sin(z) * z.prod()).sum()  # noqa: E731
+    close_np(tfun.grad(s, holomorphic=True)(z), jax.grad(js, holomorphic=True)(jz))
+    close_np(tfun.value_and_grad(s, holomorphic=True)(z), jax.value_and_grad(js, holomorphic=True)(jz))
+    close_np(tfun.hessian(s, holomorphic=True)(z), jax.hessian(js, holomorphic=True)(jz))
+    # real inputs, complex outputs: jacfwd without holomorphic, as in JAX
+    x = t(3, seed=4)
+    close_np(tfun.jacfwd(lambda r: torch.exp(1j * r) * r.sum())(x), jax.jacfwd(lambda r: jnp.exp(1j * r) * r.sum())(x.numpy()))
+
+
+def test_complex_differentiation_refusals_name_the_leaf():
+    z, x = tc(2), t(2)
+    cases = [
+        (lambda: tfun.grad(lambda z: (z**2).sum())(z),
+         "tfun.grad: the function must return a scalar (shape ()) real floating-point tensor.",
+         "output: a tensor of shape () and dtype torch.complex128", "For a holomorphic function pass holomorphic=True"),
+        (lambda: tfun.grad(lambda z: (z**2).sum(), holomorphic=True)(x),
+         "tfun.grad: with holomorphic=True every differentiated input must be complex.",
+         "args[0]: a tensor of shape (2,) and dtype torch.float64", "Pass complex tensors there"),
+        (lambda: tfun.grad(lambda z: torch.abs(z).sum(), holomorphic=True)(z),
+         "tfun.grad: with holomorphic=True the function must return a scalar (shape ()) complex tensor.",
+         "output: a tensor of shape () and dtype torch.float64", "Return a complex scalar"),
+        (lambda: tfun.jacfwd(lambda d: d["z"] * 2)({"z": z}),
+         "tfun.jacfwd: without holomorphic=True every differentiated input must be real, as in JAX (forward mode "
+         "gives only the derivative along the real axis of a complex input).",
+         "args[0]['z']: a tensor of shape (2,) and dtype torch.complex128", "Pass holomorphic=True"),
+        (lambda: tfun.jacrev(lambda r: {"c": torch.exp(1j * r)})(x),
+         "tfun.jacrev: without holomorphic=True every output must be real, as in JAX.",
+         "output['c']: a tensor of shape (2,) and dtype torch.complex128", "Pass holomorphic=True"),
+        (lambda: tfun.jacrev(lambda z: torch.abs(z), holomorphic=True)(z),
+         "tfun.jacrev: with holomorphic=True every output must be complex.",
+         "output: a tensor of shape (2,) and dtype torch.float64", "Return complex tensors"),
+        (lambda: tfun.hessian(lambda z: torch.abs(z).sum())(z),
+         "tfun.hessian: without holomorphic=True every differentiated input must be real",
+         "args[0]: a tensor of shape (2,) and dtype torch.complex128", "Pass holomorphic=True"),
+    ]
+    for call, head, bullet, revise in cases:
+        with pytest.raises(ArgumentTypeError) as e:
+            call()
+        lines = str(e.value).splitlines()
+        assert lines[0].startswith(head), lines[0]
+        assert lines[1] == "  * " + bullet
+        assert lines[2].startswith("The function is `<lambda> at ")
+        assert lines[3].startswith(revise)
+    with pytest.raises(ArgumentTypeError):
+        tfun.grad(lambda z: z, holomorphic="yes")

@@ -15,9 +15,10 @@ mode substitutes the Function's own inputs for them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -258,6 +259,42 @@ def _replay(func: Any, args: Any, kwargs: Any, saved: list[torch.Tensor]) -> Any
 
 
 # --------------------------------------------------------------------------------------
+# random number generator state
+# --------------------------------------------------------------------------------------
+
+
+class _RngState:
+    """The CPU generator's state and the CUDA generators' states of the devices involved,
+    taken just before the forward run, so every recomputation draws the same random numbers
+    (dropout masks, ...) as the forward did (as `torch.utils.checkpoint` with
+    `preserve_rng_state=True`)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            devices.add(torch.cuda.current_device())
+        self.cuda_devices = sorted(d if d is not None else torch.cuda.current_device() for d in devices)
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+
+    def set(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for d, st in zip(self.cuda_devices, self.cuda):
+            torch.cuda.set_rng_state(st, d)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the body from the saved states; the generators are left as they were."""
+        with torch.random.fork_rng(devices=self.cuda_devices, enabled=True):
+            self.set()
+            yield
+
+
+def _replaying(rng: _RngState | None) -> Any:
+    return contextlib.nullcontext() if rng is None else rng.replay()
+
+
+# --------------------------------------------------------------------------------------
 # checkpoint
 # --------------------------------------------------------------------------------------
 
@@ -278,6 +315,7 @@ class _Spec:
     out_tensor_pos: list[int]
     saved_index: list[tuple[int, int]]
     n_out: int
+    rng: _RngState | None
 
     def call(self, tensors: Sequence[torch.Tensor]) -> Any:
         cur = list(self.leaves)
@@ -353,7 +391,8 @@ class _CheckpointFunction(torch.autograd.Function):
         tans = tuple(
             torch.zeros_like(tensors[k]) if tangents[k] is None else tangents[k] for k in diff
         )
-        _, out_tangents = torch.func.jvp(run, primals, tans)
+        with _replaying(spec.rng):
+            _, out_tangents = torch.func.jvp(run, primals, tans)
         return (*out_tangents, *([None] * ctx.n_extra))
 
     @staticmethod
@@ -380,11 +419,24 @@ class _CheckpointFunction(torch.autograd.Function):
             out_diff[:] = [k for k, o in enumerate(leaves) if is_inexact(o)]
             return [leaves[k] for k in out_diff]
 
-        if not diff:
+        if not diff or all(g is None for g in grads[: spec.n_out]):
             return (None,) * (1 + ctx.n_tensors)
-        outs, pull = torch.func.vjp(recompute, *[tensors[k] for k in diff])  # type: ignore[misc]
-        g = [torch.zeros_like(o) if grads[k] is None else grads[k] for k, o in zip(out_diff, outs)]
-        cts = pull(g)
+
+        def pairing(*d: torch.Tensor) -> torch.Tensor:
+            # <grads, outputs>, whose gradient is the VJP (torch's convention for complex
+            # values: Re(sum(conj(g) * o))). torch.func.grad differentiates it inside its own
+            # level, so a checkpoint nested in `fun` runs its backward while this level is
+            # live (a vjp's pullback would run it after the level is gone).
+            outs = recompute(*d)
+            total = torch.zeros((), dtype=outs[0].real.dtype if outs else d[0].real.dtype, device=d[0].device)
+            for k, o in zip(out_diff, outs):
+                gk = grads[k]
+                if gk is not None:
+                    total = total + ((gk.conj() * o).real.sum() if o.is_complex() else (gk * o).sum())
+            return total
+
+        with _replaying(spec.rng):
+            cts = torch.func.grad(pairing, argnums=tuple(range(len(diff))))(*[tensors[k] for k in diff])
         result: list[Any] = [None] * ctx.n_tensors
         for k, c in zip(diff, cts):
             result[k] = c
@@ -404,6 +456,7 @@ def checkpoint(
     prevent_cse: bool = True,
     policy: Callable[..., bool] | None = None,
     static_argnums: int | Sequence[int] = (),
+    preserve_rng_state: bool = True,
 ) -> Any:
     """Rematerialize `fun`'s intermediates in backward instead of storing them, as
     `jax.checkpoint` (alias `tfun.remat`).
@@ -415,8 +468,12 @@ def checkpoint(
     Tensors `fun` closes over (e.g. the parameters of an `nn.Module` it calls) are found
     by a `TorchFunctionMode` and receive gradients. Under a `torch.func` transform the
     discovery costs one extra forward run of `fun`. Forward mode (`jvp`, `jacfwd`,
-    `hessian`) pushes tangents through `fun` itself (it has nothing to save). `fun` must be deterministic (same ops each run) and must not mutate the
-    tensors it closes over between forward and backward.
+    `hessian`) pushes tangents through `fun` itself (it has nothing to save). `fun` must
+    run the same ops each time and must not mutate the tensors it closes over between
+    forward and backward. Randomness inside `fun` (dropout) is reproduced: with
+    `preserve_rng_state=True` every recomputation starts from the random generator states
+    the forward started from, so gradients equal those of the un-checkpointed function
+    under the same seed.
 
     **Arguments:**
 
@@ -432,11 +489,22 @@ def checkpoint(
       (see `checkpoint_policies`); everything else is recomputed.
     - `static_argnums`: positions of arguments passed through untouched (not flattened,
       not differentiated): Python values, functions, configuration.
+    - `preserve_rng_state`: save the CPU random generator state and the CUDA generator
+      states (of the devices of `fun`'s tensor arguments, and the current CUDA device) before
+      the forward run, and restore them for every recomputation (`.backward()`, `torch.func`
+      and `tfun` transforms, forward mode), as `torch.utils.checkpoint` does. Pass `False`
+      only if `fun` draws no random numbers, to skip saving the states.
 
     **Returns:** a function with `fun`'s signature and outputs.
     """
     if fun is None:
-        return functools.partial(checkpoint, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
+        return functools.partial(
+            checkpoint,
+            prevent_cse=prevent_cse,
+            policy=policy,
+            static_argnums=static_argnums,
+            preserve_rng_state=preserve_rng_state,
+        )
     if not callable(fun):
         raise ArgumentTypeError(format_message(f"tfun.checkpoint: fun must be callable, got {describe_value(fun)}."))
     if policy is not None and not callable(policy):
@@ -450,6 +518,12 @@ def checkpoint(
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in statics):
         raise ArgumentTypeError(
             format_message(f"tfun.checkpoint: static_argnums must be non-negative ints, got {static_argnums!r}.")
+        )
+    if not isinstance(preserve_rng_state, bool):
+        raise ArgumentTypeError(
+            format_message(
+                f"tfun.checkpoint: preserve_rng_state must be a bool, got {describe_value(preserve_rng_state)}."
+            )
         )
     if policy is checkpoint_policies.nothing_saveable:
         policy = None
@@ -481,6 +555,7 @@ def checkpoint(
         ins = [spec.leaves[k] for k in spec.tensor_pos]
         spec.n_in = len(ins)
         # discovery run: no graph; finds closed-over tensors (and, outside torch.func, is the forward)
+        spec.rng = _RngState(ins) if preserve_rng_state else None
         plain = not _functorch_active()
         mode = _Mode(inputs=ins, discover=True, policy=policy if plain else None)
         with torch.no_grad(), mode:
@@ -494,6 +569,9 @@ def checkpoint(
             spec.precomputed = (outs, mode.saved)
         else:
             spec.precomputed = None
+            if spec.rng is not None:
+                # the forward below runs `fun` again: it draws what the discovery run drew
+                spec.rng.set()
         res = _CheckpointFunction.apply(spec, *ins, *spec.externals)
         leaves = list(spec.out_leaves_static)
         for k, t in zip(spec.out_tensor_pos, res[: spec.n_out]):

@@ -21,7 +21,7 @@ import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError, format_message
 from ._funcinfo import describe
-from ._grad import PrefixMismatch, _is_node, broadcast_prefix, describe_value, is_inexact
+from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
 from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["custom_vjp", "custom_jvp"]
@@ -46,6 +46,44 @@ class _InsideForward:
 
     def __exit__(self, *exc: Any) -> None:
         _STATE.depth -= 1
+
+
+def _tensor_level(t: torch.Tensor) -> int:
+    """The torch.func level a tensor is wrapped at (-1 for a plain tensor)."""
+    try:
+        return int(torch._C._functorch.maybe_get_level(t))  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - older torch
+        return -1
+
+
+class _Transposing:
+    """While a custom_jvp rule's tangent map is transposed (reverse mode), the tangents are
+    wrapped at one torch.func level. A custom_jvp function applied inside the rule to a value
+    that depends on those tangents is on the linear (tangent) path: as in JAX, it is
+    differentiated as its primal function there, not through its own rule. (Through its rule,
+    a rule that calls its own function, e.g. `f(x) = -x` with `tangent_out = f(t)`, would
+    transpose itself forever.)"""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def __enter__(self) -> None:
+        stack = getattr(_STATE, "transposing", None)
+        if stack is None:
+            stack = _STATE.transposing = []
+        stack.append(self.level)
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE.transposing.pop()
+
+
+def _on_tangent_path(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether some tensor depends on the tangents of a custom_jvp rule being transposed."""
+    stack = getattr(_STATE, "transposing", None)
+    if not stack:
+        return False
+    level = stack[-1]
+    return any(_tensor_level(t) >= level for t in tensors)
 
 
 def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
@@ -327,7 +365,9 @@ class _CustomVjpFunction(torch.autograd.Function):
             torch.zeros(shape, dtype=dtype, device=device) if o is None else o
             for o, (shape, dtype, device) in zip(out_grads, out_meta)
         ]
-        g = tree_unflatten(spec.out_td, out_grads)
+        # bwd is written in JAX's convention: for complex values its cotangents are the
+        # conjugates of torch's (see tfun._grad), both ways
+        g = tree_unflatten(spec.out_td, [conj_ct(o) for o in out_grads])
         cts = spec.bwd(*spec.nondiff, res, g)
         n_diff = len(spec.diff_argnums)
         op = "tfun.custom_vjp"
@@ -362,7 +402,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         flat = _check_cotangents(
             op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
         )
-        result = [flat[k] for k in spec.tensor_pos]
+        result = [conj_ct(flat[k]) for k in spec.tensor_pos]
         if pulled is not None:
             result = [a if b is None else b if a is None else a + b for a, b in zip(result, pulled)]
         return (None, *result)
@@ -421,7 +461,9 @@ class custom_vjp:
     the primal function `f` runs; otherwise `fwd` does. `bwd` runs differentiably, and, as
     in JAX, residuals that `fwd` computes are differentiable functions of the inputs, so
     `grad(grad(f))` is exact: a second-order cotangent that reaches a residual is pulled
-    back through `fwd` (which then runs once more).
+    back through `fwd` (which then runs once more). With complex values `bwd` follows JAX's
+    convention (the transpose: for `f(z) = c * z`, `bwd` returns `(c * g,)`); torch's
+    conjugated cotangents are converted on the way in and out.
 
     **Arguments:**
 
@@ -570,7 +612,8 @@ class _CustomJvpFunction(torch.autograd.Function):
             tans = [torch.zeros_like(p) for p in primals]
             for k, t in zip(diff_in, t_diff):
                 tans[k] = t
-            flat = _call_jvp_rule(spec, primals, tans)
+            with _Transposing(_tensor_level(t_diff[0])):
+                flat = _call_jvp_rule(spec, primals, tans)
             res = []
             for k in diff_out:
                 f = flat[k]
@@ -696,7 +739,7 @@ class custom_jvp:
             )
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _JvpSpec(op, self.fun, self.nondiff_argnums, args)
-        if not _needs_rule(spec.tensors):
+        if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         outs = _CustomJvpFunction.apply(spec, *spec.tensors)

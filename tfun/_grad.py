@@ -7,6 +7,15 @@ registered dataclasses and `None` subtrees behave as in JAX. Arguments are flatt
 are rebuilt with the argument and output structures. Differences from `torch.func` that
 follow JAX: `grad` requires a scalar real output; integer inputs may not be differentiated;
 `vjp`'s pullback returns a tuple; `jvp` takes tuples of primals and tangents.
+
+Complex numbers follow JAX's convention, not torch's. A reverse-mode cotangent in JAX is
+the transpose of the (R-linear) tangent map, in torch its adjoint (conjugate transpose), so
+for every function `jax_vjp(ct) = conj(torch_vjp(conj(ct)))`: the pullbacks here conjugate
+the cotangents going in and the cotangents coming out. For a real loss `L` of complex `z`,
+`grad(L)(z)` is the conjugate of what `.backward()` leaves in `z.grad` (e.g.
+`grad(lambda z: abs(z)**2)(3+4j) == 6-8j`, where torch gives 6+8j). Forward mode (`jvp`)
+is the same in both. As in JAX, `grad`/`jacrev` differentiate complex outputs and `jacfwd`
+complex inputs only with `holomorphic=True`.
 """
 
 from __future__ import annotations
@@ -221,12 +230,14 @@ class _ArgFlattener:
         self.treedefs = []
         self.counts = []
         self.leaves: list[torch.Tensor] = []
+        self.paths: list[str] = []
         for i in argnums:
             pl, td = tree_flatten_with_path(args[i])
             self.treedefs.append(td)
             self.counts.append(len(pl))
             for p, leaf in pl:
-                self.leaves.append(_as_diff_leaf(op, fun, f"args[{i}]{keystr(p)}", leaf))
+                self.paths.append(f"args[{i}]{keystr(p)}")
+                self.leaves.append(_as_diff_leaf(op, fun, self.paths[-1], leaf))
 
     def rebuild_args(self, flat: Sequence[Any]) -> list[Any]:
         new_args = list(self.args)
@@ -277,23 +288,72 @@ def _unpack_aux(box: dict[str, Any], tensors: Sequence[torch.Tensor]) -> Any:
     return tree_unflatten(box["aux_td"], leaves)
 
 
-def _check_scalar_output(op: str, fun: Callable[..., Any], out: Any) -> torch.Tensor:
-    ok = isinstance(out, torch.Tensor) and out.ndim == 0 and out.is_floating_point()
+def conj_ct(t: Any) -> Any:
+    """Between torch's and JAX's reverse-mode conventions (an involution): the conjugate of
+    a complex tensor, anything else unchanged. The conjugate is materialized (no conj bit
+    left set), so results convert to NumPy."""
+    if isinstance(t, torch.Tensor) and t.is_complex():
+        return t.conj().resolve_conj()
+    return t
+
+
+def _check_scalar_output(op: str, fun: Callable[..., Any], out: Any, holomorphic: bool = False) -> torch.Tensor:
+    ok = isinstance(out, torch.Tensor) and out.ndim == 0 and (out.is_complex() if holomorphic else out.is_floating_point())
     if ok:
         return out
     if isinstance(out, torch.Tensor):
         what = f"output: a tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
     else:
         what = f"output: {describe_value(out)}"
+    if holomorphic:
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: with holomorphic=True the function must return a scalar (shape ()) complex tensor.",
+                [what],
+                function=describe(fun),
+                revise="Return a complex scalar, or pass holomorphic=False for a real-valued function.",
+            )
+        )
+    complex_scalar = isinstance(out, torch.Tensor) and out.ndim == 0 and out.is_complex()
     raise ArgumentTypeError(
         format_message(
             f"{op}: the function must return a scalar (shape ()) real floating-point tensor.",
             [what],
             function=describe(fun),
-            revise="Reduce the output to a scalar (e.g. `.sum()`), or use `tfun.vjp` / `tfun.jacrev` "
-            "for non-scalar or complex outputs.",
+            revise=(
+                "For a holomorphic function pass holomorphic=True; otherwise differentiate a real "
+                "scalar (e.g. `.real` or `abs(...)**2`), or use `tfun.vjp` for complex outputs, as in JAX."
+                if complex_scalar
+                else "Reduce the output to a scalar (e.g. `.sum()`), or use `tfun.vjp` / `tfun.jacrev` "
+                "for non-scalar or complex outputs."
+            ),
         )
     )
+
+
+def _check_complex_inputs(op: str, fun: Callable[..., Any], paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> None:
+    """With holomorphic=True every differentiated input must be complex (as in JAX)."""
+    bad = [
+        f"{p}: a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+        for p, x in zip(paths, leaves)
+        if not x.is_complex()
+    ]
+    if bad:
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: with holomorphic=True every differentiated input must be complex.",
+                bad,
+                function=describe(fun),
+                revise="Pass complex tensors there (e.g. `x.to(torch.complex128)`), or pass holomorphic=False.",
+            )
+        )
+
+
+def _check_holomorphic_flag(op: str, holomorphic: Any) -> None:
+    if not isinstance(holomorphic, bool):
+        raise ArgumentTypeError(
+            format_message(f"{op}: holomorphic must be a bool, got {describe_value(holomorphic)}.")
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -309,9 +369,12 @@ def _value_and_grad_call(
     has_aux: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    holomorphic: bool = False,
 ) -> tuple[Any, Any, Any]:
     argnums = resolve_argnums(op, fun, argnums, len(args))
     fl = _ArgFlattener(op, fun, args, argnums)
+    if holomorphic:
+        _check_complex_inputs(op, fun, fl.paths, fl.leaves)
     box: dict[str, Any] = {}
 
     def f_flat(*flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -319,7 +382,7 @@ def _value_and_grad_call(
         aux = None
         if has_aux:
             out, aux = _split_aux(op, fun, out)
-        out = _check_scalar_output(op, fun, out)
+        out = _check_scalar_output(op, fun, out, holomorphic)
         return out, _pack_aux(box, aux)
 
     if fl.leaves and _hop.is_tracing():
@@ -329,10 +392,14 @@ def _value_and_grad_call(
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in fl.leaves]
             value, aux_leaves = f_flat(*leaves)
-            found = torch.autograd.grad(value, leaves, allow_unused=True)
+            found = torch.autograd.grad(value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
         value = value.detach()
         aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
+    elif fl.leaves and holomorphic:
+        # torch.func.grad wants a real output: pull back the cotangent 1 instead
+        value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
+        grads = pull(torch.ones_like(value))
     elif fl.leaves:
         grads, (value, aux_leaves) = torch.func.grad_and_value(
             f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
@@ -340,13 +407,18 @@ def _value_and_grad_call(
     else:
         value, aux_leaves = f_flat()
         grads = ()
+    # torch's gradient of a real loss is the conjugate of JAX's (see the module docstring);
+    # the cotangent 1 of a holomorphic output is its own conjugate.
+    grads = tuple(conj_ct(g) for g in grads)
     per_arg = fl.split(list(grads))
     g = per_arg[0] if single else tuple(per_arg)
     aux = _unpack_aux(box, aux_leaves) if has_aux else None
     return value, g, aux
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable[..., Any]:
     """The function's value and its gradient, as `jax.value_and_grad`.
 
     **Arguments:**
@@ -357,6 +429,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
       Their leaves must be floating-point or complex tensors (or Python floats).
     - `has_aux`: whether `fun` returns `(output, aux)`; `aux` is returned, not
       differentiated.
+    - `holomorphic`: as in `grad`.
 
     **Returns:** a function with `fun`'s signature returning `(value, grads)`, or
     `((value, aux), grads)` with `has_aux=True`. `grads` has the structure of argument
@@ -364,19 +437,26 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
     """
     op = "tfun.value_and_grad"
     nums, single = normalize_argnums(op, argnums)
+    _check_holomorphic_flag(op, holomorphic)
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
-        value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs)
+        value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic)
         return ((value, aux), g) if has_aux else (value, g)
 
     return value_and_grad_fun
 
 
-def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+def grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable[..., Any]:
     """The gradient of a scalar function, as `jax.grad`.
 
     Composes with itself (`grad(grad(f))`), with `tfun.vmap` and with `torch.func`.
+
+    Complex inputs follow JAX's convention: for a real loss `L(z)` the gradient is
+    `dL/dx + i dL/dy`'s conjugate, `dL/dx - i dL/dy` (`grad(lambda z: abs(z)**2)(3+4j)`
+    is `6-8j`), the conjugate of what torch's `.backward()` leaves in `z.grad`.
 
     **Arguments:**
 
@@ -386,6 +466,9 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
       Their leaves must be floating-point or complex tensors (or Python floats, which
       become 0-d tensors of the default dtype); integer leaves raise `ArgumentTypeError`.
     - `has_aux`: whether `fun` returns `(output, aux)`.
+    - `holomorphic`: whether `fun` is holomorphic (complex inputs, complex scalar output);
+      the gradient is then the complex derivative `f'(z)` (`grad(lambda z: z**2,
+      holomorphic=True)(z) == 2*z`), as in JAX. Without it the output must be real.
 
     **Returns:** a function with `fun`'s signature returning the gradient, with the
     structure of argument `argnums` (a tuple of those when `argnums` is a tuple), or
@@ -393,10 +476,11 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
     """
     op = "tfun.grad"
     nums, single = normalize_argnums(op, argnums)
+    _check_holomorphic_flag(op, holomorphic)
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> Any:
-        _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs)
+        _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic)
         return (g, aux) if has_aux else g
 
     return grad_fun
@@ -544,7 +628,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     **Returns:** `(primals_out, vjp_fn)`, or `(primals_out, vjp_fn, aux)` with
     `has_aux=True`. `vjp_fn(cotangent)` takes a pytree with the structure, shapes and
     dtypes of `primals_out` and returns a tuple with one cotangent per primal, each with
-    that primal's structure. `vjp_fn` may be called more than once.
+    that primal's structure. `vjp_fn` may be called more than once. With complex values it
+    is JAX's pullback, the transpose of the tangent map (for a holomorphic `f`,
+    `vjp_fn(ct) = ct * f'(z)`), not torch's conjugate transpose.
     """
     op = "tfun.vjp"
     pl, ptd = tree_flatten_with_path(primals)
@@ -599,8 +685,8 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
                     revise="Pass a cotangent with the output's shapes and dtypes.",
                 )
             )
-        diff_cts = [c for c, d in zip(cts, box["inexact"]) if d]
-        grads = list(torch_vjp_fn(diff_cts)) if torch_vjp_fn is not None else []
+        diff_cts = [conj_ct(c) for c, d in zip(cts, box["inexact"]) if d]
+        grads = [conj_ct(g) for g in torch_vjp_fn(diff_cts)] if torch_vjp_fn is not None else []
         flat_ct: list[Any] = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         for k, g in zip(diff_idx, grads):
             flat_ct[k] = g
@@ -616,13 +702,113 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
 # --------------------------------------------------------------------------------------
 
 
-def _jac(op: str, torch_jac: Callable[..., Any], fun: Callable[..., Any], argnums: Any, has_aux: bool) -> Callable[..., Any]:
+def _check_jac_outputs(op: str, fun: Callable[..., Any], out: Any, forward: bool, holomorphic: bool) -> None:
+    """JAX's rules: holomorphic=True wants complex outputs; jacrev without it, real ones."""
+    pl = tree_flatten_with_path(out)[0]
+    if holomorphic:
+        bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and not o.is_complex()]
+        head = f"{op}: with holomorphic=True every output must be complex."
+        revise = "Return complex tensors, or pass holomorphic=False for a function with real outputs."
+    elif not forward:
+        bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and o.is_complex()]
+        head = f"{op}: without holomorphic=True every output must be real, as in JAX."
+        revise = (
+            "Pass holomorphic=True for a holomorphic function; otherwise differentiate the real and "
+            "imaginary parts (`torch.view_as_real`) or use `tfun.vjp` directly."
+        )
+    else:
+        return
+    if bad:
+        raise ArgumentTypeError(
+            format_message(
+                head,
+                [f"output{keystr(p)}: a tensor of shape {tuple(o.shape)} and dtype {o.dtype}" for p, o in bad],
+                function=describe(fun),
+                revise=revise,
+            )
+        )
+
+
+def _basis(like: torch.Tensor) -> torch.Tensor:
+    """The standard basis of `like`'s space, stacked: shape `(numel,) + like.shape`."""
+    n = like.numel()
+    return torch.eye(n, dtype=like.dtype, device=like.device).reshape((n, *like.shape))
+
+
+def _jacfwd_flat(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> tuple[list[list[Any]], Any]:
+    """`jac[k][i]` (output k by input i, shape `out_k.shape + in_i.shape`) by forward mode:
+    one `vmap` over the basis tangents of each input. Works for complex values."""
+    _forward_ad_ready()
+    leaves = tuple(leaves)
+    outs, aux = f_flat(*leaves)
+    cols: list[list[torch.Tensor]] = []  # cols[i][k]
+    for i, x in enumerate(leaves):
+        zeros = tuple(torch.zeros_like(y) for y in leaves)
+
+        def tangent_out(t: torch.Tensor, i: int = i, zeros: tuple[torch.Tensor, ...] = zeros) -> tuple[Any, ...]:
+            tans = zeros[:i] + (t,) + zeros[i + 1 :]
+            return tuple(torch.func.jvp(lambda *p: f_flat(*p)[0], leaves, tans)[1])
+
+        if x.numel() == 0:
+            per_out = [torch.zeros((0, *o.shape), dtype=o.dtype, device=o.device) for o in outs]
+        else:
+            per_out = list(torch.func.vmap(tangent_out)(_basis(x)))
+        cols.append([c.movedim(0, -1).reshape((*o.shape, *x.shape)) for c, o in zip(per_out, outs)])
+    return [[cols[i][k] for i in range(len(leaves))] for k in range(len(outs))], aux
+
+
+def _jacrev_flat(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> tuple[list[list[Any]], Any]:
+    """`jac[k][i]` by reverse mode with torch's pullback (the caller conjugates it to
+    JAX's): one `vmap` over the basis cotangents of each output. Works for complex values."""
+    outs, pull, aux = torch.func.vjp(f_flat, *leaves, has_aux=True)  # type: ignore[misc]
+    outs = list(outs)
+    rows: list[list[Any]] = []
+    for k, o in enumerate(outs):
+        if o.numel() == 0:
+            rows.append([torch.zeros((*o.shape, *x.shape), dtype=x.dtype, device=x.device) for x in leaves])
+            continue
+
+        def pull_k(c: torch.Tensor, k: int = k) -> tuple[Any, ...]:
+            cts = [torch.zeros_like(p) for p in outs]
+            cts[k] = c
+            return tuple(pull(tuple(cts)))
+
+        per_in = torch.func.vmap(pull_k)(_basis(o))
+        rows.append([g.reshape((*o.shape, *x.shape)) for g, x in zip(per_in, leaves)])
+    return rows, aux
+
+
+def _jac(
+    op: str, torch_jac: Callable[..., Any], fun: Callable[..., Any], argnums: Any, has_aux: bool, holomorphic: bool
+) -> Callable[..., Any]:
     nums, single = normalize_argnums(op, argnums)
+    _check_holomorphic_flag(op, holomorphic)
+    forward = torch_jac is torch.func.jacfwd
 
     @functools.wraps(fun)
     def jac_fun(*args: Any, **kwargs: Any) -> Any:
         argnums_r = resolve_argnums(op, fun, nums, len(args))
         fl = _ArgFlattener(op, fun, args, argnums_r)
+        if holomorphic:
+            _check_complex_inputs(op, fun, fl.paths, fl.leaves)
+        elif forward:
+            bad = [
+                f"{p}: a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+                for p, x in zip(fl.paths, fl.leaves)
+                if x.is_complex()
+            ]
+            if bad:
+                raise ArgumentTypeError(
+                    format_message(
+                        f"{op}: without holomorphic=True every differentiated input must be real, as in JAX "
+                        "(forward mode gives only the derivative along the real axis of a complex input).",
+                        bad,
+                        function=describe(fun),
+                        revise="Pass holomorphic=True for a holomorphic function; otherwise differentiate with "
+                        "respect to the real and imaginary parts (`torch.view_as_real`), or use `tfun.jvp` "
+                        "directly.",
+                    )
+                )
         box: dict[str, Any] = {}
 
         def f_flat(*flat: torch.Tensor) -> tuple[tuple[Any, ...], list[Any]]:
@@ -630,15 +816,23 @@ def _jac(op: str, torch_jac: Callable[..., Any], fun: Callable[..., Any], argnum
             aux = None
             if has_aux:
                 out, aux = _split_aux(op, fun, out)
+            _check_jac_outputs(op, fun, out, forward, holomorphic)
             ol, box["out_td"] = tree_flatten(out)
             al = _pack_aux(box, aux)
             return tuple(ol), list(al)
 
-        if torch_jac is torch.func.jacfwd:
-            _forward_ad_ready()
-        jac, aux_l = torch_jac(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
+        if forward:
+            # torch.func.jacfwd refuses complex inputs and outputs, which JAX allows
+            jac, aux_l = _jacfwd_flat(f_flat, fl.leaves)
+        elif any(x.is_complex() for x in fl.leaves):
+            jac, aux_l = _jacrev_flat(f_flat, fl.leaves)  # torch.func.jacrev refuses complex inputs
+        else:
+            jac, aux_l = torch_jac(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
         per_out = []
         for row in jac:
+            if not forward:
+                # each row is a pullback of a (real) basis cotangent: JAX's is its conjugate
+                row = [conj_ct(r) for r in row]
             per_arg = fl.split(list(row))
             per_out.append(per_arg[0] if single else tuple(per_arg))
         result = tree_unflatten(box["out_td"], per_out)
@@ -658,6 +852,10 @@ _JAC_DOC = """
     - `argnums`: an int or a tuple of ints: which positional arguments to differentiate
       (floating-point or complex leaves only).
     - `has_aux`: whether `fun` returns `(output, aux)`.
+    - `holomorphic`: whether `fun` is holomorphic: complex inputs and outputs, and the
+      Jacobian holds the complex derivatives. Without it, as in JAX, `jacrev` needs real
+      outputs (complex inputs are fine: for a real output its row is JAX's gradient, the
+      conjugate of torch's) and `jacfwd` real inputs; other cases raise `ArgumentTypeError`.
 
     **Returns:** a function returning the Jacobian, a pytree with the output's
     structure whose every leaf is replaced by a pytree with the structure of argument
@@ -666,19 +864,25 @@ _JAC_DOC = """
     """
 
 
-def jacfwd(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
-    return _jac("tfun.jacfwd", torch.func.jacfwd, fun, argnums, has_aux)
+def jacfwd(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable[..., Any]:
+    return _jac("tfun.jacfwd", torch.func.jacfwd, fun, argnums, has_aux, holomorphic)
 
 
-def jacrev(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
-    return _jac("tfun.jacrev", torch.func.jacrev, fun, argnums, has_aux)
+def jacrev(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable[..., Any]:
+    return _jac("tfun.jacrev", torch.func.jacrev, fun, argnums, has_aux, holomorphic)
 
 
 jacfwd.__doc__ = "The Jacobian by forward mode (`vmap` of `jvp`), as `jax.jacfwd`." + _JAC_DOC
 jacrev.__doc__ = "The Jacobian by reverse mode (`vmap` of `vjp`), as `jax.jacrev`." + _JAC_DOC
 
 
-def hessian(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+def hessian(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable[..., Any]:
     """The Hessian of a scalar function, as `jax.hessian`: `jacfwd(jacrev(fun))`.
 
     **Arguments:**
@@ -687,13 +891,15 @@ def hessian(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: 
       `has_aux=True`).
     - `argnums`: an int or a tuple of ints: which positional arguments to differentiate.
     - `has_aux`: whether `fun` returns `(output, aux)`.
+    - `holomorphic`: for a holomorphic `fun` of complex inputs (the second complex
+      derivative); without it the inputs must be real, as in JAX.
 
     **Returns:** a function returning the Hessian: for `argnums=0` and an argument with
     structure `T`, a `T`-of-`T` pytree of tensors of shape `in_i.shape + in_j.shape`
     (output shape first, as in JAX); `(hessian, aux)` with `has_aux=True`.
     """
-    inner = _jac("tfun.hessian", torch.func.jacrev, fun, argnums, has_aux)
-    return _jac("tfun.hessian", torch.func.jacfwd, inner, argnums, has_aux)
+    inner = _jac("tfun.hessian", torch.func.jacrev, fun, argnums, has_aux, holomorphic)
+    return _jac("tfun.hessian", torch.func.jacfwd, inner, argnums, has_aux, holomorphic)
 
 
 def stop_gradient(x: Any) -> Any:
