@@ -408,3 +408,133 @@ def test_rules_run_once_per_signature(monkeypatch):
     assert len(calls) == first  # cached on the code object and signature
     forward(torch.ones(6, 1))  # new signature: rules run again
     assert len(calls) > first
+
+
+# ---------------------------------------------------------------------------------------
+# The branch not taken (evaluated on fake tensors, as JAX traces it)
+# ---------------------------------------------------------------------------------------
+
+
+def test_cond_branch_of_wrong_arity_refused_when_not_taken():
+    def no_args():
+        return torch.ones(2)
+
+    with pytest.raises(ArgumentTypeError) as e:
+        lax.cond(True, lambda x: x, no_args, torch.ones(2))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "tfun.lax.cond: every branch must accept the 1 operand given, but false_fun does not:"
+    assert lines[1] == "  * false_fun(): too many positional arguments"
+    assert re.fullmatch(r"The function is `no_args at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3].startswith("Revise `no_args` to take the operands as positional arguments")
+
+
+def test_switch_branch_of_wrong_arity_refused_when_not_taken():
+    with pytest.raises(ArgumentTypeError, match=r"every branch must accept the 2 operands given, but branches\[2\] does not"):
+        lax.switch(0, [lambda a, b: a, lambda a, b: b, lambda a, b, c: a], torch.ones(2), torch.ones(2))
+
+
+def test_error_raised_by_the_branch_not_taken_reaches_the_user(caplog, capfd):
+    def broken(x):
+        raise ValueError("broken branch")
+
+    with pytest.raises(ValueError, match="broken branch") as e:
+        lax.cond(True, lambda x: x, broken, torch.ones(2))
+    note = "\n".join(e.value.__notes__)
+    assert note.splitlines()[0].startswith(
+        "tfun.lax.cond: the branch false_fun raised this when tfun evaluated it on fake tensors"
+    )
+    assert re.search(r"The function is `broken at .*test_rules\.py:\d+`\.", note)
+    assert "Revise `broken`" in note
+    assert not caplog.records
+    assert capfd.readouterr().err == ""
+
+
+def test_shape_error_in_the_branch_not_taken_raises_without_log_spam(caplog, capfd):
+    w = torch.ones(4, 2)
+
+    def project(x):
+        return x @ w  # x is [3]: a shape error JAX reports when tracing
+
+    with pytest.raises(RuntimeError, match=r"must have same reduction dim") as e:
+        lax.cond(True, lambda x: x[:2], project, torch.ones(3))
+    assert "false_fun" in e.value.__notes__[0]
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "untaken",
+    [
+        lambda x: x * x.sum().item(),  # a value read to Python
+        lambda x: x if x.sum() > 0 else -x,  # Python control flow on a tensor
+        lambda x: x + x.nonzero().sum(),  # data-dependent shape
+        lambda x: x + x[x > 0].sum(),  # boolean mask
+        lambda x: torch.from_numpy(x.numpy() * 2),  # numpy round trip
+    ],
+    ids=["item", "python_if", "nonzero", "mask", "numpy"],
+)
+def test_branch_fake_tensors_cannot_follow_is_accepted_quietly(untaken, caplog, capfd):
+    x = torch.ones(3)
+    assert torch.equal(lax.cond(True, lambda v: v * 2, untaken, x), x * 2)
+    assert not caplog.records
+    assert capfd.readouterr().err == ""
+
+
+def test_branch_fake_tensors_cannot_follow_is_checked_when_taken():
+    def to_double(x):
+        return x.double() * x.sum().item()
+
+    def run(pred):
+        return lax.cond(pred, lambda v: v, to_double, torch.ones(3))
+
+    run(True)  # accepted: fake tensors cannot follow to_double (it reads a value)
+    with pytest.raises(TensorMismatchError, match=r"true_fun output is float32\[3\] on cpu, false_fun output is float64\[3\]"):
+        run(False)  # the same branches and signature, now taken: checked
+
+
+# ---------------------------------------------------------------------------------------
+# The first-call cache: bounded, weakly keyed, free of tensors
+# ---------------------------------------------------------------------------------------
+
+
+def test_rules_cache_is_bounded(monkeypatch):
+    from tfun import _rules
+
+    monkeypatch.setattr(_rules, "_SEEN_MAX", 8)
+    for n in range(1, 30):
+        lax.cond(True, torch.neg, torch.neg, torch.ones(n))
+        lax.scan(lambda c, x: (c + x, None), torch.zeros(n), torch.ones(2, n))
+    assert len(_rules._SEEN) <= 8
+
+
+def test_rules_cache_keeps_no_function_alive():
+    import gc
+    import weakref
+
+    namespace: dict = {}
+    exec("def branch(x):\n    return x + 1\n\ndef step(c, x):\n    return c + x, c\n", namespace)
+    branch, step = namespace.pop("branch"), namespace.pop("step")
+    refs = [weakref.ref(branch), weakref.ref(branch.__code__), weakref.ref(step.__code__)]
+    lax.cond(True, branch, branch, torch.ones(2))
+    lax.scan(step, torch.zeros(2), torch.ones(3, 2))
+    lax.fori_loop(0, 2, lambda i, v: branch(v), torch.ones(2))
+    del branch, step
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_rules_cache_never_takes_a_new_callable_for_a_dead_one():
+    # Code-less callables (partials of builtins) used to be keyed on id(): a new partial
+    # at a dead one's address skipped its rules.
+    import functools
+
+    x = torch.ones(3)
+    w64 = torch.ones(3, dtype=torch.float64)
+
+    def run(true_fun, false_fun):
+        return lax.cond(True, true_fun, false_fun, x)
+
+    for _ in range(20):
+        run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, 3.0))
+    with pytest.raises(TensorMismatchError, match=r"false_fun output is float64\[3\] on cpu \(dtypes differ\)"):
+        run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, w64))
