@@ -137,6 +137,50 @@ def test_y_changing_shape_between_steps():
     assert "step 0 gives float32[1] on cpu, step 1 gives float32[2] on cpu" in str(e.value)
 
 
+def test_y_changing_dtype_between_steps():
+    # torch.stack would promote the float32 steps to float64 without a word.
+    def step(c, x):
+        return c, {"y": x.double() if x >= 2 else x}
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.scan(step, torch.zeros(()), torch.arange(4.0))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.scan: the per-step outputs must have the same dtype, shape and device at every step, but they differ:"
+    )
+    assert lines[1] == "  * y['y']: step 0 gives float32[] on cpu, step 2 gives float64[] on cpu"
+    assert re.fullmatch(r"The function is `step at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3] == "Revise `step` so that every step returns outputs of one type."
+
+
+def test_y_changing_dtype_between_steps_of_a_reverse_scan_names_the_steps_by_index():
+    def step(c, x):
+        return c, (x.double() if x < 1 else x)  # the last step to run (index 0) changes dtype
+
+    with pytest.raises(TensorMismatchError, match=r"  \* y: step 3 gives float32\[\] on cpu, step 0 gives float64\[\] on cpu"):
+        lax.scan(step, torch.zeros(()), torch.arange(4.0), reverse=True)
+
+
+def test_y_changing_structure_in_a_reverse_scan_names_the_steps_by_index():
+    def step(c, x):
+        return c, ((x,) if x < 3 else [x])
+
+    with pytest.raises(StructureMismatchError, match=r"  \* y: step 3 is a list of 1, step 2 is a tuple of 1"):
+        lax.scan(step, torch.zeros(()), torch.arange(4.0), reverse=True)
+
+
+def test_map_output_changing_dtype_between_steps():
+    def f(x):
+        return (x, x.long() if x > 0 else x)
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.map(f, torch.arange(3.0))
+    assert str(e.value).splitlines()[:2] == [
+        "tfun.lax.map: the per-step outputs must have the same dtype, shape and device at every step, but they differ:",
+        "  * y[1]: step 0 gives float32[] on cpu, step 1 gives int64[] on cpu",
+    ]
+
+
 def test_scan_body_must_return_pair():
     with pytest.raises(ArgumentTypeError, match=r"the body function must return a pair \(carry, y\)"):
         lax.scan(lambda c, x: c, torch.zeros(()), torch.arange(3.0))

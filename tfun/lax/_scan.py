@@ -80,31 +80,43 @@ def check_carry(
 def stack_outputs(
     op: str, f: Callable[..., Any], y_lists: list[list[Any]], y_def: PyTreeSpec, reverse: bool, root: str = "y"
 ) -> Any:
+    """Stack each leaf's per-step values (in the order the steps ran) along a new axis.
+
+    Every step must give a leaf of one dtype, shape and device: `torch.stack` would
+    promote a dtype that changes between steps, so dtypes are compared first. A step is
+    named by its index in the stacked output (`reverse` runs the last one first).
+    """
     out = []
     paths = None
     for k, lst in enumerate(y_lists):
-        if reverse:
-            lst.reverse()
         first = lst[0]
         if not isinstance(first, torch.Tensor):
             lst = [torch.as_tensor(v) for v in lst]
             first = lst[0]
-        try:
-            out.append(torch.stack(lst))
-        except (RuntimeError, TypeError):
+        dtype = first.dtype
+        stacked = None
+        if all(getattr(v, "dtype", None) is dtype for v in lst):
+            try:
+                stacked = torch.stack(lst[::-1] if reverse else lst)
+            except (RuntimeError, TypeError):
+                pass
+        if stacked is None:
             if paths is None:
                 paths = [keystr(p) for p in y_def.accessors()]
             bad = next(i for i, v in enumerate(lst) if _rules.leaf_differences(first, v))
+            n = len(lst)
+            step0, step_bad = (n - 1, n - 1 - bad) if reverse else (0, bad)
             raise TensorMismatchError(
                 format_message(
                     f"{op}: the per-step outputs must have the same dtype, shape and device at every step, "
                     "but they differ:",
-                    [f"{root}{paths[k]}: step 0 gives {_rules.describe_leaf(first)}, step {bad} gives "
+                    [f"{root}{paths[k]}: step {step0} gives {_rules.describe_leaf(first)}, step {step_bad} gives "
                      f"{_rules.describe_leaf(lst[bad])}"],
                     function=_funcinfo.describe(f),
                     revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns outputs of one type.",
                 )
-            ) from None
+            )
+        out.append(stacked)
     return tree_unflatten(y_def, out)
 
 
@@ -263,14 +275,14 @@ def _scan_eager(
             leaves, d = tree_flatten(y)
             if d != y_def:
                 _rules.check_structure(
-                    op, "the y outputs of every step", y_def, d, root="y", names=("step 0", f"step {i}"), fn=f,
+                    op, "the y outputs of every step", y_def, d, root="y", names=(f"step {i0}", f"step {i}"), fn=f,
                     revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
                 )
             for lst, v in zip(y_lists, leaves):
                 lst.append(v)
         elif y is not None and tree_structure(y) != y_def:
             _rules.check_structure(
-                op, "the y outputs of every step", y_def, tree_structure(y), root="y", names=("step 0", f"step {i}"), fn=f,
+                op, "the y outputs of every step", y_def, tree_structure(y), root="y", names=(f"step {i0}", f"step {i}"), fn=f,
                 revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
             )
     if _rules.leaf_signature(tree_flatten(carry)[0]) != key[3]:
