@@ -582,3 +582,176 @@ def test_rules_cache_never_takes_a_new_callable_for_a_dead_one():
         run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, 3.0))
     with pytest.raises(TensorMismatchError, match=r"false_fun output is float64\[3\] on cpu \(dtypes differ\)"):
         run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, w64))
+
+
+# ---------------------------------------------------------------------------------------
+# Loops that run zero times check their body (JAX traces it whatever the trip count)
+# ---------------------------------------------------------------------------------------
+
+
+def test_zero_length_scan_checks_the_carry():
+    def step(c, x):
+        return c.double() + x, x
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.scan(step, torch.zeros(()), torch.zeros(0))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.scan: body carry input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `step at .*test_rules\.py:\d+`\.", lines[2])
+    with pytest.raises(StructureMismatchError, match=r"  \* carry: input is a leaf, output is a tuple of 1"):
+        lax.scan(lambda c, x: ((c,), None), torch.zeros(()), None, length=0)
+
+
+def test_empty_fori_loop_checks_the_body():
+    def body(i, v):
+        return {"a": v["a"], "b": v["b"] * 1.5}
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.fori_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry['b']: input is int64[] on cpu, output is float32[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `body at .*test_rules\.py:\d+`\.", lines[2])
+    with pytest.raises(StructureMismatchError, match=r"fori_loop: body_fun input and output must have the same pytree"):
+        lax.fori_loop(3, 3, lambda i, v: (v,), torch.zeros(2))
+
+
+def test_while_loop_false_at_once_checks_the_body():
+    with pytest.raises(TensorMismatchError, match=r"  \* carry\[1\]: input is float32\[2\] on cpu, output is float32\[3\] on cpu \(shapes differ\)"):
+        lax.while_loop(lambda c: c[0] < 0, lambda c: (c[0] + 1, torch.cat([c[1], c[1][:1]])), (0, torch.zeros(2)))
+
+
+def test_zero_trip_body_error_reaches_the_user_with_a_note():
+    w = torch.ones(4, 4)
+
+    def body(i, v):
+        return v @ w  # v is [3]
+
+    with pytest.raises(RuntimeError, match="must have same reduction dim") as e:
+        lax.fori_loop(0, 0, body, torch.ones(3))
+    assert e.value.__notes__[0].startswith(
+        "tfun.lax.fori_loop: the body_fun raised this when tfun evaluated it on fake tensors (dtypes and shapes, no "
+        "values) to check its output in a loop of zero steps"
+    )
+
+
+def test_zero_trip_body_fake_tensors_cannot_follow_is_accepted():
+    x = torch.ones(3)
+    assert torch.equal(lax.fori_loop(5, 2, lambda i, v: v * v.sum().item(), x), x)
+    assert torch.equal(lax.while_loop(lambda v: v.sum() < 0, lambda v: v[v > 0] * 2, x), x)
+    carry, ys = lax.scan(lambda c, x: (c, c * int(c.sum())), x, None, length=0)
+    assert torch.equal(carry, x) and ys.shape == (0, 3)
+
+
+def test_zero_trip_body_side_effects_refused():
+    found = []
+
+    def body(i, v):
+        found.append(v)  # on fake tensors, this would leave a fake tensor in `found`
+        return v
+
+    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `found` \(a list: 0 items before the call, 1 after\)"):
+        lax.fori_loop(2, 2, body, torch.ones(3))
+
+
+def test_zero_trip_checks_run_once_per_signature(monkeypatch):
+    from tfun import _rules
+
+    calls = []
+    real = _rules.abstract_eval
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_rules, "abstract_eval", counting)
+    body = lambda i, v: v + i
+    for _ in range(3):
+        lax.fori_loop(4, 1, body, torch.ones(3))
+    assert len(calls) == 1
+    for _ in range(3):
+        lax.while_loop(lambda v: v.sum() < 0, lambda v: v + 1, torch.ones(3))
+    assert len(calls) == 2
+    lax.fori_loop(4, 1, body, torch.ones(4))  # a new signature
+    assert len(calls) == 3
+
+
+def test_zero_trip_body_in_place_write_refused():
+    w = torch.zeros(3)
+
+    def body(v):
+        w.add_(v)
+        return v
+
+    with pytest.raises(SideEffectError, match="it writes in place to nonlocal `w`"):
+        lax.while_loop(lambda v: v.sum() < 0, body, torch.ones(3))
+
+
+def test_body_fake_tensors_cannot_follow_is_checked_when_it_first_runs():
+    # A zero-trip call cannot check this body (it reads a value before its side effect);
+    # its first real run, with the same signature, still gets the side-effect rules.
+    w = torch.zeros(3)
+
+    def body(v):
+        if v.sum() > 100:
+            return v
+        w.add_(v)
+        return v * 2
+
+    run = lambda n: lax.while_loop(lambda v: v.sum() < n, body, torch.ones(3))
+    assert torch.equal(run(0.0), torch.ones(3))
+    with pytest.raises(SideEffectError, match="it writes in place to nonlocal `w`"):
+        run(5.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Loops under vmap with a batched predicate keep the carry rules
+# ---------------------------------------------------------------------------------------
+
+
+def test_vmap_while_loop_batched_predicate_checks_the_carry():
+    def w(limit):
+        return lax.while_loop(lambda c: c < limit, lambda c: (c + 1).double(), torch.tensor(0.0))
+
+    with pytest.raises(TensorMismatchError) as e:
+        torch.func.vmap(w)(torch.tensor([1.0, 3.0]))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.while_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert "`<lambda> at " in lines[2]
+
+
+def test_vmap_while_loop_batched_predicate_refuses_a_broadcast_carry():
+    # torch.where would broadcast float32[] against float32[3] without a word.
+    def w(limit):
+        return lax.while_loop(lambda c: c.sum() < limit, lambda c: c + torch.ones(3), torch.tensor(0.0))
+
+    with pytest.raises(TensorMismatchError, match=r"  \* carry: input is float32\[\] on cpu, output is float32\[3\] on cpu \(shapes differ\)"):
+        torch.func.vmap(w)(torch.tensor([1.0, 3.0]))
+
+
+def test_vmap_while_loop_batched_predicate_false_everywhere_checks_the_body():
+    def w(limit):
+        return lax.while_loop(lambda c: c < limit, lambda c: (c,), torch.tensor(0.0))
+
+    with pytest.raises(StructureMismatchError, match=r"  \* carry: input is a leaf, output is a tuple of 1"):
+        torch.func.vmap(w)(torch.tensor([-1.0, -3.0]))
+
+
+def test_vmap_fori_loop_batched_bounds_names_fori_loop_and_body():
+    def body(i, v):
+        return v.double() + i
+
+    with pytest.raises(TensorMismatchError) as e:
+        torch.func.vmap(lambda n: lax.fori_loop(0, n, body, torch.tensor(0.0)))(torch.tensor([1, 3]))
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("tfun.lax.fori_loop: body_fun input and output must have the same dtype")
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `body at .*test_rules\.py:\d+`\.", lines[2])

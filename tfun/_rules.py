@@ -808,6 +808,7 @@ def abstract_eval(
     role: str | None = None,
     why: str = "to check its output",
     report_fn: Callable[..., Any] | None = None,
+    side_effects: bool = False,
 ) -> tuple[list[Any], PyTreeSpec]:
     """Run `fn(*args)` on fake tensors: output leaves (fake tensors) and structure.
 
@@ -818,7 +819,8 @@ def abstract_eval(
     shapes, ops without a fake kernel). Any other exception is an error of the function
     itself, as JAX would raise it when tracing: it propagates unchanged, with a note naming
     `op`, `role` and the function (`report_fn`, default `fn`). tfun errors of nested ops
-    propagate too.
+    propagate too. With `side_effects`, the side-effect rules hold as in `checked_call`
+    (a function run on fake tensors could otherwise leave them in the user's objects).
     """
     global _QUIET_INSTALLED
     from ._errors import TfunError
@@ -836,9 +838,17 @@ def abstract_eval(
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         transformed = torch._C._functorch.peek_interpreter_stack() is not None
         fake_leaves = [_fake_input(mode, x, transformed) for x in leaves]
+        snap = None
+        if side_effects:
+            check_static_side_effects(op or "tfun", role or "function", fn)
+            snap = Snapshot(roots_of(fn))
         with mode:
             out = fn(*tree_unflatten(treedef, fake_leaves))
         out_leaves, out_def = tree_flatten(out)
+        if snap is not None:
+            problems = snap.changes()
+            if problems:
+                _raise_side_effects(op or "tfun", role or "function", fn, problems)
     except TfunError:
         raise
     except AbstractEvalUnavailable:

@@ -82,7 +82,8 @@ def _check_branches(
             continue
         try:
             other_leaves, other_def = _rules.abstract_eval(
-                b, operands, op=op, role=f"branch {branch_names[i]}", why="to check it against the branch taken"
+                b, operands, op=op, role=f"branch {branch_names[i]}", why="to check it against the branch taken",
+                side_effects=True,
             )
         except _rules.AbstractEvalUnavailable:
             continue  # checked later, when this branch is taken (see the cached signature)
