@@ -185,7 +185,9 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
 
     Both branches must return the same pytree structure, with leaves of the same dtype,
     shape and device (checked the first time the branches are seen with operands of a
-    given signature, by evaluating the branch not taken on fake tensors). Under
+    given signature, by evaluating the branch not taken on fake tensors; an error it raises
+    there is raised, as JAX's tracing raises it, unless it only says that the branch needs
+    values, as `.item()` does: then the branch is checked when it is taken). Under
     `tfun.jit` / `torch.export` this lowers to `torch.cond`, and only then is `pred`
     allowed to depend on traced data without a device sync.
 

@@ -37,8 +37,9 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
 
     `cond_fun` must return a boolean scalar (a bool tensor of shape `()` or a Python bool);
     `body_fun` must return a value of the structure, dtypes, shapes and devices of
-    `init_val`. Python scalars in `init_val` become 0-d tensors (an `int` becomes int64).
-    The trip count may depend on data. Eagerly each test of `cond_fun` reads one boolean
+    `init_val` (checked on fake tensors when the loop runs zero times, as JAX traces the
+    body whatever the trip count). Python scalars in `init_val` become 0-d tensors (an
+    `int` becomes int64). The trip count may depend on data. Eagerly each test of `cond_fun` reads one boolean
     from the device; under `tfun.jit` it lowers to PyTorch's `while_loop` higher-order op.
 
     **Arguments:**
