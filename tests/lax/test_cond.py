@@ -296,3 +296,16 @@ def test_cond_check_keeps_no_output_or_graph_alive():
         return 0
 
     assert sum(tensors_in(v) for v in _rules._SEEN.values()) == 0
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_python_scalar_outputs_check_as_the_tensors_they_become(jax, pred):
+    # The branch not taken, evaluated on fake tensors, returns the Python scalar itself;
+    # it must be compared as the 0-d tensor it becomes when taken (it was refused).
+    out = lax.cond(pred, lambda: 0, lambda: 1)
+    assert out.dtype == torch.int64 and out.item() == (0 if pred else 1)
+    assert int(jax.lax.cond(pred, lambda: 0, lambda: 1)) == out.item()
+    out = lax.cond(pred, lambda x: 1.5, lambda x: x.sum(), torch.ones(2))
+    assert out.dtype == torch.float32 and out.item() == (1.5 if pred else 2.0)
+    out = lax.switch(int(pred), [lambda: False, lambda: True])
+    assert out.dtype == torch.bool and out.item() is pred

@@ -36,6 +36,15 @@ _REVISE_BRANCHES = (
 )
 
 
+def _abstract_branch(op: str, b: Callable[..., Any], operands: tuple[Any, ...], name: str) -> tuple[list[Any], Any]:
+    """The branch `b` on fake tensors: its output leaves and structure. Python scalars in
+    the output stand for the 0-d tensors they become when the branch is taken."""
+    leaves, treedef = _rules.abstract_eval(
+        b, operands, op=op, role=f"branch {name}", why="to check it against the branch taken", side_effects=True
+    )
+    return [_rules.LeafMeta.of(torch.tensor(x)) if isinstance(x, (bool, int, float, complex)) else x for x in leaves], treedef
+
+
 def _check_arity(op: str, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...], branch_names: Sequence[str]) -> None:
     """Every branch must accept the operands (JAX traces every branch, so it raises too)."""
     for name, b in zip(branch_names, branches):
@@ -81,10 +90,7 @@ def _check_branches(
         if i == taken:
             continue
         try:
-            other_leaves, other_def = _rules.abstract_eval(
-                b, operands, op=op, role=f"branch {branch_names[i]}", why="to check it against the branch taken",
-                side_effects=True,
-            )
+            other_leaves, other_def = _abstract_branch(op, b, operands, branch_names[i])
         except _rules.AbstractEvalUnavailable:
             continue  # checked later, when this branch is taken (see the cached signature)
         names = (branch_names[taken] + " output", branch_names[i] + " output")
@@ -129,10 +135,7 @@ def _run_branch(
             names = (branch_names[first_taken] + " output", branch_names[taken] + " output")
             other = branches[first_taken]
             try:
-                o_leaves, o_def = _rules.abstract_eval(
-                    other, operands, op=op, role=f"branch {branch_names[first_taken]}",
-                    why="to check it against the branch taken",
-                )
+                o_leaves, o_def = _abstract_branch(op, other, operands, branch_names[first_taken])
             except _rules.AbstractEvalUnavailable:
                 o_leaves, o_def = list(exp_metas), exp_def
             _rules.check_structure(op, "branch outputs", o_def, treedef, root="output", names=names, fn=branch, revise=_REVISE_BRANCHES)
