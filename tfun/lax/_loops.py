@@ -39,8 +39,9 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     `body_fun` must return a value of the structure, dtypes, shapes and devices of
     `init_val` (checked on fake tensors when the loop runs zero times, as JAX traces the
     body whatever the trip count). Python scalars in `init_val` become 0-d tensors (an
-    `int` becomes int64). The trip count may depend on data. Eagerly each test of `cond_fun` reads one boolean
-    from the device; under `tfun.jit` it lowers to PyTorch's `while_loop` higher-order op.
+    `int` becomes int64). The trip count may depend on data. Eagerly each test of
+    `cond_fun` reads one boolean from the device; under `tfun.jit` it lowers to PyTorch's
+    `while_loop` higher-order op.
 
     **Arguments:**
 
@@ -232,7 +233,7 @@ def fori_loop(
         else:
             # Eager vmap: the rules are fori_loop's and body_fun's, not those of the
             # while_loop this runs on (whose body would be named in its errors).
-            _check_fori_body_once(op, body_fun, lo, val, treedef, leaves, dtype)
+            _check_fori_body_once(op, body_fun, lo, val, treedef, leaves, dtype, device)
             sig = _rules.leaf_signature(leaves)
 
             def w_body(c: Any) -> Any:
@@ -246,7 +247,7 @@ def fori_loop(
 
     lo_i, hi_i = int(lower), int(upper)
     if hi_i <= lo_i:
-        _check_fori_body_once(op, body_fun, torch.tensor(lo_i, dtype=dtype, device=device), val, treedef, leaves, dtype)
+        _check_fori_body_once(op, body_fun, lo_i, val, treedef, leaves, dtype, device)
         return val
     idx = torch.arange(lo_i, hi_i, dtype=dtype, device=device).unbind(0)
     key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
@@ -272,7 +273,14 @@ def fori_loop(
 
 
 def _check_fori_body_once(
-    op: str, body_fun: Callable[..., Any], i: torch.Tensor, val: Any, treedef: Any, leaves: Any, dtype: torch.dtype
+    op: str,
+    body_fun: Callable[..., Any],
+    i: int | torch.Tensor,
+    val: Any,
+    treedef: Any,
+    leaves: Any,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """body_fun's carry rules on fake tensors, once per signature, where it may not run
     for real (an empty range; bounds that differ per example under vmap)."""
@@ -280,6 +288,8 @@ def _check_fori_body_once(
     fake_key = (*key, "fake")
     if _rules.seen(key) is not None or _rules.seen(fake_key) is not None:
         return
+    if not isinstance(i, torch.Tensor):
+        i = torch.tensor(i, dtype=dtype, device=device)
     check_body_abstractly(op, "body_fun", body_fun, (i, val), treedef, leaves)
     _rules.remember(fake_key)
 
