@@ -755,3 +755,36 @@ def test_vmap_fori_loop_batched_bounds_names_fori_loop_and_body():
     assert lines[0].startswith("tfun.lax.fori_loop: body_fun input and output must have the same dtype")
     assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
     assert re.fullmatch(r"The function is `body at .*test_rules\.py:\d+`\.", lines[2])
+
+
+def test_compiled_function_in_the_branch_not_taken_runs_eagerly_on_fake_tensors():
+    compiled = torch.compile(lambda v: v.sin() * 2, backend="eager")
+    x = torch.randn(3)
+    out = lax.cond(True, lambda v: v.cos(), compiled, x)  # compiling it for fake inputs mutated its caches
+    torch.testing.assert_close(out, x.cos())
+    out = lax.cond(True, lambda v: v + 1, lambda v: compiled(v) + 1, x)
+    torch.testing.assert_close(out, x + 1)
+    with pytest.raises(TensorMismatchError, match=r"false_fun output is float64\[3\] on cpu"):
+        lax.cond(True, lambda v: v + 1, lambda v: compiled(v).double(), x)
+
+
+def test_jitted_branch_not_taken_does_not_crash_the_process():
+    # Compiling for fake inputs crashed the interpreter (SIGSEGV) before tfun evaluated
+    # the branch not taken with compiled functions forced to run eagerly.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import torch, tfun\n"
+        "from tfun import lax\n"
+        "try:\n"
+        "    lax.cond(True, lambda v: v, tfun.jit(lambda v: v.cos()), torch.randn(4, 3))\n"
+        "except tfun.errors.TfunError:\n"
+        "    pass\n"
+        "print('survived')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "survived" in proc.stdout

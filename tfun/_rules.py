@@ -17,6 +17,7 @@ with the same code and signature skip them (`seen`). The cache is keyed on the f
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import logging
 import os
@@ -785,6 +786,15 @@ _QUIET = _QuietFakeTensorLog()
 _QUIET_INSTALLED = False
 
 
+def _eager_stance() -> Any:
+    """Compiled functions (`torch.compile`, `tfun.jit`) called on fake tensors run their
+    Python eagerly: compiling for fake inputs fails, or crashes the process."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
+
+
 def _fake_input(mode: Any, x: Any, transformed: bool) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
@@ -842,7 +852,7 @@ def abstract_eval(
         if side_effects:
             check_static_side_effects(op or "tfun", role or "function", fn)
             snap = Snapshot(roots_of(fn))
-        with mode:
+        with _eager_stance(), mode:
             out = fn(*tree_unflatten(treedef, fake_leaves))
         out_leaves, out_def = tree_flatten(out)
         if snap is not None:
