@@ -796,3 +796,26 @@ def test_jitted_branch_not_taken_does_not_crash_the_process():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "survived" in proc.stdout
+
+
+@torch.library.custom_op("tfun_test_rules::twice", mutates_args=())
+def _twice_without_fake_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_op_without_fake_kernel_in_the_branch_not_taken_is_accepted_quietly(caplog, capfd):
+    x = torch.ones(3)
+    out = lax.cond(True, lambda v: v + 1, lambda v: _twice_without_fake_kernel(v), x)
+    assert torch.equal(out, x + 1)
+    assert not caplog.records and capfd.readouterr().err == ""
+    assert torch.equal(lax.fori_loop(3, 3, lambda i, v: _twice_without_fake_kernel(v).double(), x), x)
+
+
+def test_not_implemented_error_of_the_branch_not_taken_is_raised():
+    # The user's own NotImplementedError is an error of the branch (JAX raises it when
+    # tracing), not a fake-tensor limitation.
+    def mode_c(x):
+        raise NotImplementedError("mode c is not implemented")
+
+    with pytest.raises(NotImplementedError, match="mode c is not implemented"):
+        lax.switch(0, [lambda x: x, lambda x: -x, mode_c], torch.ones(2))

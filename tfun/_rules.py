@@ -744,13 +744,15 @@ def _fake_limitations() -> tuple[type[BaseException], ...]:
         found.append(GuardOnDataDependentSymNode)
     except ImportError:  # pragma: no cover
         pass
-    found.append(NotImplementedError)  # an op without a meta/fake kernel
     return tuple(found)
 
 
 # Words of torch's messages that blame the fake tensor, not the function (`.numpy()` on a
-# tensor subclass, reading a data pointer or storage that a fake tensor does not have).
-_LIMITATION_WORDS = ("fake", "tensor subclass", "data pointer", "data_ptr", "storage", "meta backend")
+# tensor subclass, reading a data pointer or storage that a fake tensor does not have, an
+# op with no fake or meta kernel). A user's own exception (a NotImplementedError of a mode
+# it does not support, say) is not one: JAX's tracing raises it too.
+_LIMITATION_WORDS = ("fake", "tensor subclass", "data pointer", "data_ptr", "storage", "meta backend", "'meta' backend")
+_LIMITATION_WORD_TYPES = (RuntimeError, TypeError, NotImplementedError)
 
 
 def is_fake_limitation(exc: BaseException) -> bool:
@@ -764,7 +766,7 @@ def is_fake_limitation(exc: BaseException) -> bool:
         if isinstance(e, limitations):
             return True
         text = str(e).lower()
-        if type(e) in (RuntimeError, TypeError) and any(w in text for w in _LIMITATION_WORDS):
+        if type(e) in _LIMITATION_WORD_TYPES and any(w in text for w in _LIMITATION_WORDS):
             return True
         e = e.__cause__ or e.__context__
     return False
