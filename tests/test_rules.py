@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,13 @@ from tfun.errors import (
 )
 
 from .helpers import Point
+
+
+def notes_of(exc: BaseException) -> str:
+    """The notes tfun adds to an exception it lets through (PEP 678, Python 3.11+)."""
+    if sys.version_info < (3, 11):
+        pytest.skip("exception notes need Python 3.11")
+    return "\n".join(getattr(exc, "__notes__", []))
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +143,50 @@ def test_y_changing_shape_between_steps():
     with pytest.raises(TensorMismatchError) as e:
         lax.scan(step, torch.zeros(()), torch.arange(3.0))
     assert "step 0 gives float32[1] on cpu, step 1 gives float32[2] on cpu" in str(e.value)
+
+
+def test_y_changing_dtype_between_steps():
+    # torch.stack would promote the float32 steps to float64 without a word.
+    def step(c, x):
+        return c, {"y": x.double() if x >= 2 else x}
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.scan(step, torch.zeros(()), torch.arange(4.0))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.scan: the per-step outputs must have the same dtype, shape and device at every step, but they differ:"
+    )
+    assert lines[1] == "  * y['y']: step 0 gives float32[] on cpu, step 2 gives float64[] on cpu"
+    assert re.fullmatch(r"The function is `step at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3] == "Revise `step` so that every step returns outputs of one type."
+
+
+def test_y_changing_dtype_between_steps_of_a_reverse_scan_names_the_steps_by_index():
+    def step(c, x):
+        return c, (x.double() if x < 1 else x)  # the last step to run (index 0) changes dtype
+
+    with pytest.raises(TensorMismatchError, match=r"  \* y: step 3 gives float32\[\] on cpu, step 0 gives float64\[\] on cpu"):
+        lax.scan(step, torch.zeros(()), torch.arange(4.0), reverse=True)
+
+
+def test_y_changing_structure_in_a_reverse_scan_names_the_steps_by_index():
+    def step(c, x):
+        return c, ((x,) if x < 3 else [x])
+
+    with pytest.raises(StructureMismatchError, match=r"  \* y: step 3 is a list of 1, step 2 is a tuple of 1"):
+        lax.scan(step, torch.zeros(()), torch.arange(4.0), reverse=True)
+
+
+def test_map_output_changing_dtype_between_steps():
+    def f(x):
+        return (x, x.long() if x > 0 else x)
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.map(f, torch.arange(3.0))
+    assert str(e.value).splitlines()[:2] == [
+        "tfun.lax.map: the per-step outputs must have the same dtype, shape and device at every step, but they differ:",
+        "  * y[1]: step 0 gives float32[] on cpu, step 1 gives int64[] on cpu",
+    ]
 
 
 def test_scan_body_must_return_pair():
@@ -408,3 +460,362 @@ def test_rules_run_once_per_signature(monkeypatch):
     assert len(calls) == first  # cached on the code object and signature
     forward(torch.ones(6, 1))  # new signature: rules run again
     assert len(calls) > first
+
+
+# ---------------------------------------------------------------------------------------
+# The branch not taken (evaluated on fake tensors, as JAX traces it)
+# ---------------------------------------------------------------------------------------
+
+
+def test_cond_branch_of_wrong_arity_refused_when_not_taken():
+    def no_args():
+        return torch.ones(2)
+
+    with pytest.raises(ArgumentTypeError) as e:
+        lax.cond(True, lambda x: x, no_args, torch.ones(2))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "tfun.lax.cond: every branch must accept the 1 operand given, but false_fun does not:"
+    assert lines[1] == "  * false_fun(): too many positional arguments"
+    assert re.fullmatch(r"The function is `no_args at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3].startswith("Revise `no_args` to take the operands as positional arguments")
+
+
+def test_switch_branch_of_wrong_arity_refused_when_not_taken():
+    with pytest.raises(ArgumentTypeError, match=r"every branch must accept the 2 operands given, but branches\[2\] does not"):
+        lax.switch(0, [lambda a, b: a, lambda a, b: b, lambda a, b, c: a], torch.ones(2), torch.ones(2))
+
+
+def test_error_raised_by_the_branch_not_taken_reaches_the_user(caplog, capfd):
+    def broken(x):
+        raise ValueError("broken branch")
+
+    with pytest.raises(ValueError, match="broken branch") as e:
+        lax.cond(True, lambda x: x, broken, torch.ones(2))
+    note = notes_of(e.value)
+    assert note.splitlines()[0].startswith(
+        "tfun.lax.cond: the branch false_fun raised this when tfun evaluated it on fake tensors"
+    )
+    assert re.search(r"The function is `broken at .*test_rules\.py:\d+`\.", note)
+    assert "Revise `broken`" in note
+    assert not caplog.records
+    assert capfd.readouterr().err == ""
+
+
+def test_shape_error_in_the_branch_not_taken_raises_without_log_spam(caplog, capfd):
+    w = torch.ones(4, 2)
+
+    def project(x):
+        return x @ w  # x is [3]: a shape error JAX reports when tracing
+
+    with pytest.raises(RuntimeError, match=r"must have same reduction dim") as e:
+        lax.cond(True, lambda x: x[:2], project, torch.ones(3))
+    assert "false_fun" in notes_of(e.value)
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "untaken",
+    [
+        lambda x: x * x.sum().item(),  # a value read to Python
+        lambda x: x if x.sum() > 0 else -x,  # Python control flow on a tensor
+        lambda x: x + x.nonzero().sum(),  # data-dependent shape
+        lambda x: x + x[x > 0].sum(),  # boolean mask
+        lambda x: torch.from_numpy(x.numpy() * 2),  # numpy round trip
+    ],
+    ids=["item", "python_if", "nonzero", "mask", "numpy"],
+)
+def test_branch_fake_tensors_cannot_follow_is_accepted_quietly(untaken, caplog, capfd):
+    x = torch.ones(3)
+    assert torch.equal(lax.cond(True, lambda v: v * 2, untaken, x), x * 2)
+    assert not caplog.records
+    assert capfd.readouterr().err == ""
+
+
+def test_branch_fake_tensors_cannot_follow_is_checked_when_taken():
+    def to_double(x):
+        return x.double() * x.sum().item()
+
+    def run(pred):
+        return lax.cond(pred, lambda v: v, to_double, torch.ones(3))
+
+    run(True)  # accepted: fake tensors cannot follow to_double (it reads a value)
+    with pytest.raises(TensorMismatchError, match=r"true_fun output is float32\[3\] on cpu, false_fun output is float64\[3\]"):
+        run(False)  # the same branches and signature, now taken: checked
+
+
+# ---------------------------------------------------------------------------------------
+# The first-call cache: bounded, weakly keyed, free of tensors
+# ---------------------------------------------------------------------------------------
+
+
+def test_rules_cache_is_bounded(monkeypatch):
+    from tfun import _rules
+
+    monkeypatch.setattr(_rules, "_SEEN_MAX", 8)
+    for n in range(1, 30):
+        lax.cond(True, torch.neg, torch.neg, torch.ones(n))
+        lax.scan(lambda c, x: (c + x, None), torch.zeros(n), torch.ones(2, n))
+    assert len(_rules._SEEN) <= 8
+
+
+def test_rules_cache_keeps_no_function_alive():
+    import gc
+    import weakref
+
+    namespace: dict = {}
+    exec("def branch(x):\n    return x + 1\n\ndef step(c, x):\n    return c + x, c\n", namespace)
+    branch, step = namespace.pop("branch"), namespace.pop("step")
+    refs = [weakref.ref(branch), weakref.ref(branch.__code__), weakref.ref(step.__code__)]
+    lax.cond(True, branch, branch, torch.ones(2))
+    lax.scan(step, torch.zeros(2), torch.ones(3, 2))
+    lax.fori_loop(0, 2, lambda i, v: branch(v), torch.ones(2))
+    del branch, step
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_rules_cache_never_takes_a_new_callable_for_a_dead_one():
+    # Code-less callables (partials of builtins) used to be keyed on id(): a new partial
+    # at a dead one's address skipped its rules.
+    import functools
+
+    x = torch.ones(3)
+    w64 = torch.ones(3, dtype=torch.float64)
+
+    def run(true_fun, false_fun):
+        return lax.cond(True, true_fun, false_fun, x)
+
+    for _ in range(20):
+        run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, 3.0))
+    with pytest.raises(TensorMismatchError, match=r"false_fun output is float64\[3\] on cpu \(dtypes differ\)"):
+        run(functools.partial(torch.mul, 2.0), functools.partial(torch.mul, w64))
+
+
+# ---------------------------------------------------------------------------------------
+# Loops that run zero times check their body (JAX traces it whatever the trip count)
+# ---------------------------------------------------------------------------------------
+
+
+def test_zero_length_scan_checks_the_carry():
+    def step(c, x):
+        return c.double() + x, x
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.scan(step, torch.zeros(()), torch.zeros(0))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.scan: body carry input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `step at .*test_rules\.py:\d+`\.", lines[2])
+    with pytest.raises(StructureMismatchError, match=r"  \* carry: input is a leaf, output is a tuple of 1"):
+        lax.scan(lambda c, x: ((c,), None), torch.zeros(()), None, length=0)
+
+
+def test_empty_fori_loop_checks_the_body():
+    def body(i, v):
+        return {"a": v["a"], "b": v["b"] * 1.5}
+
+    with pytest.raises(TensorMismatchError) as e:
+        lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.fori_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry['b']: input is int64[] on cpu, output is float32[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `body at .*test_rules\.py:\d+`\.", lines[2])
+    with pytest.raises(StructureMismatchError, match=r"fori_loop: body_fun input and output must have the same pytree"):
+        lax.fori_loop(3, 3, lambda i, v: (v,), torch.zeros(2))
+
+
+def test_while_loop_false_at_once_checks_the_body():
+    with pytest.raises(TensorMismatchError, match=r"  \* carry\[1\]: input is float32\[2\] on cpu, output is float32\[3\] on cpu \(shapes differ\)"):
+        lax.while_loop(lambda c: c[0] < 0, lambda c: (c[0] + 1, torch.cat([c[1], c[1][:1]])), (0, torch.zeros(2)))
+
+
+def test_zero_trip_body_error_reaches_the_user_with_a_note():
+    w = torch.ones(4, 4)
+
+    def body(i, v):
+        return v @ w  # v is [3]
+
+    with pytest.raises(RuntimeError, match="must have same reduction dim") as e:
+        lax.fori_loop(0, 0, body, torch.ones(3))
+    assert notes_of(e.value).startswith(
+        "tfun.lax.fori_loop: the body_fun raised this when tfun evaluated it on fake tensors (dtypes and shapes, no "
+        "values) to check its output in a loop of zero steps"
+    )
+
+
+def test_zero_trip_body_fake_tensors_cannot_follow_is_accepted():
+    x = torch.ones(3)
+    assert torch.equal(lax.fori_loop(5, 2, lambda i, v: v * v.sum().item(), x), x)
+    assert torch.equal(lax.while_loop(lambda v: v.sum() < 0, lambda v: v[v > 0] * 2, x), x)
+    carry, ys = lax.scan(lambda c, x: (c, c * int(c.sum())), x, None, length=0)
+    assert torch.equal(carry, x) and ys.shape == (0, 3)
+
+
+def test_zero_trip_body_side_effects_refused():
+    found = []
+
+    def body(i, v):
+        found.append(v)  # on fake tensors, this would leave a fake tensor in `found`
+        return v
+
+    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `found` \(a list: 0 items before the call, 1 after\)"):
+        lax.fori_loop(2, 2, body, torch.ones(3))
+
+
+def test_zero_trip_checks_run_once_per_signature(monkeypatch):
+    from tfun import _rules
+
+    calls = []
+    real = _rules.abstract_eval
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_rules, "abstract_eval", counting)
+    body = lambda i, v: v + i
+    for _ in range(3):
+        lax.fori_loop(4, 1, body, torch.ones(3))
+    assert len(calls) == 1
+    for _ in range(3):
+        lax.while_loop(lambda v: v.sum() < 0, lambda v: v + 1, torch.ones(3))
+    assert len(calls) == 2
+    lax.fori_loop(4, 1, body, torch.ones(4))  # a new signature
+    assert len(calls) == 3
+
+
+def test_zero_trip_body_in_place_write_refused():
+    w = torch.zeros(3)
+
+    def body(v):
+        w.add_(v)
+        return v
+
+    with pytest.raises(SideEffectError, match="it writes in place to nonlocal `w`"):
+        lax.while_loop(lambda v: v.sum() < 0, body, torch.ones(3))
+
+
+def test_body_fake_tensors_cannot_follow_is_checked_when_it_first_runs():
+    # A zero-trip call cannot check this body (it reads a value before its side effect);
+    # its first real run, with the same signature, still gets the side-effect rules.
+    w = torch.zeros(3)
+
+    def body(v):
+        if v.sum() > 100:
+            return v
+        w.add_(v)
+        return v * 2
+
+    run = lambda n: lax.while_loop(lambda v: v.sum() < n, body, torch.ones(3))
+    assert torch.equal(run(0.0), torch.ones(3))
+    with pytest.raises(SideEffectError, match="it writes in place to nonlocal `w`"):
+        run(5.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Loops under vmap with a batched predicate keep the carry rules
+# ---------------------------------------------------------------------------------------
+
+
+def test_vmap_while_loop_batched_predicate_checks_the_carry():
+    def w(limit):
+        return lax.while_loop(lambda c: c < limit, lambda c: (c + 1).double(), torch.tensor(0.0))
+
+    with pytest.raises(TensorMismatchError) as e:
+        torch.func.vmap(w)(torch.tensor([1.0, 3.0]))
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "tfun.lax.while_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"
+    )
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert "`<lambda> at " in lines[2]
+
+
+def test_vmap_while_loop_batched_predicate_refuses_a_broadcast_carry():
+    # torch.where would broadcast float32[] against float32[3] without a word.
+    def w(limit):
+        return lax.while_loop(lambda c: c.sum() < limit, lambda c: c + torch.ones(3), torch.tensor(0.0))
+
+    with pytest.raises(TensorMismatchError, match=r"  \* carry: input is float32\[\] on cpu, output is float32\[3\] on cpu \(shapes differ\)"):
+        torch.func.vmap(w)(torch.tensor([1.0, 3.0]))
+
+
+def test_vmap_while_loop_batched_predicate_false_everywhere_checks_the_body():
+    def w(limit):
+        return lax.while_loop(lambda c: c < limit, lambda c: (c,), torch.tensor(0.0))
+
+    with pytest.raises(StructureMismatchError, match=r"  \* carry: input is a leaf, output is a tuple of 1"):
+        torch.func.vmap(w)(torch.tensor([-1.0, -3.0]))
+
+
+def test_vmap_fori_loop_batched_bounds_names_fori_loop_and_body():
+    def body(i, v):
+        return v.double() + i
+
+    with pytest.raises(TensorMismatchError) as e:
+        torch.func.vmap(lambda n: lax.fori_loop(0, n, body, torch.tensor(0.0)))(torch.tensor([1, 3]))
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("tfun.lax.fori_loop: body_fun input and output must have the same dtype")
+    assert lines[1] == "  * carry: input is float32[] on cpu, output is float64[] on cpu (dtypes differ)"
+    assert re.fullmatch(r"The function is `body at .*test_rules\.py:\d+`\.", lines[2])
+
+
+def test_compiled_function_in_the_branch_not_taken_runs_eagerly_on_fake_tensors():
+    compiled = torch.compile(lambda v: v.sin() * 2, backend="eager")
+    x = torch.randn(3)
+    out = lax.cond(True, lambda v: v.cos(), compiled, x)  # compiling it for fake inputs mutated its caches
+    torch.testing.assert_close(out, x.cos())
+    out = lax.cond(True, lambda v: v + 1, lambda v: compiled(v) + 1, x)
+    torch.testing.assert_close(out, x + 1)
+    with pytest.raises(TensorMismatchError, match=r"false_fun output is float64\[3\] on cpu"):
+        lax.cond(True, lambda v: v + 1, lambda v: compiled(v).double(), x)
+
+
+def test_jitted_branch_not_taken_does_not_crash_the_process():
+    # Compiling for fake inputs crashed the interpreter (SIGSEGV) before tfun evaluated
+    # the branch not taken with compiled functions forced to run eagerly.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import torch, tfun\n"
+        "from tfun import lax\n"
+        "try:\n"
+        "    lax.cond(True, lambda v: v, tfun.jit(lambda v: v.cos()), torch.randn(4, 3))\n"
+        "except tfun.errors.TfunError:\n"
+        "    pass\n"
+        "print('survived')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "survived" in proc.stdout
+
+
+@torch.library.custom_op("tfun_test_rules::twice", mutates_args=())
+def _twice_without_fake_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_op_without_fake_kernel_in_the_branch_not_taken_is_accepted_quietly(caplog, capfd):
+    x = torch.ones(3)
+    out = lax.cond(True, lambda v: v + 1, lambda v: _twice_without_fake_kernel(v), x)
+    assert torch.equal(out, x + 1)
+    assert not caplog.records and capfd.readouterr().err == ""
+    assert torch.equal(lax.fori_loop(3, 3, lambda i, v: _twice_without_fake_kernel(v).double(), x), x)
+
+
+def test_not_implemented_error_of_the_branch_not_taken_is_raised():
+    # The user's own NotImplementedError is an error of the branch (JAX raises it when
+    # tracing), not a fake-tensor limitation.
+    def mode_c(x):
+        raise NotImplementedError("mode c is not implemented")
+
+    with pytest.raises(NotImplementedError, match="mode c is not implemented"):
+        lax.switch(0, [lambda x: x, lambda x: -x, mode_c], torch.ones(2))

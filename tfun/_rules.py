@@ -17,10 +17,14 @@ with the same code and signature skip them (`seen`). The cache is keyed on the f
 
 from __future__ import annotations
 
+import contextlib
 import dis
+import logging
 import os
 import sysconfig
+import threading
 import types
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -64,13 +68,50 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def tensor_type(t: torch.Tensor) -> str:
+def tensor_type(t: torch.Tensor | LeafMeta) -> str:
     """JAX-style type of a tensor: `float32[3,4]`."""
     return f"{dtype_name(t.dtype)}[{','.join(str(s) for s in t.shape)}]"
 
 
+class LeafMeta:
+    """What the rules need to know of a tensor (dtype, shape, device), without the tensor.
+
+    Caches keep these instead of tensors, so that a checked output (and the autograd graph
+    behind it) is freed as soon as the user drops it.
+    """
+
+    __slots__ = ("dtype", "shape", "device")
+
+    def __init__(self, dtype: torch.dtype, shape: torch.Size, device: torch.device):
+        self.dtype = dtype
+        self.shape = torch.Size(shape)
+        self.device = device
+
+    @classmethod
+    def of(cls, x: Any) -> Any:
+        """The metadata of a tensor; any other leaf unchanged."""
+        if isinstance(x, torch.Tensor):
+            return cls(x.dtype, x.shape, x.device)
+        return x
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"LeafMeta({tensor_type(self)} on {self.device})"
+
+
+def leaf_metas(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """`LeafMeta.of` each leaf: a tensor-free record of what the rules compare."""
+    return tuple(LeafMeta.of(x) for x in leaves)
+
+
+def _is_tensorlike(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, LeafMeta))
+
+
 def describe_leaf(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
+    if _is_tensorlike(x):
         return f"{tensor_type(x)} on {x.device}"
     if isinstance(x, bool):
         return "a Python bool"
@@ -174,7 +215,7 @@ def check_structure(
 
 def leaf_differences(a: Any, b: Any) -> list[str]:
     """What differs between two leaves: among 'dtype', 'shape', 'device', or 'kind'."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+    if not _is_tensorlike(a) or not _is_tensorlike(b):
         return ["kind"]
     diffs = []
     if a.dtype != b.dtype:
@@ -205,7 +246,7 @@ def check_tensors(
     for i, (a, b) in enumerate(zip(expected_leaves, actual_leaves)):
         diffs = leaf_differences(a, b)
         if not check_shape and "shape" in diffs:
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
+            if _is_tensorlike(a) and _is_tensorlike(b) and a.dim() == b.dim():
                 diffs.remove("shape")
         if diffs:
             if paths is None:
@@ -362,12 +403,26 @@ _SEEN_MAX = 4096
 
 
 def leaf_signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((x.dtype, x.shape, x.device) if isinstance(x, torch.Tensor) else type(x) for x in leaves)
+    return tuple((x.dtype, x.shape, x.device) if _is_tensorlike(x) else type(x) for x in leaves)
+
+
+class _Unkeyed:
+    """The key of a callable the cache cannot hold weakly: equal to nothing else, so the
+    rules run on every call (never skipped for a different function at a reused id)."""
+
+    __slots__ = ()
 
 
 def fn_key(fn: Any) -> Hashable:
+    """The cache key of a function: a weak reference to its code object (or to the callable
+    itself when it has none). Weak, so that the cache keeps no function or code alive; a dead
+    reference equals only itself, so a new function can never inherit an old one's entry."""
     code = _funcinfo.fn_code(fn)
-    return code if code is not None else id(fn)
+    target = code if code is not None else fn
+    try:
+        return weakref.ref(target)
+    except TypeError:
+        return _Unkeyed()
 
 
 def seen(key: Hashable) -> Any:
@@ -376,8 +431,10 @@ def seen(key: Hashable) -> Any:
 
 
 def remember(key: Hashable, value: Any = True) -> None:
-    if len(_SEEN) >= _SEEN_MAX:
-        _SEEN.clear()
+    """Record `key` (bounded: the oldest entries go first). Values must hold no tensors:
+    keep `LeafMeta`s, structures and signatures, so that nothing the user drops stays alive."""
+    while len(_SEEN) >= _SEEN_MAX:
+        del _SEEN[next(iter(_SEEN))]
     _SEEN[key] = value
 
 
@@ -391,7 +448,7 @@ def clear_cache() -> None:
 # Side effects: static (bytecode) part
 # ----------------------------------------------------------------------------------------
 
-_STATIC: dict[Any, list[str]] = {}
+_STATIC: weakref.WeakKeyDictionary[types.CodeType, list[str]] = weakref.WeakKeyDictionary()
 
 
 def _static_violations(code: types.CodeType, outer_free: frozenset[str]) -> list[str]:
@@ -663,43 +720,169 @@ def checked_call(op: str, role: str, fn: Callable[..., Any], args: tuple[Any, ..
 
 
 class AbstractEvalUnavailable(Exception):
-    """Raised when a function cannot be evaluated abstractly (data-dependent, transforms)."""
+    """Raised when fake tensors cannot follow a function: it needs values (`.item()`, a
+    Python `if` on a tensor, `nonzero`, boolean masks), or an op has no fake implementation.
+    Such a function is checked when it runs for real instead."""
 
 
-def abstract_eval(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[Any], PyTreeSpec]:
+def _fake_limitations() -> tuple[type[BaseException], ...]:
+    """The exceptions by which fake tensors say "this needs real data, or is not supported"."""
+    from torch._subclasses import fake_tensor as ft
+
+    names = (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
+        "UnsupportedMutationAliasingException",
+        "MetadataMismatchError",
+    )
+    found: list[type[BaseException]] = [getattr(ft, n) for n in names if hasattr(ft, n)]
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        found.append(GuardOnDataDependentSymNode)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(found)
+
+
+# Words of torch's messages that blame the fake tensor, not the function (`.numpy()` on a
+# tensor subclass, reading a data pointer or storage that a fake tensor does not have, an
+# op with no fake or meta kernel). A user's own exception (a NotImplementedError of a mode
+# it does not support, say) is not one: JAX's tracing raises it too.
+_LIMITATION_WORDS = ("fake", "tensor subclass", "data pointer", "data_ptr", "storage", "meta backend", "'meta' backend")
+_LIMITATION_WORD_TYPES = (RuntimeError, TypeError, NotImplementedError)
+
+
+def is_fake_limitation(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) means that fake tensors cannot
+    follow the function, rather than that the function is wrong for inputs of these types."""
+    limitations = _fake_limitations()
+    seen_ids: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen_ids:
+        seen_ids.add(id(e))
+        if isinstance(e, limitations):
+            return True
+        text = str(e).lower()
+        if type(e) in _LIMITATION_WORD_TYPES and any(w in text for w in _LIMITATION_WORDS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _QuietFakeTensorLog(logging.Filter):
+    """Drops torch's `failed while attempting to run meta` tracebacks while tfun evaluates
+    a function on fake tensors: the error is reported (or deliberately set aside) by tfun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.local, "depth", 0)
+
+
+_QUIET = _QuietFakeTensorLog()
+_QUIET_INSTALLED = False
+
+
+def _eager_stance() -> Any:
+    """Compiled functions (`torch.compile`, `tfun.jit`) called on fake tensors run their
+    Python eagerly: compiling for fake inputs fails, or crashes the process."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
+
+
+def _fake_input(mode: Any, x: Any, transformed: bool) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        # Under vmap/grad: a plain fake tensor of the per-example (logical) type; batched
+        # tensors the function closes over still combine with it, as in the real call.
+        with mode:
+            fake = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    else:
+        fake = mode.from_tensor(x.detach())
+    if not transformed and x.requires_grad and (fake.is_floating_point() or fake.is_complex()):
+        fake.requires_grad_(True)  # a function may differentiate through its input itself
+    return fake
+
+
+def abstract_eval(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    op: str | None = None,
+    role: str | None = None,
+    why: str = "to check its output",
+    report_fn: Callable[..., Any] | None = None,
+    side_effects: bool = False,
+) -> tuple[list[Any], PyTreeSpec]:
     """Run `fn(*args)` on fake tensors: output leaves (fake tensors) and structure.
 
-    Like JAX's tracing to avtals: nothing is computed, shapes and dtypes propagate. Closed-
-    over real tensors are allowed. Raises `AbstractEvalUnavailable` where fake tensors
-    cannot follow the function (data-dependent control flow, `.item()`, functorch
-    transforms active); tfun errors raised by nested ops propagate.
+    Like JAX's tracing to avals: nothing is computed, dtypes and shapes propagate. Closed-
+    over real tensors are allowed, and so are vmap/grad transforms (inputs they wrap become
+    fake tensors of their per-example type). Raises `AbstractEvalUnavailable` where fake
+    tensors cannot follow the function (`is_fake_limitation`: `.item()`, data-dependent
+    shapes, ops without a fake kernel). Any other exception is an error of the function
+    itself, as JAX would raise it when tracing: it propagates unchanged, with a note naming
+    `op`, `role` and the function (`report_fn`, default `fn`). tfun errors of nested ops
+    propagate too. With `side_effects`, the side-effect rules hold as in `checked_call`
+    (a function run on fake tensors could otherwise leave them in the user's objects).
     """
+    global _QUIET_INSTALLED
     from ._errors import TfunError
 
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # pragma: no cover
         raise AbstractEvalUnavailable(str(e)) from e
-    try:
-        if getattr(torch._C, "_functorch").peek_interpreter_stack() is not None:
-            raise AbstractEvalUnavailable("functorch transform active")
-    except AttributeError:
-        pass
+    if not _QUIET_INSTALLED:
+        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
+        _QUIET_INSTALLED = True
     leaves, treedef = tree_flatten(args)
+    _QUIET.local.depth = getattr(_QUIET.local, "depth", 0) + 1
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fake_leaves = [
-                mode.from_tensor(x.detach()) if isinstance(x, torch.Tensor) else x for x in leaves
-            ]
-            fake_args = tree_unflatten(treedef, fake_leaves)
-            with torch.no_grad():
-                out = fn(*fake_args)
-            out_leaves, out_def = tree_flatten(out)
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        fake_leaves = [_fake_input(mode, x, transformed) for x in leaves]
+        snap = None
+        if side_effects:
+            check_static_side_effects(op or "tfun", role or "function", fn)
+            snap = Snapshot(roots_of(fn))
+        with _eager_stance(), mode:
+            out = fn(*tree_unflatten(treedef, fake_leaves))
+        out_leaves, out_def = tree_flatten(out)
+        if snap is not None:
+            problems = snap.changes()
+            if problems:
+                _raise_side_effects(op or "tfun", role or "function", fn, problems)
     except TfunError:
         raise
-    except Exception as e:  # data-dependent ops, unsupported ops, ...
-        raise AbstractEvalUnavailable(f"{type(e).__name__}: {e}") from e
+    except AbstractEvalUnavailable:
+        raise
+    except Exception as e:
+        if is_fake_limitation(e):
+            raise AbstractEvalUnavailable(f"{type(e).__name__}: {e}") from e
+        if op is not None and hasattr(e, "add_note"):
+            who = report_fn if report_fn is not None else fn
+            e.add_note(
+                format_message(
+                    f"{op}: the {role or 'function'} raised this when tfun evaluated it on fake tensors "
+                    f"(dtypes and shapes, no values) {why}; JAX raises it too, as it traces every function "
+                    "an op is given.",
+                    function=_funcinfo.describe(who),
+                    revise=f"Revise `{_funcinfo.short_name(who)}` so that it accepts inputs of these types, "
+                    "even where it is not run.",
+                )
+            )
+        raise
+    finally:
+        _QUIET.local.depth -= 1
     return out_leaves, out_def
 
 
@@ -737,6 +920,9 @@ __all__ = [
     "Snapshot",
     "abstract_eval",
     "AbstractEvalUnavailable",
+    "is_fake_limitation",
+    "LeafMeta",
+    "leaf_metas",
     "empty_like_fake",
     "tree_flatten_with_path",
 ]

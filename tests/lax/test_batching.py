@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tfun import lax
+from tfun.errors import StructureMismatchError, TensorMismatchError
 
 
 def test_vmap_cond_batched_predicate_selects_per_example():
@@ -50,3 +51,36 @@ def test_while_loop_second_derivative_is_exact(x0):
     (gg,) = torch.autograd.grad(g, xr)
     torch.testing.assert_close(g, 4 * x**3)
     torch.testing.assert_close(gg, 12 * x**2)
+
+
+# ----------------------------------------------------------------------------------------
+# The rules hold under vmap as they do without it (jax.vmap raises in every case)
+# ----------------------------------------------------------------------------------------
+
+
+def _jax_raises(jax, f, x):
+    with pytest.raises(TypeError, match="must have (equal|the same)"):
+        jax.vmap(f)(jax.numpy.asarray(x.numpy()))
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_vmap_cond_unbatched_predicate_checks_the_branch_not_taken(jax, pred):
+    jnp = jax.numpy
+    x = torch.ones(2, 3)
+    f = lambda v: lax.cond(pred, lambda a: a, lambda a: a.double(), v)
+    with pytest.raises(TensorMismatchError, match=r"true_fun output is float32\[3\] on cpu, false_fun output is float64\[3\] on cpu"):
+        torch.func.vmap(f)(x)
+    _jax_raises(jax, lambda v: jax.lax.cond(pred, lambda a: a, lambda a: a.astype(jnp.float64), v), x)
+    g = lambda v: lax.switch(0, [lambda a: (a,), lambda a: [a]], v)
+    with pytest.raises(StructureMismatchError, match=r"branches\[0\] output is a tuple of 1, branches\[1\] output is a list of 1"):
+        torch.func.vmap(g)(x)
+
+
+def test_vmap_cond_unbatched_predicate_branches_closing_over_batched_values():
+    # The branch not taken is evaluated on fake tensors of the per-example type, and may
+    # combine them with the batched tensors it closes over.
+    def f(x, y):
+        return lax.cond(True, lambda v: v * 2, lambda v: v + y.sum(), x)
+
+    x, y = torch.randn(4, 3), torch.randn(4, 5)
+    torch.testing.assert_close(torch.func.vmap(f)(x, y), x * 2)

@@ -259,3 +259,53 @@ def test_select_matches_jax(jax, scalar_pred):
     ours = lax.select(torch.as_tensor(pred), tree_map(torch.from_numpy, a), tree_map(torch.from_numpy, b))
     theirs = {k: jax.lax.select(jnp.asarray(pred), jnp.asarray(a[k]), jnp.asarray(b[k])) for k in a}
     assert_matches_jax(ours, theirs, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# The branch check keeps nothing alive
+# ----------------------------------------------------------------------------------------
+
+
+def test_cond_check_keeps_no_output_or_graph_alive():
+    import gc
+    import weakref
+
+    from tfun import _rules
+
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def up(x):
+        return torch.tanh(x @ w)
+
+    def down(x):
+        return torch.sigmoid(x @ w)
+
+    refs = []
+    for n in range(1, 21):  # 20 signatures: 20 first calls, each checked and cached
+        out = lax.cond(n % 2 == 0, up, down, torch.randn(n, 64))
+        refs.append(weakref.ref(out))
+        del out
+    gc.collect()
+    assert [r() for r in refs] == [None] * 20
+
+    def tensors_in(v):
+        if isinstance(v, torch.Tensor):
+            return 1
+        if isinstance(v, (tuple, list)):
+            return sum(tensors_in(u) for u in v)
+        return 0
+
+    assert sum(tensors_in(v) for v in _rules._SEEN.values()) == 0
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_python_scalar_outputs_check_as_the_tensors_they_become(jax, pred):
+    # The branch not taken, evaluated on fake tensors, returns the Python scalar itself;
+    # it must be compared as the 0-d tensor it becomes when taken (it was refused).
+    out = lax.cond(pred, lambda: 0, lambda: 1)
+    assert out.dtype == torch.int64 and out.item() == (0 if pred else 1)
+    assert int(jax.lax.cond(pred, lambda: 0, lambda: 1)) == out.item()
+    out = lax.cond(pred, lambda x: 1.5, lambda x: x.sum(), torch.ones(2))
+    assert out.dtype == torch.float32 and out.item() == (1.5 if pred else 2.0)
+    out = lax.switch(int(pred), [lambda: False, lambda: True])
+    assert out.dtype == torch.bool and out.item() is pred

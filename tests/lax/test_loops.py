@@ -253,3 +253,39 @@ def test_fori_loop_matches_jax(jax, bounds, tensor_bounds):
         ours = lax.fori_loop(lo, hi, make(torch), (torch.from_numpy(h), torch.tensor(1)))
         theirs = jax.lax.fori_loop(lo, hi, make(jnp), (jnp.asarray(h), jnp.asarray(1, jnp.int64)))
     assert_matches_jax(ours, theirs)
+
+
+# JAX traces a loop's body whatever its trip count, and under vmap too: a body that breaks
+# the carry rules raises there, and must here, never work until the loop first runs.
+def _rule_breakers(jax: Any) -> dict[str, Any]:
+    """The same programs for tfun (`jax=None`) and for JAX."""
+    if jax is None:
+        lib, lx, vmap = torch, lax, torch.func.vmap
+        f64, cat = (lambda v: v.double()), torch.cat
+    else:
+        lib, lx, vmap = jax.numpy, jax.lax, jax.vmap
+        f64, cat = (lambda v: v.astype(lib.float64)), lib.concatenate
+    return {
+        "fori_empty_dtype": lambda x: lx.fori_loop(5, 2, lambda i, c: f64(c), x),
+        "fori_empty_structure": lambda x: lx.fori_loop(3, 3, lambda i, c: (c,), x),
+        "while_false_shape": lambda x: lx.while_loop(lambda c: c.sum() < -1, lambda c: cat([c, c]), x),
+        "scan_empty_dtype": lambda x: lx.scan(lambda c, y: (f64(c), y), x, x[:0]),
+        "vmap_while_dtype": lambda x: vmap(
+            lambda r: lx.while_loop(lambda c: c.sum() < r.sum(), lambda c: f64(c + 1), r * 0)
+        )(lib.stack([x, x * 2])),
+        "vmap_fori_batched_bounds_shape": lambda x: vmap(
+            lambda r: lx.fori_loop(0, (r.sum() > 0) * 2, lambda i, c: cat([c, c]), r)
+        )(lib.stack([x, -x])),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["fori_empty_dtype", "fori_empty_structure", "while_false_shape", "scan_empty_dtype", "vmap_while_dtype", "vmap_fori_batched_bounds_shape"],
+)
+def test_body_breaking_the_carry_rules_raises_like_jax(jax, case):
+    x = np.linspace(0.5, 1.5, 3).astype(np.float32)
+    with pytest.raises(TypeError, match="carry input and carry output must have"):
+        _rule_breakers(jax)[case](jax.numpy.asarray(x))
+    with pytest.raises(TypeError, match=r"tfun\.lax\.\w+: body(_fun)? (carry )?input and output must have the same"):
+        _rule_breakers(None)[case](torch.from_numpy(x))

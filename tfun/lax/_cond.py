@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from .. import _rules
+from .. import _funcinfo, _rules
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_unflatten
 from . import _batching, _hop
@@ -29,35 +30,77 @@ def _branch_output(op: str, out: Any) -> tuple[Any, list[Any], Any]:
     return out, leaves, treedef
 
 
+_REVISE_BRANCHES = (
+    "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, "
+    "shape and device."
+)
+
+
+def _abstract_branch(op: str, b: Callable[..., Any], operands: tuple[Any, ...], name: str) -> tuple[list[Any], Any]:
+    """The branch `b` on fake tensors: its output leaves and structure. Python scalars in
+    the output stand for the 0-d tensors they become when the branch is taken."""
+    leaves, treedef = _rules.abstract_eval(
+        b, operands, op=op, role=f"branch {name}", why="to check it against the branch taken", side_effects=True
+    )
+    return [_rules.LeafMeta.of(torch.tensor(x)) if isinstance(x, (bool, int, float, complex)) else x for x in leaves], treedef
+
+
+def _check_arity(op: str, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...], branch_names: Sequence[str]) -> None:
+    """Every branch must accept the operands (JAX traces every branch, so it raises too)."""
+    for name, b in zip(branch_names, branches):
+        try:
+            sig = inspect.signature(b)
+        except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+            continue
+        try:
+            sig.bind(*operands)
+        except TypeError as e:
+            n = len(operands)
+            raise ArgumentTypeError(
+                format_message(
+                    f"{op}: every branch must accept the {n} operand{'s' if n != 1 else ''} given, but {name} "
+                    "does not:",
+                    [f"{name}{sig}: {e}"],
+                    function=_funcinfo.describe(b),
+                    revise=f"Revise `{_funcinfo.short_name(b)}` to take the operands as positional arguments, "
+                    "as every other branch does.",
+                )
+            ) from None
+
+
 def _check_branches(
     op: str,
     branches: Sequence[Callable[..., Any]],
     taken: int,
     operands: tuple[Any, ...],
-    out_leaves: list[Any],
+    out_leaves: Sequence[Any],
     out_def: Any,
     branch_names: Sequence[str],
 ) -> None:
+    """First trace: every branch must return the structure and types the taken one did.
+
+    The branches not taken are evaluated on fake tensors; an error of theirs propagates
+    (as JAX's tracing raises it), one that only says fake tensors cannot follow them
+    (`.item()`, data-dependent shapes) leaves them to be checked when they are taken.
+    """
     branch_names = list(branch_names)
-    """First trace: every branch must return the structure and types the taken one did."""
     for i, b in enumerate(branches):
         _rules.check_static_side_effects(op, f"{branch_names[i]}", b)
     for i, b in enumerate(branches):
         if i == taken:
             continue
         try:
-            other_leaves, other_def = _rules.abstract_eval(b, operands)
+            other_leaves, other_def = _abstract_branch(op, b, operands, branch_names[i])
         except _rules.AbstractEvalUnavailable:
             continue  # checked later, when this branch is taken (see the cached signature)
         names = (branch_names[taken] + " output", branch_names[i] + " output")
-        revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
         if taken < i:
-            _rules.check_structure(op, "branch outputs", out_def, other_def, root="output", names=names, fn=b, revise=revise)
-            _rules.check_tensors(op, "branch outputs", out_leaves, other_leaves, out_def, root="output", names=names, fn=b, revise=revise)
+            _rules.check_structure(op, "branch outputs", out_def, other_def, root="output", names=names, fn=b, revise=_REVISE_BRANCHES)
+            _rules.check_tensors(op, "branch outputs", out_leaves, other_leaves, out_def, root="output", names=names, fn=b, revise=_REVISE_BRANCHES)
         else:
             names = (names[1], names[0])
-            _rules.check_structure(op, "branch outputs", other_def, out_def, root="output", names=names, fn=branches[taken], revise=revise)
-            _rules.check_tensors(op, "branch outputs", other_leaves, out_leaves, other_def, root="output", names=names, fn=branches[taken], revise=revise)
+            _rules.check_structure(op, "branch outputs", other_def, out_def, root="output", names=names, fn=branches[taken], revise=_REVISE_BRANCHES)
+            _rules.check_tensors(op, "branch outputs", other_leaves, out_leaves, other_def, root="output", names=names, fn=branches[taken], revise=_REVISE_BRANCHES)
 
 
 def _run_branch(
@@ -73,29 +116,31 @@ def _run_branch(
     expected = _rules.seen(key)
     branch = branches[taken]
     if expected is None:
+        _check_arity(op, branches, operands, branch_names)
         out = _rules.checked_call(op, branch_names[taken], branch, operands)
         out, leaves, treedef = _branch_output(op, out)
         _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
-        _rules.remember(key, (taken, treedef, _rules.leaf_signature(leaves), leaves))
+        # Only metadata: the cache must not keep the output (and its autograd graph) alive.
+        _rules.remember(key, (taken, treedef, _rules.leaf_metas(leaves)))
         return out
     out = branch(*operands)
     out, leaves, treedef = _branch_output(op, out)
-    first_taken, exp_def, exp_sig, exp_leaves = expected
-    if treedef != exp_def or _rules.leaf_signature(leaves) != exp_sig:
+    first_taken, exp_def, exp_metas = expected
+    if treedef != exp_def or _rules.leaf_signature(leaves) != _rules.leaf_signature(exp_metas):
         # Either a closure of the same code returns something else (then check this call's
         # branches afresh), or the branches really disagree (then that check raises).
+        _check_arity(op, branches, operands, branch_names)
         _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
         if taken != first_taken:
             names = (branch_names[first_taken] + " output", branch_names[taken] + " output")
-            revise = "Revise the branches so that they all return the same pytree structure with tensors of the same dtype, shape and device."
             other = branches[first_taken]
             try:
-                o_leaves, o_def = _rules.abstract_eval(other, operands)
+                o_leaves, o_def = _abstract_branch(op, other, operands, branch_names[first_taken])
             except _rules.AbstractEvalUnavailable:
-                o_leaves, o_def = exp_leaves, exp_def
-            _rules.check_structure(op, "branch outputs", o_def, treedef, root="output", names=names, fn=branch, revise=revise)
-            _rules.check_tensors(op, "branch outputs", o_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=revise)
-        _rules.remember(key, (taken, treedef, _rules.leaf_signature(leaves), leaves))
+                o_leaves, o_def = list(exp_metas), exp_def
+            _rules.check_structure(op, "branch outputs", o_def, treedef, root="output", names=names, fn=branch, revise=_REVISE_BRANCHES)
+            _rules.check_tensors(op, "branch outputs", o_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=_REVISE_BRANCHES)
+        _rules.remember(key, (taken, treedef, _rules.leaf_metas(leaves)))
     return out
 
 
@@ -143,7 +188,9 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
 
     Both branches must return the same pytree structure, with leaves of the same dtype,
     shape and device (checked the first time the branches are seen with operands of a
-    given signature, by evaluating the branch not taken on fake tensors). Under
+    given signature, by evaluating the branch not taken on fake tensors; an error it raises
+    there is raised, as JAX's tracing raises it, unless it only says that the branch needs
+    values, as `.item()` does: then the branch is checked when it is taken). Under
     `tfun.jit` / `torch.export` this lowers to `torch.cond`, and only then is `pred`
     allowed to depend on traced data without a device sync.
 

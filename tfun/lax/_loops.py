@@ -11,7 +11,7 @@ from .. import _rules
 from .._errors import ArgumentTypeError
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _batching, _hop
-from ._scan import check_carry, check_unroll, scan
+from ._scan import check_body_abstractly, check_carry, check_unroll, scan
 
 T = TypeVar("T")
 
@@ -37,9 +37,11 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
 
     `cond_fun` must return a boolean scalar (a bool tensor of shape `()` or a Python bool);
     `body_fun` must return a value of the structure, dtypes, shapes and devices of
-    `init_val`. Python scalars in `init_val` become 0-d tensors (an `int` becomes int64).
-    The trip count may depend on data. Eagerly each test of `cond_fun` reads one boolean
-    from the device; under `tfun.jit` it lowers to PyTorch's `while_loop` higher-order op.
+    `init_val` (checked on fake tensors when the loop runs zero times, as JAX traces the
+    body whatever the trip count). Python scalars in `init_val` become 0-d tensors (an
+    `int` becomes int64). The trip count may depend on data. Eagerly each test of
+    `cond_fun` reads one boolean from the device; under `tfun.jit` it lowers to PyTorch's
+    `while_loop` higher-order op.
 
     **Arguments:**
 
@@ -57,23 +59,26 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     if _hop.is_tracing():
         return _hop.while_loop(cond_fun, body_fun, val)
     key = (op, _rules.fn_key(cond_fun), _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves))
-    if _rules.seen(key) is None:
-        pred = _rules.checked_call(op, "cond_fun", cond_fun, (val,))
-        _check_pred(op, cond_fun, pred)
+    # The cache records what has been checked for this signature: None, nothing; "cond",
+    # cond_fun for real and body_fun only on fake tensors (the loop ran zero times); True,
+    # both for real.
+    state = _rules.seen(key)
+    if state is not True:
+        if state is None:
+            pred = _rules.checked_call(op, "cond_fun", cond_fun, (val,))
+            _check_pred(op, cond_fun, pred)
+        else:
+            pred = cond_fun(val)
         if _batching.is_batched(pred):
-            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves)
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, key)
         if not pred:
-            _rules.check_static_side_effects(op, "body_fun", body_fun)
-            try:
-                out_leaves, out_def = _rules.abstract_eval(body_fun, (val,))
-            except _rules.AbstractEvalUnavailable:
-                return val
-            check_carry(op, body_fun, treedef, leaves, tree_unflatten(out_def, out_leaves), what="body_fun input and output")
-            _rules.remember(key)
+            if state is None:
+                check_body_abstractly(op, "body_fun", body_fun, (val,), treedef, leaves)
+                _rules.remember(key, "cond")
             return val
         new = _rules.checked_call(op, "body_fun", body_fun, (val,))
         check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
-        _rules.remember(key)
+        _rules.remember(key, True)
         val = new
     is_leaf = treedef.is_leaf()
     cf = cast(Callable[[Any], Any], cond_fun)
@@ -81,7 +86,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     while True:
         pred = cf(val)
         if _batching.is_batched(pred):
-            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves)
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, key)
         if not pred:
             break
         val = bf(val)
@@ -96,15 +101,38 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
 
 
 def _batched_while(
-    op: str, cond_fun: Callable[..., Any], body_fun: Callable[..., Any], val: Any, pred: torch.Tensor, treedef: Any, leaves: Any
+    op: str,
+    cond_fun: Callable[..., Any],
+    body_fun: Callable[..., Any],
+    val: Any,
+    pred: torch.Tensor,
+    treedef: Any,
+    leaves: Any,
+    key: Any,
 ) -> Any:
     """vmap over a data-dependent condition: loop while any example is active, and freeze
-    the examples whose condition is false (JAX's batching rule for while_loop)."""
+    the examples whose condition is false (JAX's batching rule for while_loop).
+
+    The carry rules hold as without vmap: `torch.where` would otherwise promote a dtype
+    the body changes, or broadcast a shape it changes, without a word."""
+    if not _batching.any_true(pred):
+        if _rules.seen(key) is None:
+            check_body_abstractly(op, "body_fun", body_fun, (val,), treedef, leaves)
+            _rules.remember(key, "cond")
+        return val
+    sig = _rules.leaf_signature(leaves)
+    checked = _rules.seen(key) is True
     while _batching.any_true(pred):
-        new = body_fun(val)
+        if checked:
+            new = body_fun(val)
+        else:
+            new = _rules.checked_call(op, "body_fun", body_fun, (val,))
         new_leaves, new_def = tree_flatten(new)
-        if new_def != treedef:
+        if new_def != treedef or _rules.leaf_signature(new_leaves) != sig:
             check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        if not checked:
+            _rules.remember(key, True)
+            checked = True
         old_leaves = tree_flatten(val)[0]
         val = tree_unflatten(treedef, [torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)])
         pred = cond_fun(val)
@@ -197,13 +225,29 @@ def fori_loop(
         def w_cond(c: Any) -> Any:
             return c[0] < c[1]
 
-        def w_body(c: Any) -> Any:
-            return (c[0] + 1, c[1], body_fun(c[0], c[2]))
+        if _hop.is_tracing():
+
+            def w_body(c: Any) -> Any:
+                return (c[0] + 1, c[1], body_fun(c[0], c[2]))
+
+        else:
+            # Eager vmap: the rules are fori_loop's and body_fun's, not those of the
+            # while_loop this runs on (whose body would be named in its errors).
+            _check_fori_body_once(op, body_fun, lo, val, treedef, leaves, dtype, device)
+            sig = _rules.leaf_signature(leaves)
+
+            def w_body(c: Any) -> Any:
+                out = body_fun(c[0], c[2])
+                out_leaves, out_def = tree_flatten(out)
+                if out_def != treedef or _rules.leaf_signature(out_leaves) != sig:
+                    check_carry(op, body_fun, treedef, leaves, out, what="body_fun input and output")
+                return (c[0] + 1, c[1], out)
 
         return while_loop(w_cond, w_body, (lo, hi, val))[2]
 
     lo_i, hi_i = int(lower), int(upper)
     if hi_i <= lo_i:
+        _check_fori_body_once(op, body_fun, lo_i, val, treedef, leaves, dtype, device)
         return val
     idx = torch.arange(lo_i, hi_i, dtype=dtype, device=device).unbind(0)
     key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
@@ -226,6 +270,28 @@ def fori_loop(
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[3]:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
     return cast(T, val)
+
+
+def _check_fori_body_once(
+    op: str,
+    body_fun: Callable[..., Any],
+    i: int | torch.Tensor,
+    val: Any,
+    treedef: Any,
+    leaves: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """body_fun's carry rules on fake tensors, once per signature, where it may not run
+    for real (an empty range; bounds that differ per example under vmap)."""
+    key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
+    fake_key = (*key, "fake")
+    if _rules.seen(key) is not None or _rules.seen(fake_key) is not None:
+        return
+    if not isinstance(i, torch.Tensor):
+        i = torch.tensor(i, dtype=dtype, device=device)
+    check_body_abstractly(op, "body_fun", body_fun, (i, val), treedef, leaves)
+    _rules.remember(fake_key)
 
 
 __all__ = ["while_loop", "fori_loop"]

@@ -51,13 +51,13 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
             return _batched_map(f, leaves, treedef, n, batch_size)
     if _hop.is_tracing():
         return _hop.map(f, xs)
+    key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:
         x0 = tree_unflatten(treedef, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in leaves])
-        y_leaves, y_def = zero_length_outputs(op, f, (x0,), lambda out: out)
+        y_leaves, y_def = tree_flatten(zero_length_outputs(op, "function", f, (x0,), key))
         return tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
     slices = [x.unbind(0) for x in leaves]
     is_leaf = treedef.is_leaf()
-    key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     first_x: Any = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
     if _rules.seen(key) is None:
         y = _rules.checked_call(op, "function", f, (first_x,))

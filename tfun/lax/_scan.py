@@ -80,50 +80,91 @@ def check_carry(
 def stack_outputs(
     op: str, f: Callable[..., Any], y_lists: list[list[Any]], y_def: PyTreeSpec, reverse: bool, root: str = "y"
 ) -> Any:
+    """Stack each leaf's per-step values (in the order the steps ran) along a new axis.
+
+    Every step must give a leaf of one dtype, shape and device: `torch.stack` would
+    promote a dtype that changes between steps, so dtypes are compared first. A step is
+    named by its index in the stacked output (`reverse` runs the last one first).
+    """
     out = []
     paths = None
     for k, lst in enumerate(y_lists):
-        if reverse:
-            lst.reverse()
         first = lst[0]
         if not isinstance(first, torch.Tensor):
             lst = [torch.as_tensor(v) for v in lst]
             first = lst[0]
-        try:
-            out.append(torch.stack(lst))
-        except (RuntimeError, TypeError):
+        dtype = first.dtype
+        stacked = None
+        if all(getattr(v, "dtype", None) is dtype for v in lst):
+            try:
+                stacked = torch.stack(lst[::-1] if reverse else lst)
+            except (RuntimeError, TypeError):
+                pass
+        if stacked is None:
             if paths is None:
                 paths = [keystr(p) for p in y_def.accessors()]
             bad = next(i for i, v in enumerate(lst) if _rules.leaf_differences(first, v))
+            n = len(lst)
+            step0, step_bad = (n - 1, n - 1 - bad) if reverse else (0, bad)
             raise TensorMismatchError(
                 format_message(
                     f"{op}: the per-step outputs must have the same dtype, shape and device at every step, "
                     "but they differ:",
-                    [f"{root}{paths[k]}: step 0 gives {_rules.describe_leaf(first)}, step {bad} gives "
+                    [f"{root}{paths[k]}: step {step0} gives {_rules.describe_leaf(first)}, step {step_bad} gives "
                      f"{_rules.describe_leaf(lst[bad])}"],
                     function=_funcinfo.describe(f),
                     revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns outputs of one type.",
                 )
-            ) from None
+            )
+        out.append(stacked)
     return tree_unflatten(y_def, out)
 
 
+_WHY_ZERO = "to check its output in a loop of zero steps"
+
+
 def zero_length_outputs(
-    op: str, f: Callable[..., Any], args: tuple[Any, ...], pick: Callable[[Any], Any]
-) -> tuple[list[Any], PyTreeSpec]:
-    """Leaves and structure of `pick(f(*args))`, found without running `f` for real.
+    op: str, role: str, f: Callable[..., Any], args: tuple[Any, ...], key: Any
+) -> Any:
+    """What `f(*args)` returns, found without running `f` for real: a pytree of fake tensors.
 
-    Used by zero-length loops, where JAX knows the output types from tracing.
+    Used by zero-length loops, where JAX knows the output types from tracing (and checks
+    them: the caller runs the carry rules on the result; the side-effect rules run here,
+    once per `key`). An error of `f` propagates; where fake tensors cannot follow `f`, it
+    runs for real without gradients on the (empty) inputs.
     """
-
-    def traced(*a: Any) -> Any:
-        return pick(f(*a))
-
+    fake_key = (key, "fake")
+    first = _rules.seen(key) is None and _rules.seen(fake_key) is None
     try:
-        return _rules.abstract_eval(traced, args)
+        leaves, treedef = _rules.abstract_eval(f, args, op=op, role=role, why=_WHY_ZERO, side_effects=first)
+        if first:
+            _rules.remember(fake_key)
     except _rules.AbstractEvalUnavailable:
         with torch.no_grad():
-            return tree_flatten(traced(*args))
+            return f(*args)
+    return tree_unflatten(treedef, leaves)
+
+
+def check_body_abstractly(
+    op: str,
+    role: str,
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    carry_def: PyTreeSpec,
+    carry_leaves: Sequence[Any],
+    *,
+    pick: Callable[[Any], Any] = lambda out: out,
+    what: str = "body_fun input and output",
+) -> None:
+    """The carry rules for a loop that runs zero times: JAX traces its body whatever the
+    trip count, so a body that breaks them fails there, not first in production when the
+    loop does run. `f` is evaluated on fake tensors; skipped where fake tensors cannot
+    follow it (it is checked when it first runs for real)."""
+    try:
+        leaves, treedef = _rules.abstract_eval(f, args, op=op, role=role, why=_WHY_ZERO, side_effects=True)
+    except _rules.AbstractEvalUnavailable:
+        return
+    check_carry(op, f, carry_def, carry_leaves, pick(tree_unflatten(treedef, leaves)), what=what)
 
 
 def scan(
@@ -209,7 +250,9 @@ def _scan_eager(
 
     if n == 0:
         x0 = tree_unflatten(x_def, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in x_leaves])
-        y_leaves, y_def = zero_length_outputs(op, f, (init, x0), lambda out: split_pair(op, f, out)[1])
+        carry0, y0 = split_pair(op, f, zero_length_outputs(op, "body function", f, (init, x0), key))
+        check_carry(op, f, carry_def, carry_leaves, carry0)
+        y_leaves, y_def = tree_flatten(y0)
         ys = tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
         return init, ys
 
@@ -263,14 +306,14 @@ def _scan_eager(
             leaves, d = tree_flatten(y)
             if d != y_def:
                 _rules.check_structure(
-                    op, "the y outputs of every step", y_def, d, root="y", names=("step 0", f"step {i}"), fn=f,
+                    op, "the y outputs of every step", y_def, d, root="y", names=(f"step {i0}", f"step {i}"), fn=f,
                     revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
                 )
             for lst, v in zip(y_lists, leaves):
                 lst.append(v)
         elif y is not None and tree_structure(y) != y_def:
             _rules.check_structure(
-                op, "the y outputs of every step", y_def, tree_structure(y), root="y", names=("step 0", f"step {i}"), fn=f,
+                op, "the y outputs of every step", y_def, tree_structure(y), root="y", names=(f"step {i0}", f"step {i}"), fn=f,
                 revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
             )
     if _rules.leaf_signature(tree_flatten(carry)[0]) != key[3]:
