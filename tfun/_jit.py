@@ -310,7 +310,9 @@ class Jitted:
             err = translate_error(e, self._fn_text)
             if err is e:
                 raise
-            raise err from None
+            if _is_side_effect_error(e):
+                err = _diagnose_eagerly(self._fun, args, kwargs, err)
+            raise err from getattr(err, "dynamo_error", e)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace `fun` on these arguments and return the captured graph(s), without running
@@ -338,7 +340,7 @@ class Jitted:
             err = translate_error(e, self._fn_text)
             if err is e:
                 raise
-            raise err from None
+            raise err from getattr(err, "dynamo_error", e)
         return Lowered(graphs, self._fn_text)
 
     def clear_cache(self) -> None:
@@ -462,6 +464,42 @@ def _trace_autograd() -> Any:
     if hasattr(dynamo_config, "trace_autograd_ops"):
         return dynamo_config.patch(trace_autograd_ops=True)
     return contextlib.nullcontext()
+
+
+#: Dynamo's words for a HOP body with a side effect (torch 2.11-2.13).
+_SIDE_EFFECT_MARKERS = ("Unsafe side effect", "input mutation during higher order op tracing")
+
+
+def _is_side_effect_error(e: BaseException) -> bool:
+    seen = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        if any(m in str(c) for m in _SIDE_EFFECT_MARKERS):
+            return True
+        c = c.__cause__ or c.__context__
+    return False
+
+
+def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> BaseException:
+    """The error to raise when Dynamo refused a control-flow body for a side effect.
+
+    Dynamo stops at the mutation without saying what was mutated, so `fun` is run once
+    eagerly, where tfun's side-effect rules name it: their `SideEffectError` (the error the
+    same program gets without `tfun.jit`) is raised in place of `err`. Should the eager run
+    raise nothing, or another error, `err` (a `JitError`) is raised. The eager run is part
+    of reporting the error only: its result is never returned.
+    """
+    from ._errors import SideEffectError
+
+    try:
+        fun(*args, **kwargs)
+    except SideEffectError as eager:
+        eager.dynamo_error = getattr(err, "dynamo_error", None)  # type: ignore[attr-defined]
+        return eager
+    except Exception:  # noqa: BLE001 - the JitError below is the error to report
+        return err
+    return err
 
 
 def translate_error(e: BaseException, fn_text: str) -> BaseException:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from .. import _funcinfo
-from .._errors import StructureMismatchError, TensorMismatchError, format_message
+from .._errors import ArgumentTypeError, StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "scan",
     "map",
     "associative_scan",
+    "check_carry",
     "unwrap_dynamo_error",
 ]
 
@@ -183,6 +184,19 @@ def _escape_exchange(key: int, label: str, desc: Any, code: Any, op: str, what: 
 def _escape_message(op: str, what: str, root: str, names: Any, a: Any, b: Any, code: Any, revise: str) -> Any:
     """`(is_structural, message)` for a mismatch between descriptions `a` and `b`."""
     return _mismatch(op, what, root, tuple(names), a, b, code, revise)
+
+
+@_assume_constant
+def _escape_pair_message(op: str, got: Any, code: Any) -> str:
+    """The message of a scan body that does not return a pair; `got` is the skeleton of
+    what it returned (None for a tensor). Worded as the eager check words it."""
+    name = code.co_name if code is not None else "the function"
+    return format_message(
+        f"{op}: the body function must return a pair (carry, y), but it returned "
+        f"{'a tensor' if got is None else _node_text(got)}.",
+        function=_fn_text(code),
+        revise=f"Revise `{name}` to return `(new_carry, y)`; use `None` for y if there is none.",
+    )
 
 
 def _mismatch(op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, code: Any, revise: str) -> Any:
@@ -421,6 +435,14 @@ def _check_result(
     return leaves
 
 
+def check_carry(op: str, fn: Any, carry: Any, out: Any) -> Any:
+    """`out` (what `fn` returned for `carry`) checked against `carry` inside a traced body,
+    with the wording of the eager carry check; Python scalars become tensors."""
+    in_leaves, in_td = tree_flatten(carry)
+    leaves = _check_result(op, "body_fun input and output", "carry", fn, in_td, in_leaves, out, _REVISE_CARRY)
+    return tree_unflatten(in_td, leaves)
+
+
 # ----------------------------------------------------------------------------------------
 # Passing an output of unknown structure through a HOP
 # ----------------------------------------------------------------------------------------
@@ -590,13 +612,8 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
         res = f(carry, x)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
-            raise StructureMismatchError(
-                format_message(
-                    f"{op}: the body must return a pair (new_carry, y).",
-                    function=_fn_text(_code_of(f)),
-                    revise="Return `(new_carry, y)`; use `None` for y if there is none.",
-                )
-            )
+            got = None if isinstance(res, torch.Tensor) else _skeleton(tree_structure(res))
+            raise ArgumentTypeError(_escape_pair_message(op, got, _code_of(f)))
         new_c, y = res
         new_leaves = _check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
         new_leaves = [t.contiguous() for t in new_leaves]

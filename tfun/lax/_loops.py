@@ -187,7 +187,8 @@ def fori_loop(
 
             def step(c: Any, _: Any) -> Any:
                 i, v = c
-                return (i + 1, body_fun(i, v)), None
+                # checked here, so that a bad carry is reported as fori_loop's, with body_fun named
+                return (i + 1, _hop.check_carry(op, body_fun, v, body_fun(i, v))), None
 
             (_, val), _ = scan(step, (torch.tensor(lower, dtype=dtype, device=device), val), None, length=n)
             return val
