@@ -275,6 +275,8 @@ def _forward_ad_ready() -> None:
 
 
 _FWD_READY = False
+# Under tfun.jit Dynamo runs it as plain Python (it cannot trace `warnings.catch_warnings`).
+_forward_ad_ready._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _pack_aux(box: dict[str, Any], aux: Any) -> list[torch.Tensor]:

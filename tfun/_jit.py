@@ -463,11 +463,22 @@ def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
 
 import os as _os
 
-_INTERNAL = (
-    _os.path.dirname(torch.__file__) + _os.sep,
-    _os.path.dirname(_os.path.abspath(__file__)) + _os.sep,
-    _os.sep + "optree" + _os.sep,
-)
+def _internal_prefixes() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    out = [
+        _os.path.dirname(torch.__file__) + _os.sep,
+        _os.path.dirname(_os.path.abspath(__file__)) + _os.sep,
+        _os.sep + "optree" + _os.sep,
+    ]
+    for key in ("stdlib", "platstdlib"):  # warnings.py, contextlib.py, ...: never the user's line
+        if paths.get(key):
+            out.append(_os.path.abspath(paths[key]) + _os.sep)
+    return tuple(out)
+
+
+_INTERNAL = _internal_prefixes()
 
 
 def _user_frame(e: BaseException) -> str | None:
@@ -478,6 +489,8 @@ def _user_frame(e: BaseException) -> str | None:
         stack = getattr(c, "real_stack", None)
         if stack:
             for fr in reversed(list(stack)):
+                if fr.filename.startswith("<frozen"):
+                    continue
                 if not any(s in _os.path.abspath(fr.filename) for s in _INTERNAL):
                     return f"{fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
         c = c.__cause__ or c.__context__
