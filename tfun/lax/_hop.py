@@ -53,6 +53,7 @@ import collections
 import functools
 import itertools
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ __all__ = [
     "map",
     "associative_scan",
     "check_carry",
+    "check_export_constants",
     "unwrap_dynamo_error",
 ]
 
@@ -605,6 +607,7 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
     #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
     for_inductor = not _is_exporting()
     clone_all = for_inductor and torch.is_grad_enabled()
+    check_export_constants(op, f)
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
         c_td_in = tree_structure(c_carrier)
@@ -642,6 +645,67 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in y_leaves):
             ys = tree_unflatten(y_td, [_contiguous_grad(t) for t in y_leaves])
     return tree_unflatten(c_td, carry_flat), ys
+
+
+def check_export_constants(op: str, f: Any) -> None:
+    """Under non-strict `torch.export`, refuse a scan body that reads a real tensor (see
+    `_refuse_real_constants`); elsewhere nothing."""
+    if _is_exporting() and not _dynamo_outside():
+        _refuse_real_constants(op, f)
+
+
+def _refuse_real_constants(op: str, f: Any) -> None:
+    """Non-strict `torch.export`: torch 2.13's scan fails on a *real* tensor that the body
+    reads from its globals or closure (a module-level tensor; parameters and buffers are
+    fake there) with "Cannot access data pointer of Tensor". Refuse it with a tfun error
+    that names the tensors and the fix, before torch fails."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(fn: Any, where: str, depth: int) -> None:
+        fn = fn if isinstance(fn, types.FunctionType) else _funcinfo.unwrap_callable(fn)
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen or depth < 0:
+            return
+        seen.add(id(fn))
+        named = [(f"nonlocal `{n}`", c) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        values = []
+        for label, cell in named:
+            try:
+                values.append((label, cell.cell_contents))
+            except ValueError:
+                continue
+        values += [(f"global `{n}`", fn.__globals__[n]) for n in sorted(_global_names(fn.__code__)) if n in fn.__globals__]
+        for label, v in values:
+            if isinstance(v, torch.Tensor) and not is_fake(v):
+                found.append(f"{label} of `{fn.__name__}`{where}: {_dtype_text(v.dtype)}{list(v.shape)}")
+            elif isinstance(v, (types.FunctionType, functools.partial)):
+                visit(v, f" (called by `{fn.__name__}`)", depth - 1)
+
+    visit(f, "", 4)
+    if found:
+        from .._errors import JitError
+
+        raise JitError(
+            format_message(
+                f"{op}: under torch.export (non-strict), the body reads tensors that are neither inputs nor "
+                f"parameters or buffers of the exported module, which torch {torch.__version__}'s scan cannot "
+                "trace:",
+                found,
+                function=_fn_text(_code_of(f)),
+                revise="Register such a tensor as a buffer of the module (`self.register_buffer(...)`) or pass it "
+                "as an argument, or export with strict=True.",
+            )
+        )
+
+
+def _global_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
 
 
 def _make_contiguous(g: torch.Tensor) -> torch.Tensor:

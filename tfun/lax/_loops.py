@@ -193,6 +193,7 @@ def fori_loop(
             # fails on an integer carry ("outs_to_grad length != tangents length")
             if n == 0:
                 return val
+            _hop.check_export_constants(op, body_fun)
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
             val, _ = scan(step, val, idx, length=n)
             return val
