@@ -137,6 +137,22 @@ def _torch_associative_scan() -> Callable[..., Any]:
     return _as
 
 
+#: How many control-flow ops have been lowered to HOPs (read by tfun.grad's traced path).
+#: Counted at trace time, in plain Python (Dynamo constants): as a traced global write it
+#: would be a side effect, which HOP bodies (nested control flow) may not have.
+_LOWERINGS = [0]
+
+
+def lowerings() -> int:
+    """A counter of HOP lowerings: a traced caller compares it before and after a call to
+    learn whether the call contained control flow."""
+    return _escape_lowerings(False)
+
+
+def _count_lowering() -> None:
+    _escape_lowerings(True)
+
+
 # ----------------------------------------------------------------------------------------
 # Escape hatches: plain Python run by Dynamo at trace time with constant arguments
 # ----------------------------------------------------------------------------------------
@@ -159,6 +175,13 @@ def _assume_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
 _EXCHANGE: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
 _EXCHANGE_MAX = 256
 _KEYS = itertools.count(1)
+
+
+@_assume_constant
+def _escape_lowerings(count: bool) -> int:
+    if count:
+        _LOWERINGS[0] += 1
+    return _LOWERINGS[0]
 
 
 @_assume_constant
@@ -503,9 +526,14 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
 
 def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
+    _count_lowering()
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
-    shapes = _dynamo_outside()
+    # Sizes are not exchanged: once Dynamo makes a size symbolic (a second input shape),
+    # it cannot be passed to an escape hatch as a constant, and nothing in traced code tells
+    # a symbolic size from a concrete one (Dynamo answers `type(s) is int` for both).
+    # Ranks are compared; differing sizes of equal rank are left to torch.cond's own check.
+    shapes = False
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _carrier(op_td, flat), shapes)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _carrier(op_td, flat), shapes)
     return _unpack(_torch_cond()(pred, t, f, tuple(flat)))
@@ -513,11 +541,12 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
 
 def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
     """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
+    _count_lowering()
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
     wrapped = [
-        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _carrier(op_td, flat), _dynamo_outside())
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _carrier(op_td, flat), False)  # sizes: see cond
         for i, b in enumerate(branches)
     ]
     cond_ = _torch_cond()
@@ -545,6 +574,7 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
 
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
     """`torch.while_loop` over the flat leaves of `init_val`."""
+    _count_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
     leaves = [x.contiguous() for x in leaves]
@@ -587,6 +617,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 
 def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
+    _count_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
@@ -741,6 +772,7 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
 
 def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.lax.map
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+    _count_lowering()
     x_leaves, x_td = tree_flatten(xs)
 
     x_carrier = _carrier(x_td, x_leaves)
@@ -765,6 +797,7 @@ POINTWISE_ON_CUDA = True
 
 def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
     """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
+    _count_lowering()
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)
