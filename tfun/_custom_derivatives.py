@@ -612,8 +612,8 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
     """
 
     generate_vmap_rule = True
-    forward = _CustomJvpFunction.forward
-    setup_context = _CustomJvpFunction.setup_context
+    forward = staticmethod(_CustomJvpFunction.forward)
+    setup_context = staticmethod(_CustomJvpFunction.setup_context)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -754,7 +754,7 @@ class custom_jvp:
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         fn: Any = _CustomJvpFunction
         if torch.compiler.is_compiling():
-            if torch._C._functorch.peek_interpreter_stack() is not None:
+            if _functorch_active():
                 # Traced, the function has no forward-mode rule (see _CustomJvpTracedFunction):
                 # inside a torch.func transform Dynamo would differentiate `fun` itself and
                 # ignore the rule. Which transform is active cannot be asked while tracing

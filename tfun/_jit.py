@@ -52,12 +52,23 @@ def jit(
     - `static_argnums`, `static_argnames`: positional indices / keyword names of arguments
       that are Python values rather than tensors (ints, strings, tuples, functions...).
       They must be hashable; each distinct value is compiled once and kept in an LRU cache
-      of `cache_size` entries. Objects hashed by identity are held by weak reference.
+      of `cache_size` entries, as a compile-time constant (a static `fori_loop` bound
+      stays a Python int). Objects hashed by identity are held by weak reference.
+    - New argument shapes: as with `torch.compile`, the first shape is compiled
+      specialized and a second distinct shape recompiles with symbolic sizes ("automatic
+      dynamic"), which then serves every later shape (`dynamic=True` starts symbolic).
+      With `dynamic=False` each shape is compiled, up to `max(cache_size, torch's
+      recompile_limit)` compilations; past that, a `JitError` says what to change.
     - `donate_argnums`: accepted for JAX compatibility. PyTorch has no buffer donation at
       the `torch.compile` boundary, so it is a no-op hint (validated, otherwise ignored).
     - `fullgraph`: `True` (the default) makes anything Dynamo cannot capture as one graph
-      an error (`tfun.errors.JitError` naming the user's line) instead of a silent graph
-      break.
+      an error (`tfun.errors.JitError` naming the user's line, with Dynamo's exception as
+      `__cause__`) instead of a silent graph break. A tfun rule broken in traced code
+      raises the same error class and message as without `tfun.jit`. When Dynamo refuses
+      a control-flow body for a side effect, `fun` is run once eagerly to name it (tfun's
+      `SideEffectError`); that run only reports the error, its result is never returned.
+    - Nested: a `tfun.jit` function called inside another (or as a control-flow body
+      under it) is inlined, as `jax.jit` inlines.
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
       `options`).
 
