@@ -572,7 +572,8 @@ def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     except SideEffectError as eager:
         eager.dynamo_error = getattr(err, "dynamo_error", None)  # type: ignore[attr-defined]
         return eager
-    except Exception:  # noqa: BLE001 - the JitError below is the error to report
+    except Exception as other:  # noqa: BLE001 - the JitError is the error to report
+        err.eager_error = other  # type: ignore[attr-defined]  # kept for inspection
         return err
     return err
 
