@@ -36,6 +36,10 @@ def forward_ad_ready() -> None:
     _FWD_READY = True
 
 
+# Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `warnings.catch_warnings`).
+forward_ad_ready._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def triton_launcher(kernel: Any) -> Any:
     """What to index with a grid to launch `kernel` so that torch.compile/export can trace it.
 

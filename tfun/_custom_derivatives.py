@@ -19,7 +19,14 @@ from typing import Any
 import torch
 import torch.func
 
-from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError, format_message
+from ._errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    JitError,
+    StructureMismatchError,
+    TensorMismatchError,
+    format_message,
+)
 from ._funcinfo import describe
 from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
 from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -637,6 +644,52 @@ class _CustomJvpFunction(torch.autograd.Function):
         return (None, *result)
 
 
+class _CustomJvpTracedFunction(torch.autograd.Function):
+    """`_CustomJvpFunction` without its `jvp` method, for `tfun.jit` / `torch.export`.
+
+    Dynamo refuses an `autograd.Function` that defines `jvp` ("Unsupported custom jvp",
+    torch 2.11-2.13). Traced, the function therefore has the reverse-mode derivative only:
+    the JVP rule transposed (its backward), which `tfun.grad` and `.backward()` use.
+    Forward mode under `tfun.jit` is refused by torch with an error that `tfun.jit`
+    reports as a `JitError`.
+    """
+
+    generate_vmap_rule = True
+    forward = staticmethod(_CustomJvpFunction.forward)
+    setup_context = staticmethod(_CustomJvpFunction.setup_context)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # transpose of the linear tangent map t -> jvp_rule(primals, t)[1], by autograd
+        # through that map at t = 0 (Dynamo traces torch.autograd.grad, not torch.func.vjp)
+        spec: _JvpSpec = ctx.spec
+        primals = ctx.saved_tensors
+        diff_in = [k for k, p in enumerate(primals) if is_inexact(p)]
+        diff_out = [
+            k
+            for k, m in enumerate(spec.out_meta)
+            if (m[1].is_floating_point or m[1].is_complex) and grads[k] is not None
+        ]
+        result: list[Any] = [None] * len(primals)
+        if not diff_in or not diff_out:
+            return (None, *result)
+        higher = torch.is_grad_enabled()  # backward with create_graph: keep the graph
+        with torch.enable_grad():
+            t_diff = [torch.zeros_like(primals[k]).requires_grad_() for k in diff_in]
+            tans = [torch.zeros_like(p) for p in primals]
+            for k, t in zip(diff_in, t_diff):
+                tans[k] = t
+            flat = _call_jvp_rule(spec, list(primals), tans)
+            outs = [flat[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
+            gs = [grads[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
+            if not outs:
+                return (None, *result)
+            cts = torch.autograd.grad(outs, t_diff, gs, allow_unused=True, create_graph=higher)
+        for k, c in zip(diff_in, cts):
+            result[k] = torch.zeros_like(primals[k]) if c is None else c
+        return (None, *result)
+
+
 class custom_jvp:
     """A function with a custom forward-mode derivative, as `jax.custom_jvp`.
 
@@ -742,7 +795,26 @@ class custom_jvp:
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
-        outs = _CustomJvpFunction.apply(spec, *spec.tensors)
+        fn: Any = _CustomJvpFunction
+        if torch.compiler.is_compiling():
+            if _functorch_active():
+                # Traced, the function has no forward-mode rule (see _CustomJvpTracedFunction):
+                # inside a torch.func transform Dynamo would differentiate `fun` itself and
+                # ignore the rule. Which transform is active cannot be asked while tracing
+                # (torch 2.13), so every one is refused rather than risk a wrong derivative.
+                raise JitError(
+                    format_message(
+                        f"{op}: under tfun.jit, a custom_jvp function cannot be called inside a torch.func "
+                        "transform (tfun.jvp, tfun.jacfwd, tfun.vmap, torch.func.*): torch.compile (torch "
+                        f"{torch.__version__}) cannot trace its JVP rule there.",
+                        function=describe(self.fun),
+                        revise="Call the transform outside tfun.jit (tfun.jvp(tfun.jit(f), ...) runs the rule "
+                        "eagerly), or use reverse mode inside (tfun.grad and .backward() use the rule under "
+                        "tfun.jit).",
+                    )
+                )
+            fn = _CustomJvpTracedFunction
+        outs = fn.apply(spec, *spec.tensors)
         return tree_unflatten(spec.out_td, list(outs))
 
 

@@ -14,7 +14,9 @@ def unwrap_callable(fn: Any) -> Any:
     seen = 0
     while seen < 16:
         seen += 1
-        if isinstance(fn, functools.partial):
+        if isinstance(fn, types.FunctionType) and isinstance(getattr(fn, "__wrapped__", None), types.FunctionType):
+            fn = fn.__wrapped__  # a `functools.wraps` wrapper (tfun.grad, tfun.vmap, ...): name the user's function
+        elif isinstance(fn, functools.partial):
             fn = fn.func
         elif isinstance(fn, types.MethodType):
             fn = fn.__func__
@@ -49,14 +51,25 @@ def describe(fn: Callable[..., Any]) -> str:
 def describe_code(code: types.CodeType, name: str | None = None) -> str:
     """`name at file:line` for a code object (the path relative to the working directory
     when it lies below it)."""
-    filename = code.co_filename
+    return f"{name or code.co_name} at {_display_path(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _display_path(filename: str) -> str:
+    """`filename` relative to the working directory when it lies below it.
+
+    Marked as a constant function for Dynamo (the marker `torch._dynamo.assume_constant_result`
+    sets): under `tfun.jit` an error message is formatted while Dynamo traces, and Dynamo
+    cannot trace `os.getcwd`; with the marker it runs this as plain Python on the constant
+    file name, so a message names the same `file:line` eagerly and under `tfun.jit`.
+    """
     try:
         rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
     except ValueError:
-        pass
-    return f"{name or code.co_name} at {filename}:{code.co_firstlineno}"
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+_display_path._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def short_name(fn: Callable[..., Any]) -> str:

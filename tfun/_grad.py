@@ -32,6 +32,7 @@ from ._compat import forward_ad_ready
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
+    JitError,
     StructureMismatchError,
     TensorMismatchError,
     format_message,
@@ -389,13 +390,27 @@ def _value_and_grad_call(
         # Under torch.compile / tfun.jit, torch.func.grad cannot trace tfun's control-flow
         # ops (torch 2.13 asserts "Expected FakeTensor"), but reverse-mode autograd can:
         # tfun.jit lets Dynamo trace torch.autograd.grad, so jit(grad(loss)) is one graph.
+        #
+        # Like torch.func's, the results stay differentiable by an outer autograd (a
+        # .backward() of a loss built on the gradient, tfun.grad of tfun.grad, a penalty
+        # on the gradient w.r.t. closed-over parameters): with grad mode on, an argument
+        # that requires grad stays connected (through a view of its own, so that one tensor
+        # passed twice gets a gradient per position) and the graph of the gradient is kept.
+        # Detaching them would drop those derivatives without an error.
+        outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
         with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() for x in fl.leaves]
+            leaves = [x.view_as(x) if outer and x.requires_grad else x.detach().requires_grad_() for x in fl.leaves]
+            lowered = _hop.lowerings()
             value, aux_leaves = f_flat(*leaves)
-            found = torch.autograd.grad(value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True)
+            if outer and _hop.lowerings() != lowered:
+                _refuse_second_order(op, fun)
+            found = torch.autograd.grad(
+                value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
+            )
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
-        value = value.detach()
-        aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
+        if not outer:
+            value = value.detach()
+            aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
     elif fl.leaves and holomorphic:
         # torch.func.grad wants a real output: pull back the cotangent 1 instead
         value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
@@ -414,6 +429,23 @@ def _value_and_grad_call(
     g = per_arg[0] if single else tuple(per_arg)
     aux = _unpack_aux(box, aux_leaves) if has_aux else None
     return value, g, aux
+
+
+def _refuse_second_order(op: str, fun: Callable[..., Any]) -> None:
+    """Under tfun.jit, a gradient taken w.r.t. arguments that require grad must stay
+    differentiable, but torch 2.13's control-flow HOPs have no double backward: their
+    gradient would silently stop there. Refused instead."""
+    raise JitError(
+        format_message(
+            f"{op}: under tfun.jit, the gradient of a function with tfun.lax control flow cannot itself be "
+            "differentiated (an argument it differentiates requires grad, so an outer .backward() or "
+            f"tfun.grad could reach it), and torch {torch.__version__} has no second derivative of a "
+            "control-flow op.",
+            function=describe(fun),
+            revise="Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order "
+            "gradient is wanted, or take the higher-order derivative outside tfun.jit.",
+        )
+    )
 
 
 def value_and_grad(

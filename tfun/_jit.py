@@ -7,9 +7,11 @@ time does not grow with the trip count.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import functools
 import inspect
+import itertools
 import re
 import threading
 import types
@@ -50,12 +52,23 @@ def jit(
     - `static_argnums`, `static_argnames`: positional indices / keyword names of arguments
       that are Python values rather than tensors (ints, strings, tuples, functions...).
       They must be hashable; each distinct value is compiled once and kept in an LRU cache
-      of `cache_size` entries. Objects hashed by identity are held by weak reference.
+      of `cache_size` entries, as a compile-time constant (a static `fori_loop` bound
+      stays a Python int). Objects hashed by identity are held by weak reference.
+    - New argument shapes: as with `torch.compile`, the first shape is compiled
+      specialized and a second distinct shape recompiles with symbolic sizes ("automatic
+      dynamic"), which then serves every later shape (`dynamic=True` starts symbolic).
+      With `dynamic=False` each shape is compiled, up to `max(cache_size, torch's
+      recompile_limit)` compilations; past that, a `JitError` says what to change.
     - `donate_argnums`: accepted for JAX compatibility. PyTorch has no buffer donation at
       the `torch.compile` boundary, so it is a no-op hint (validated, otherwise ignored).
     - `fullgraph`: `True` (the default) makes anything Dynamo cannot capture as one graph
-      an error (`tfun.errors.JitError` naming the user's line) instead of a silent graph
-      break.
+      an error (`tfun.errors.JitError` naming the user's line, with Dynamo's exception as
+      `__cause__`) instead of a silent graph break. A tfun rule broken in traced code
+      raises the same error class and message as without `tfun.jit`. When Dynamo refuses
+      a control-flow body for a side effect, `fun` is run once eagerly to name it (tfun's
+      `SideEffectError`); that run only reports the error, its result is never returned.
+    - Nested: a `tfun.jit` function called inside another (or as a control-flow body
+      under it) is inlined, as `jax.jit` inlines.
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
       `options`).
 
@@ -227,6 +240,12 @@ class Jitted:
         self._plain: Callable[..., Any] | None = None
         functools.update_wrapper(self, _funcinfo.unwrap_callable(fun) if not isinstance(fun, torch.nn.Module) else fun.forward, updated=())
 
+    @property
+    def __tfun_target__(self) -> Callable[..., Any]:
+        """The function the side-effect rules inspect when this is a control-flow body: the
+        compiled-code cache that a call fills is not a side effect."""
+        return self._fun
+
     # -- descriptors: `@tfun.jit` on a method in a class body -------------------------------
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -287,7 +306,14 @@ class Jitted:
         dyn_args = tuple(a for j, a in enumerate(args) if j not in static_pos)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
         if compiled is None:
-            compiled = self._compile(_bind_static(self._fun, static_pos, static_kw), "tfun_jit_call")
+            # Each static value gets a code object of its own *name*: Dynamo keeps its
+            # "automatic dynamic" state per (file, line, name), and once it has seen two
+            # values of an integer read from a closure it makes that integer symbolic, so a
+            # static `fori_loop` bound would become a symbol (torch 2.13 inductor: `KeyError:
+            # s76`). With one name per value, a static argument stays a compile-time
+            # constant, as in `jax.jit`.
+            name = f"tfun_jit_call_static{next(_SPECIALIZATIONS)}"
+            compiled = self._compile(_bind_static(self._fun, static_pos, static_kw), name)
             with self._lock:
                 self._cache[key] = compiled
                 while len(self._cache) > self._cache_size:
@@ -295,6 +321,12 @@ class Jitted:
         return compiled, dyn_args, dyn_kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _hop.is_tracing():
+            # inside another tfun.jit (or torch.export): inlined into the outer graph, as
+            # jax.jit inlines a nested jit
+            if self._static_nums or self._static_names:
+                self._static_key(args, kwargs)  # same argument checks as the compiled path
+            return self._fun(*args, **kwargs)
         if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:  # type: ignore[attr-defined]
             # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
             # transform (pytorch#128711), so f runs eagerly there; values and gradients are
@@ -304,13 +336,15 @@ class Jitted:
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
         try:
-            with _trace_autograd():
+            with _trace_autograd(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below
-            err = translate_error(e, self._fn_text)
+            err = translate_error(e, self._fn_text, self._cache_size)
             if err is e:
                 raise
-            raise err from None
+            if _is_side_effect_error(e):
+                err = _diagnose_eagerly(self._fun, args, kwargs, err)
+            raise err from getattr(err, "dynamo_error", e)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace `fun` on these arguments and return the captured graph(s), without running
@@ -338,7 +372,7 @@ class Jitted:
             err = translate_error(e, self._fn_text)
             if err is e:
                 raise
-            raise err from None
+            raise err from getattr(err, "dynamo_error", e)
         return Lowered(graphs, self._fn_text)
 
     def clear_cache(self) -> None:
@@ -352,20 +386,43 @@ class Jitted:
 
 
 def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw: dict[str, Any]) -> Callable[..., Any]:
+    """`fun` with its static arguments bound: a function of the other arguments.
+
+    Static Python numbers are read from the function's own *globals*, everything else
+    from its closure. Dynamo specializes a number read from a global (a guard on its value),
+    but may make one read from a closure symbolic: with `dynamic=True` from the first
+    compilation, otherwise once it has seen two values of it under one code name (see
+    `Jitted._runner`). A static `fori_loop` bound would then be a symbol (torch 2.13
+    inductor: `KeyError: s76`). A static argument is a compile-time constant, as in
+    `jax.jit`. (Objects hashed by identity stay in the closure, so that an evicted one is
+    not kept alive by Dynamo's reference to the globals of the code it compiled.)
+    """
     n_static = len(static_pos)
+    numbers = (int, float, bool)
+    scalar_pos = {j: v for j, v in static_pos.items() if type(v) in numbers}
+    other_pos = {j: v for j, v in static_pos.items() if j not in scalar_pos}
+    scalar_kw = {k: v for k, v in static_kw.items() if type(v) in numbers}
+    other_kw = {k: v for k, v in static_kw.items() if k not in scalar_kw}
 
     def tfun_jit_call(*dyn: Any, **kw: Any) -> Any:
         args = []
         it = iter(dyn)
         total = len(dyn) + n_static
         for j in range(total):
-            if j in static_pos:
-                args.append(static_pos[j])
+            if j in other_pos:
+                args.append(other_pos[j])
+            elif j in _tfun_static_scalar_pos:  # type: ignore[name-defined]  # noqa: F821
+                args.append(_tfun_static_scalar_pos[j])  # type: ignore[name-defined]  # noqa: F821
             else:
                 args.append(next(it))
-        return fun(*args, **static_kw, **kw)
+        return fun(*args, **other_kw, **_tfun_static_scalar_kw, **kw)  # type: ignore[name-defined]  # noqa: F821
 
-    return tfun_jit_call
+    g = {"__builtins__": builtins, "_tfun_static_scalar_pos": scalar_pos, "_tfun_static_scalar_kw": scalar_kw}
+    return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
+
+
+#: Numbers the code objects of static specializations (see `Jitted._compile`).
+_SPECIALIZATIONS = itertools.count()
 
 
 class _WeakKey:
@@ -417,11 +474,22 @@ def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
 
 import os as _os
 
-_INTERNAL = (
-    _os.path.dirname(torch.__file__) + _os.sep,
-    _os.path.dirname(_os.path.abspath(__file__)) + _os.sep,
-    _os.sep + "optree" + _os.sep,
-)
+def _internal_prefixes() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    out = [
+        _os.path.dirname(torch.__file__) + _os.sep,
+        _os.path.dirname(_os.path.abspath(__file__)) + _os.sep,
+        _os.sep + "optree" + _os.sep,
+    ]
+    for key in ("stdlib", "platstdlib"):  # warnings.py, contextlib.py, ...: never the user's line
+        if paths.get(key):
+            out.append(_os.path.abspath(paths[key]) + _os.sep)
+    return tuple(out)
+
+
+_INTERNAL = _internal_prefixes()
 
 
 def _user_frame(e: BaseException) -> str | None:
@@ -432,6 +500,8 @@ def _user_frame(e: BaseException) -> str | None:
         stack = getattr(c, "real_stack", None)
         if stack:
             for fr in reversed(list(stack)):
+                if fr.filename.startswith("<frozen"):
+                    continue
                 if not any(s in _os.path.abspath(fr.filename) for s in _INTERNAL):
                     return f"{fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
         c = c.__cause__ or c.__context__
@@ -451,25 +521,87 @@ def _headline(e: BaseException) -> str:
     return " ".join(body[:3]) if body else type(e).__name__
 
 
-def _trace_autograd() -> Any:
-    """Let Dynamo trace `torch.autograd.grad` (how `tfun.grad` differentiates when traced),
-    so that `tfun.jit(tfun.grad(loss))` compiles to one graph. The flag is Dynamo's
-    (`trace_autograd_ops`, torch >= 2.12); where it does not exist this is a no-op."""
-    import contextlib
+def _trace_autograd(cache_size: int | None = None) -> Any:
+    """Dynamo's settings for a call of a jitted function.
 
+    - `trace_autograd_ops` (torch >= 2.12; skipped where it does not exist): let Dynamo
+      trace `torch.autograd.grad` (how `tfun.grad` differentiates when traced), so that
+      `tfun.jit(tfun.grad(loss))` compiles to one graph.
+    - `recompile_limit`: at least `cache_size`, so that a function compiled once per
+      argument shape (`dynamic=False`) or per static value may be compiled `cache_size`
+      times, as documented, not Dynamo's default 8.
+    """
     import torch._dynamo.config as dynamo_config
 
+    changes: dict[str, Any] = {}
     if hasattr(dynamo_config, "trace_autograd_ops"):
-        return dynamo_config.patch(trace_autograd_ops=True)
-    return contextlib.nullcontext()
+        changes["trace_autograd_ops"] = True
+    if cache_size is not None and hasattr(dynamo_config, "recompile_limit"):
+        changes["recompile_limit"] = max(int(dynamo_config.recompile_limit), cache_size)
+    return dynamo_config.patch(**changes)
 
 
-def translate_error(e: BaseException, fn_text: str) -> BaseException:
+#: Dynamo's words for a HOP body with a side effect (torch 2.11-2.13).
+_SIDE_EFFECT_MARKERS = ("Unsafe side effect", "input mutation during higher order op tracing")
+
+
+def _is_side_effect_error(e: BaseException) -> bool:
+    seen = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        if any(m in str(c) for m in _SIDE_EFFECT_MARKERS):
+            return True
+        c = c.__cause__ or c.__context__
+    return False
+
+
+def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> BaseException:
+    """The error to raise when Dynamo refused a control-flow body for a side effect.
+
+    Dynamo stops at the mutation without saying what was mutated, so `fun` is run once
+    eagerly, where tfun's side-effect rules name it: their `SideEffectError` (the error the
+    same program gets without `tfun.jit`) is raised in place of `err`. Should the eager run
+    raise nothing, or another error, `err` (a `JitError`) is raised. The eager run is part
+    of reporting the error only: its result is never returned.
+    """
+    from ._errors import SideEffectError
+
+    try:
+        fun(*args, **kwargs)
+    except SideEffectError as eager:
+        eager.dynamo_error = getattr(err, "dynamo_error", None)  # type: ignore[attr-defined]
+        return eager
+    except Exception as other:  # noqa: BLE001 - the JitError is the error to report
+        err.eager_error = other  # type: ignore[attr-defined]  # kept for inspection
+        return err
+    return err
+
+
+def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
     except ImportError:  # pragma: no cover
         return e
+    if isinstance(e, FailOnRecompileLimitHit):
+        import torch._dynamo.config as dynamo_config
+
+        limit = int(getattr(dynamo_config, "recompile_limit", 8))
+        if cache_size is not None:
+            limit = max(limit, cache_size)
+        err = JitError(
+            format_message(
+                f"tfun.jit: `{fn_text}` was called with more distinct argument shapes, dtypes or static values "
+                f"than it may be compiled for (at most {limit} compilations; tfun.jit's cache_size is "
+                f"{cache_size}, torch's recompile_limit {int(getattr(dynamo_config, 'recompile_limit', 8))}).",
+                revise="Let sizes be symbolic (leave `dynamic` unset, or pass dynamic=True, instead of "
+                "dynamic=False), pass a larger cache_size to tfun.jit, or pad the inputs to fewer distinct "
+                "shapes.",
+            )
+        )
+        err.dynamo_error = e  # type: ignore[attr-defined]
+        return err
     if isinstance(e, AssertionError) and "Expected FakeTensor" in str(e):
         err = JitError(
             format_message(

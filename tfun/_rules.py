@@ -371,7 +371,9 @@ def leading_length(
                 )
             )
         sizes.append(leaf.shape[axis])
-    distinct = sorted(set(sizes))
+    # compared pairwise, not through a set: under tfun.jit a size may be symbolic, and
+    # hashing it would specialize it (one compilation per sequence length)
+    distinct = sizes[:1] + [s for s in sizes[1:] if s != sizes[0]]
     if len(distinct) > 1 or (length is not None and distinct and distinct[0] != length):
         paths = [keystr(p) for p in treedef.accessors()]
         bullets = [f"{arg}{p}: {describe_leaf(leaf)} (size {s})" for p, leaf, s in zip(paths, leaves, sizes)]
@@ -585,6 +587,12 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
     bound `self`, partial arguments, callable objects and modules."""
     roots: list[tuple[str, Any]] = []
     for _ in range(16):
+        target = None if isinstance(fn, types.FunctionType) else getattr(type(fn), "__tfun_target__", None)
+        if target is not None:
+            # a tfun wrapper whose own state is a cache (tfun.jit): what the wrapped function
+            # reaches is what counts; filling the cache is not a side effect of the call
+            fn = target.__get__(fn)
+            continue
         if isinstance(fn, types.MethodType):
             roots.append(("self", fn.__self__))
             fn = fn.__func__

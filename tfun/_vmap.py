@@ -106,9 +106,12 @@ def vmap(
                     "whole subtree).",
                 )
             ) from None
-        kw_leaves, kw_td = tree_flatten(kwargs)
-
-        kw_paths = [f"kwargs{keystr(p)}" for p, _ in tree_flatten_with_path(kwargs)[0]]
+        if kwargs:
+            kw_leaves, kw_td = tree_flatten(kwargs)
+            kw_paths = [f"kwargs{keystr(p)}" for p, _ in tree_flatten_with_path(kwargs)[0]]
+        else:
+            # not flattened: Dynamo's optree support (torch 2.13) fails on an empty dict
+            kw_leaves, kw_td, kw_paths = [], None, []
         entries = [(p, ax, x) for p, ax, x in per_leaf] + [(p, 0, x) for p, x in zip(kw_paths, kw_leaves)]
 
         mapped_pos: list[int] = []
@@ -182,7 +185,7 @@ def vmap(
                 for k, v in zip(mapped_pos, vals):
                     cur[k] = v
             new_args = tree_unflatten(args_td, cur[:n_pos])
-            new_kwargs = tree_unflatten(kw_td, cur[n_pos:])
+            new_kwargs = tree_unflatten(kw_td, cur[n_pos:]) if kw_td is not None else {}
             out = fun(*new_args, **new_kwargs)
             try:
                 out_entries = broadcast_prefix(out_axes, out, _is_axis, "output")

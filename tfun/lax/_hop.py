@@ -53,13 +53,14 @@ import collections
 import functools
 import itertools
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import _funcinfo
-from .._errors import StructureMismatchError, TensorMismatchError, format_message
+from .._errors import ArgumentTypeError, StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
 __all__ = [
@@ -70,6 +71,8 @@ __all__ = [
     "scan",
     "map",
     "associative_scan",
+    "check_carry",
+    "check_export_constants",
     "unwrap_dynamo_error",
 ]
 
@@ -134,6 +137,22 @@ def _torch_associative_scan() -> Callable[..., Any]:
     return _as
 
 
+#: How many control-flow ops have been lowered to HOPs (read by tfun.grad's traced path).
+#: Counted at trace time, in plain Python (Dynamo constants): as a traced global write it
+#: would be a side effect, which HOP bodies (nested control flow) may not have.
+_LOWERINGS = [0]
+
+
+def lowerings() -> int:
+    """A counter of HOP lowerings: a traced caller compares it before and after a call to
+    learn whether the call contained control flow."""
+    return _escape_lowerings(False)
+
+
+def _count_lowering() -> None:
+    _escape_lowerings(True)
+
+
 # ----------------------------------------------------------------------------------------
 # Escape hatches: plain Python run by Dynamo at trace time with constant arguments
 # ----------------------------------------------------------------------------------------
@@ -156,6 +175,13 @@ def _assume_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
 _EXCHANGE: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
 _EXCHANGE_MAX = 256
 _KEYS = itertools.count(1)
+
+
+@_assume_constant
+def _escape_lowerings(count: bool) -> int:
+    if count:
+        _LOWERINGS[0] += 1
+    return _LOWERINGS[0]
 
 
 @_assume_constant
@@ -183,6 +209,19 @@ def _escape_exchange(key: int, label: str, desc: Any, code: Any, op: str, what: 
 def _escape_message(op: str, what: str, root: str, names: Any, a: Any, b: Any, code: Any, revise: str) -> Any:
     """`(is_structural, message)` for a mismatch between descriptions `a` and `b`."""
     return _mismatch(op, what, root, tuple(names), a, b, code, revise)
+
+
+@_assume_constant
+def _escape_pair_message(op: str, got: Any, code: Any) -> str:
+    """The message of a scan body that does not return a pair; `got` is the skeleton of
+    what it returned (None for a tensor). Worded as the eager check words it."""
+    name = code.co_name if code is not None else "the function"
+    return format_message(
+        f"{op}: the body function must return a pair (carry, y), but it returned "
+        f"{'a tensor' if got is None else _node_text(got)}.",
+        function=_fn_text(code),
+        revise=f"Revise `{name}` to return `(new_carry, y)`; use `None` for y if there is none.",
+    )
 
 
 def _mismatch(op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, code: Any, revise: str) -> Any:
@@ -421,6 +460,14 @@ def _check_result(
     return leaves
 
 
+def check_carry(op: str, fn: Any, carry: Any, out: Any) -> Any:
+    """`out` (what `fn` returned for `carry`) checked against `carry` inside a traced body,
+    with the wording of the eager carry check; Python scalars become tensors."""
+    in_leaves, in_td = tree_flatten(carry)
+    leaves = _check_result(op, "body_fun input and output", "carry", fn, in_td, in_leaves, out, _REVISE_CARRY)
+    return tree_unflatten(in_td, leaves)
+
+
 # ----------------------------------------------------------------------------------------
 # Passing an output of unknown structure through a HOP
 # ----------------------------------------------------------------------------------------
@@ -479,9 +526,14 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
 
 def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
+    _count_lowering()
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
-    shapes = _dynamo_outside()
+    # Sizes are not exchanged: once Dynamo makes a size symbolic (a second input shape),
+    # it cannot be passed to an escape hatch as a constant, and nothing in traced code tells
+    # a symbolic size from a concrete one (Dynamo answers `type(s) is int` for both).
+    # Ranks are compared; differing sizes of equal rank are left to torch.cond's own check.
+    shapes = False
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _carrier(op_td, flat), shapes)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _carrier(op_td, flat), shapes)
     return _unpack(_torch_cond()(pred, t, f, tuple(flat)))
@@ -489,11 +541,12 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
 
 def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
     """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
+    _count_lowering()
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
     wrapped = [
-        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _carrier(op_td, flat), _dynamo_outside())
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _carrier(op_td, flat), False)  # sizes: see cond
         for i, b in enumerate(branches)
     ]
     cond_ = _torch_cond()
@@ -521,6 +574,7 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
 
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
     """`torch.while_loop` over the flat leaves of `init_val`."""
+    _count_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
     leaves = [x.contiguous() for x in leaves]
@@ -563,6 +617,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 
 def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
+    _count_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
@@ -583,6 +638,7 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
     #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
     for_inductor = not _is_exporting()
     clone_all = for_inductor and torch.is_grad_enabled()
+    check_export_constants(op, f)
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
         c_td_in = tree_structure(c_carrier)
@@ -590,13 +646,8 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
         res = f(carry, x)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
-            raise StructureMismatchError(
-                format_message(
-                    f"{op}: the body must return a pair (new_carry, y).",
-                    function=_fn_text(_code_of(f)),
-                    revise="Return `(new_carry, y)`; use `None` for y if there is none.",
-                )
-            )
+            got = None if isinstance(res, torch.Tensor) else _skeleton(tree_structure(res))
+            raise ArgumentTypeError(_escape_pair_message(op, got, _code_of(f)))
         new_c, y = res
         new_leaves = _check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
         new_leaves = [t.contiguous() for t in new_leaves]
@@ -625,6 +676,67 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in y_leaves):
             ys = tree_unflatten(y_td, [_contiguous_grad(t) for t in y_leaves])
     return tree_unflatten(c_td, carry_flat), ys
+
+
+def check_export_constants(op: str, f: Any) -> None:
+    """Under non-strict `torch.export`, refuse a scan body that reads a real tensor (see
+    `_refuse_real_constants`); elsewhere nothing."""
+    if _is_exporting() and not _dynamo_outside():
+        _refuse_real_constants(op, f)
+
+
+def _refuse_real_constants(op: str, f: Any) -> None:
+    """Non-strict `torch.export`: torch 2.13's scan fails on a *real* tensor that the body
+    reads from its globals or closure (a module-level tensor; parameters and buffers are
+    fake there) with "Cannot access data pointer of Tensor". Refuse it with a tfun error
+    that names the tensors and the fix, before torch fails."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(fn: Any, where: str, depth: int) -> None:
+        fn = fn if isinstance(fn, types.FunctionType) else _funcinfo.unwrap_callable(fn)
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen or depth < 0:
+            return
+        seen.add(id(fn))
+        named = [(f"nonlocal `{n}`", c) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        values = []
+        for label, cell in named:
+            try:
+                values.append((label, cell.cell_contents))
+            except ValueError:
+                continue
+        values += [(f"global `{n}`", fn.__globals__[n]) for n in sorted(_global_names(fn.__code__)) if n in fn.__globals__]
+        for label, v in values:
+            if isinstance(v, torch.Tensor) and not is_fake(v):
+                found.append(f"{label} of `{fn.__name__}`{where}: {_dtype_text(v.dtype)}{list(v.shape)}")
+            elif isinstance(v, (types.FunctionType, functools.partial)):
+                visit(v, f" (called by `{fn.__name__}`)", depth - 1)
+
+    visit(f, "", 4)
+    if found:
+        from .._errors import JitError
+
+        raise JitError(
+            format_message(
+                f"{op}: under torch.export (non-strict), the body reads tensors that are neither inputs nor "
+                f"parameters or buffers of the exported module, which torch {torch.__version__}'s scan cannot "
+                "trace:",
+                found,
+                function=_fn_text(_code_of(f)),
+                revise="Register such a tensor as a buffer of the module (`self.register_buffer(...)`) or pass it "
+                "as an argument, or export with strict=True.",
+            )
+        )
+
+
+def _global_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
 
 
 def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
@@ -660,6 +772,7 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
 
 def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.lax.map
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+    _count_lowering()
     x_leaves, x_td = tree_flatten(xs)
 
     x_carrier = _carrier(x_td, x_leaves)
@@ -684,6 +797,7 @@ POINTWISE_ON_CUDA = True
 
 def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
     """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
+    _count_lowering()
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)

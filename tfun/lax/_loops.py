@@ -213,11 +213,17 @@ def fori_loop(
         if not tensors:
             n = max(int(upper) - int(lower), 0)
 
-            def step(c: Any, _: Any) -> Any:
-                i, v = c
-                return (i + 1, body_fun(i, v)), None
+            def step(v: Any, i: Any) -> Any:
+                # checked here, so that a bad carry is reported as fori_loop's, with body_fun named
+                return _hop.check_carry(op, body_fun, v, body_fun(i, v)), None
 
-            (_, val), _ = scan(step, (torch.tensor(lower, dtype=dtype, device=device), val), None, length=n)
+            # the index is scanned over rather than carried: torch 2.13's scan autograd
+            # fails on an integer carry ("outs_to_grad length != tangents length")
+            if n == 0:
+                return val
+            _hop.check_export_constants(op, body_fun)
+            idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
+            val, _ = scan(step, val, idx, length=n)
             return val
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
         hi = torch.as_tensor(upper, dtype=dtype, device=device)

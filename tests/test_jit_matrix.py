@@ -1,0 +1,424 @@
+"""tfun.jit carries a JAX training step: every lax op x how it is differentiated x which
+call (first, new static value, new shape) x where it sits (plain, inside tfun.vmap,
+inside tfun.grad, inside a nested tfun.jit), against eager float64; the error corpus
+(eager, aot_eager and inductor give the same error); torch.export of each op with
+closures over module-level tensors and parameters.
+
+Most cells use backend="aot_eager" (Dynamo + AOTAutograd, no code generation) to stay
+fast on two CPU cores; a few run the default inductor backend.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import tfun
+from tfun import lax
+from tfun.errors import (
+    ArgumentTypeError,
+    JitError,
+    SideEffectError,
+    StructureMismatchError,
+    TensorMismatchError,
+    TfunError,
+)
+from tfun.tree import tree_leaves
+
+from .helpers import assert_tree_allclose
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+    # Dynamo 2.13 instantiates torch.autograd.Function for the ctx of any autograd.Function
+    # it traces (custom_jvp here), inside catch_warnings(record=True), which keeps the
+    # "error" filter: not ours to fix
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated.*:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning"),
+]
+
+# ----------------------------------------------------------------------------------------
+# The ops: f(x, n) with x of shape (T, D) and n a static Python int
+# ----------------------------------------------------------------------------------------
+
+
+def op_cond(x, n):
+    return lax.cond(x.sum() > 0, lambda a: a * n, lambda a: torch.sin(a) * n, x)
+
+
+def op_switch(x, n):
+    index = (x.sum() > 0).long() + (n % 2)
+    return lax.switch(index, [lambda a: a * n, lambda a: torch.sin(a), lambda a: torch.cos(a) * n], x)
+
+
+def op_while_loop(x, n):
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, torch.tanh(c[1] * 1.1)), (torch.tensor(0), x))[1]
+
+
+def op_fori_loop(x, n):
+    return lax.fori_loop(0, n, lambda i, c: torch.tanh(c * 1.1 + i), x)
+
+
+def op_scan(x, n):
+    carry, ys = lax.scan(lambda c, xt: (torch.tanh(c + xt * n), c.sum()), x[0], x)
+    return carry, ys
+
+
+def op_associative_scan(x, n):
+    return lax.associative_scan(lambda a, b: a + b, x) * n
+
+
+def op_map(x, n):
+    return lax.map(lambda r: torch.sin(r) * n, x)
+
+
+OPS = {
+    "cond": op_cond,
+    "switch": op_switch,
+    "while_loop": op_while_loop,
+    "fori_loop": op_fori_loop,
+    "scan": op_scan,
+    "associative_scan": op_associative_scan,
+    "map": op_map,
+}
+
+
+def total(out):
+    return sum(t.sum() for t in tree_leaves(out))
+
+
+# ----------------------------------------------------------------------------------------
+# Where the op sits: g(x, n), the function that tfun.jit compiles
+# ----------------------------------------------------------------------------------------
+
+
+def in_context(op, context):
+    if context == "plain":
+        return op
+    if context == "vmap":  # x has a leading batch axis
+        return lambda x, n: tfun.vmap(lambda xb: op(xb, n))(x)
+    if context == "grad":
+        return lambda x, n: tfun.grad(lambda y: total(op(y, n)))(x)
+    if context == "nested_jit":
+        inner = tfun.jit(op, static_argnums=1, backend="aot_eager")
+        return lambda x, n: inner(x, n)
+    raise AssertionError(context)
+
+
+MODES_ALL = ("forward", "tfun.grad", "backward")
+
+# The calls each cell makes, in order: the first call, a new static value, a new shape.
+CALLS = [("first call", 3, 4), ("second static value", 5, 4), ("new shape", 5, 7)]
+
+#: Cells that torch 2.13 cannot compile; each must raise a tfun error (never a raw torch
+#: exception, never a wrong value). (op, context, mode) -> error class and message pattern.
+REFUSED: dict[tuple[str, str, str], tuple[type[BaseException], str]] = {}
+
+# Second order: the jitted function returns tfun.grad(...) and that gradient is itself
+# differentiated (tfun.grad of it, or .backward() through it). torch 2.13's control-flow
+# HOPs have no double backward, so tfun.grad refuses instead of dropping the derivative.
+for _op in OPS:
+    for _mode in ("tfun.grad", "backward"):
+        REFUSED[(_op, "grad", _mode)] = (JitError, r"^tfun\.grad: under tfun\.jit, the gradient of a function with tfun\.lax control flow cannot itself be differentiated")
+
+# tfun.vmap (torch.func.vmap) around a control-flow HOP inside torch.compile: torch 2.13
+# cannot run the HOP on batched fake tensors. (associative_scan lowers to an unrolled tree
+# on the CPU, no HOP, and works.)
+for _op in OPS:
+    if _op != "associative_scan":
+        for _mode in MODES_ALL:
+            REFUSED[(_op, "vmap", _mode)] = (JitError, r"^tfun\.jit: could not compile `<lambda> at tests/test_jit_matrix\.py:\d+` as one graph")
+
+
+def _inputs(context, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, T, 3) if context == "vmap" else (T, 3)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _run_cell(op_name, context, mode, backend="aot_eager"):
+    op = OPS[op_name]
+    g = in_context(op, context)
+    jitted = tfun.jit(g, static_argnums=1, backend=backend)
+    for what, n, T in CALLS:
+        x64 = _inputs(context, T, seed=n * 10 + T)
+        x32 = x64.float()
+        if mode == "forward":
+            got = jitted(x32, n)
+            want = g(x64, n)
+            assert_tree_allclose(tfun.tree.tree_map(lambda t: t.double(), got), want, rtol=1e-4, atol=1e-4)
+        elif mode == "tfun.grad":
+            got = jitted_grad(jitted, x32, n)
+            want = tfun.grad(lambda y: total(g(y, n)))(x64)
+            assert_tree_allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+        elif mode == "backward":
+            x = x32.clone().requires_grad_()
+            total(jitted(x, n)).backward()
+            want = tfun.grad(lambda y: total(g(y, n)))(x64)
+            assert_tree_allclose(x.grad.double(), want, rtol=1e-4, atol=1e-4)
+        else:
+            raise AssertionError(mode)
+
+
+_GRAD_JITS: dict[int, object] = {}
+
+
+def jitted_grad(jitted, x, n):
+    """tfun.jit(tfun.grad(loss of g)), built from the same g as `jitted`."""
+    key = id(jitted)
+    if key not in _GRAD_JITS:
+        g = jitted.__tfun_target__
+        _GRAD_JITS[key] = tfun.jit(
+            lambda y, k: tfun.grad(lambda z: total(g(z, k)))(y), static_argnums=1, backend=jitted._options["backend"]
+        )
+    return _GRAD_JITS[key](x, n)
+
+
+MODES = list(MODES_ALL)
+CONTEXTS = ["plain", "vmap", "grad", "nested_jit"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_matrix(op_name, context, mode):
+    refused = REFUSED.get((op_name, context, mode))
+    if refused is None:
+        _run_cell(op_name, context, mode)
+        return
+    cls, pattern = refused
+    with pytest.raises(cls, match=pattern) as info:
+        _run_cell(op_name, context, mode)
+    assert isinstance(info.value, TfunError)
+
+
+@pytest.mark.parametrize("op_name", ["scan", "fori_loop", "cond"])
+def test_matrix_inductor(op_name):
+    """A few cells under the default backend (inductor): forward, then tfun.grad, then
+    loss.backward(), each over the three calls."""
+    for mode in MODES:
+        _run_cell(op_name, "plain", mode, backend="inductor")
+
+
+# ----------------------------------------------------------------------------------------
+# The error corpus: one bad program per rule, the same error eagerly and under tfun.jit
+# ----------------------------------------------------------------------------------------
+
+_LOG: list[int] = []
+_G = torch.ones(3)
+
+
+def bad_carry_structure(x):
+    return lax.scan(lambda c, _: ((c, c), None), x, None, length=3)
+
+
+def bad_carry_dtype(x):
+    return lax.scan(lambda c, _: (c.double(), None), x, None, length=3)
+
+
+def bad_carry_shape(x):
+    return lax.fori_loop(0, 3, lambda i, c: c[:2], x)
+
+
+def bad_while_carry_shape(x):
+    return lax.while_loop(lambda c: c.sum() < 10, lambda c: torch.cat([c, c]), x)
+
+
+def bad_cond_branches(x):
+    return lax.cond(x.sum() > 0, lambda y: y, lambda y: (y, y), x)
+
+
+def bad_scan_not_a_pair(x):
+    return lax.scan(lambda c, a: c, x, x)
+
+
+def bad_side_effect(x):
+    def body(c, _):
+        _LOG.append(1)
+        return c + 1, None
+
+    return lax.scan(body, x, None, length=3)
+
+
+def bad_map_side_effect(x):
+    def body(r):
+        _LOG.append(1)
+        return r
+
+    return lax.map(body, x)
+
+
+def bad_in_place_write(x):
+    def body(c, _):
+        _G.add_(1)
+        return c + 1, None
+
+    return lax.scan(body, x, None, length=3)
+
+
+def bad_grad_of_non_scalar(x):
+    return tfun.grad(lambda y: y * 2)(x)
+
+
+CORPUS = {
+    "carry structure": (bad_carry_structure, StructureMismatchError),
+    "carry dtype": (bad_carry_dtype, TensorMismatchError),
+    "carry shape": (bad_carry_shape, TensorMismatchError),
+    "while carry shape": (bad_while_carry_shape, TensorMismatchError),
+    "cond branches differ": (bad_cond_branches, StructureMismatchError),
+    "scan body not a pair": (bad_scan_not_a_pair, ArgumentTypeError),
+    "side effect (list)": (bad_side_effect, SideEffectError),
+    "side effect (map)": (bad_map_side_effect, SideEffectError),
+    "side effect (in-place write)": (bad_in_place_write, SideEffectError),
+    "grad of non-scalar": (bad_grad_of_non_scalar, ArgumentTypeError),
+}
+
+
+def _message(fn, how):
+    _LOG.clear()
+    x = torch.ones(3)
+    run = fn if how == "eager" else tfun.jit(fn, backend=how)
+    with pytest.raises(TfunError) as info:
+        run(x)
+    return info.value
+
+
+def _mask_side_effect_counts(msg):
+    # a side-effect message counts the items of the mutated list (the version of the
+    # written tensor) before and after the call; those numbers depend on how often the
+    # body ran before in this process, not on the backend
+    msg = re.sub(r"\d+ items before the call, \d+ after", "N items before the call, M after", msg)
+    return re.sub(r"version \d+ -> \d+", "version N -> M", msg)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", id="inductor")])
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_error_corpus_same_error_eagerly_and_under_jit(case, backend):
+    fn, cls = CORPUS[case]
+    eager = _message(fn, "eager")
+    jitted = _message(fn, backend)
+    assert type(eager) is cls
+    assert type(jitted) is cls
+    assert _mask_side_effect_counts(str(jitted)) == _mask_side_effect_counts(str(eager))
+    # the message names the user's own function with its file:line
+    assert re.search(r"tests/test_jit_matrix\.py:\d+`", str(jitted)), str(jitted)
+
+
+def test_graph_break_is_jit_error_with_user_line_and_cause():
+    def f(x):
+        def body(c, a):
+            if a.sum() > 0:  # Python control flow on a traced value
+                return c + a, None
+            return c - a, None
+
+        return lax.scan(body, x[0], x)
+
+    with pytest.raises(JitError) as info:
+        tfun.jit(f, backend="aot_eager")(torch.ones(3, 2))
+    assert "test_jit_matrix.py" in str(info.value)
+    assert info.value.__cause__ is not None  # Dynamo's own exception is kept
+
+
+def test_recompile_limit_is_a_jit_error_that_says_what_to_do():
+    def f(x):
+        return lax.scan(lambda c, a: (c + a, None), x[0], x)[0]
+
+    j = tfun.jit(f, backend="aot_eager", dynamic=False, cache_size=2)
+    with pytest.raises(JitError, match="more distinct argument shapes") as info:
+        for T in range(2, 14):
+            j(torch.ones(T, 2))
+    assert "dynamic=True" in str(info.value) and "cache_size" in str(info.value)
+
+
+def test_new_shapes_compile_without_limit_by_default():
+    def f(x):
+        return lax.scan(lambda c, a: (torch.tanh(c + a), c.sum()), x[0], x)
+
+    j = tfun.jit(f, backend="aot_eager")
+    for T in range(2, 13):  # more than Dynamo's default recompile limit of 8
+        x = torch.randn(T, 2, dtype=torch.float64)
+        assert_tree_allclose(j(x), f(x))
+
+
+# ----------------------------------------------------------------------------------------
+# custom_jvp under tfun.jit
+# ----------------------------------------------------------------------------------------
+
+
+@tfun.custom_jvp
+def _fake_derivative(x):
+    return torch.sin(x)
+
+
+@_fake_derivative.defjvp
+def _fake_derivative_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return torch.sin(x), 3.0 * t  # deliberately not cos(x): the rule must be the one used
+
+
+def test_custom_jvp_reverse_mode_uses_the_rule_under_jit():
+    x = torch.randn(4, dtype=torch.float64)
+    g = tfun.jit(lambda y: tfun.grad(lambda z: _fake_derivative(z).sum())(y), backend="aot_eager")
+    assert torch.allclose(g(x), torch.full_like(x, 3.0))
+    xx = x.clone().requires_grad_()
+    tfun.jit(lambda y: _fake_derivative(y).sum(), backend="aot_eager")(xx).backward()
+    assert torch.allclose(xx.grad, torch.full_like(x, 3.0))
+
+
+def test_custom_jvp_forward_mode_under_jit_is_refused():
+    x = torch.randn(4, dtype=torch.float64)
+    j = tfun.jit(lambda y: tfun.jvp(_fake_derivative, (y,), (torch.ones_like(y),)), backend="aot_eager")
+    with pytest.raises(JitError, match="custom_jvp function cannot be called inside a torch.func transform"):
+        j(x)
+    # outside tfun.jit, forward mode uses the rule
+    assert torch.allclose(tfun.jvp(_fake_derivative, (x,), (torch.ones_like(x),))[1], torch.full_like(x, 3.0))
+
+
+# ----------------------------------------------------------------------------------------
+# torch.export (non-strict) with closures over module tensors and parameters
+# ----------------------------------------------------------------------------------------
+
+_W = torch.randn(3)
+
+
+class _Exported(torch.nn.Module):
+    def __init__(self, op, closure):
+        super().__init__()
+        self.op = op
+        self.closure = closure
+        self.p = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, h, xs):
+        w = _W if self.closure == "module tensor" else self.p
+        return EXPORT_OPS[self.op](h, xs, w)
+
+
+EXPORT_OPS = {
+    "cond": lambda h, xs, w: lax.cond(h.sum() > 0, lambda a: a * w, lambda a: a - w, h),
+    "switch": lambda h, xs, w: lax.switch(torch.tensor(1), [lambda a: a * w, lambda a: a - w], h),
+    "while_loop": lambda h, xs, w: lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * w), (torch.tensor(0), h)
+    )[1],
+    "fori_loop": lambda h, xs, w: lax.fori_loop(0, 3, lambda i, c: c * w, h),
+    "scan": lambda h, xs, w: lax.scan(lambda c, x: (c * w + x, c), h, xs),
+    "associative_scan": lambda h, xs, w: lax.associative_scan(lambda a, b: a + b * w, xs),
+    "map": lambda h, xs, w: lax.map(lambda x: x * w, xs),
+}
+
+#: torch 2.13's scan cannot take a real tensor closed over by its body under non-strict
+#: export; tfun refuses it with a JitError that names the tensor and the fix.
+EXPORT_REFUSED = {("scan", "module tensor"), ("fori_loop", "module tensor")}
+
+
+@pytest.mark.parametrize("closure", ["module tensor", "parameter"])
+@pytest.mark.parametrize("op", list(EXPORT_OPS))
+def test_export_non_strict_with_closures(op, closure):
+    m = _Exported(op, closure)
+    h, xs = torch.randn(3), torch.randn(5, 3)
+    if (op, closure) in EXPORT_REFUSED:
+        with pytest.raises(JitError, match=r"nonlocal `w` of `<lambda>`(.|\n)*register_buffer"):
+            torch.export.export(m, (h, xs), strict=False)
+        return
+    ep = torch.export.export(m, (h, xs), strict=False)
+    assert_tree_allclose(ep.module()(h, xs), m(h, xs), rtol=1e-5, atol=1e-6)
