@@ -38,6 +38,11 @@ How the lowering works (torch 2.11-2.13):
   output is cloned (else "scan might be aliasing the input or the output"), and the
   gradients reaching the outputs are made contiguous by a hook (inductor's scan computes
   wrong values from stride-0 tangents such as the gradient of `carry.sum()`).
+- Inductor in torch 2.11-2.14 lets a HOP body in the backward graph overwrite its inputs in
+  place (it applies the outer graph's donated-buffer indices to the body's placeholders),
+  which made the gradients of stacked scans wrong (2-layer and bidirectional RNNs).
+  Every lowering first runs `_escape_prepare_inductor`, which applies torch's upstream fix
+  (`_subgraph_inputs_never_donated`): under `tfun.jit` and plain `torch.compile` alike.
 - Known torch 2.13 limitations: `x.T` inside a cond branch triggers a spurious Dynamo
   aliasing error (use `x.t()` / `x.mT`); `associative_scan` on the CPU lowers to torch's
   "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node);
@@ -135,6 +140,50 @@ def _torch_associative_scan() -> Callable[..., Any]:
 
 
 # ----------------------------------------------------------------------------------------
+# Inductor: the inputs of a HOP body are never donated (torch 2.11 - 2.14)
+# ----------------------------------------------------------------------------------------
+
+
+def _subgraph_inputs_never_donated() -> bool:
+    """Make Inductor treat every input of a HOP body it lowers as owned by the caller.
+
+    Inductor lowers the body of a scan / while_loop / cond / map in the backward graph as a
+    `torch._inductor.graph.SubgraphLowering`, which inherits the *outer* backward graph's
+    donated-buffer indices (`bw_donated_idxs`, AOTAutograd's list of saved tensors the
+    backward may overwrite) and applies them to its own, unrelated placeholder order. A body
+    input at such a position is then written in place, so the first iteration of the
+    while_loop that scan's backward becomes overwrites a buffer that the rest of the
+    backward still reads. Two stacked scans (a 2-layer or bidirectional LSTM/GRU) share the
+    zero buffer their backward scans start from: the second backward scan then starts from
+    the first one's final carry gradient, and the gradients of the earlier layer are wrong
+    (pytorch/pytorch#153679; fixed upstream by pytorch/pytorch#193960, not in torch 2.14.1).
+
+    This applies the upstream fix: after `SubgraphLowering.__init__`, its
+    `bw_donated_idxs` is cleared, so no body input is donated (the outer backward graph
+    keeps its own donation). Idempotent; returns whether subgraph lowering is now safe.
+    Called at trace time by every lowering (through `_escape_prepare_inductor`), so it is in
+    place before Inductor lowers the graph, under `tfun.jit` and plain `torch.compile` alike.
+    """
+    try:
+        from torch._inductor import graph as inductor_graph
+    except ImportError:  # pragma: no cover - inductor unavailable: nothing lowers subgraphs
+        return True
+    cls = getattr(inductor_graph, "SubgraphLowering", None)
+    if cls is None or getattr(cls, "_tfun_inputs_never_donated", False):
+        return True
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    cls.__init__ = __init__
+    cls._tfun_inputs_never_donated = True
+    return True
+
+
+# ----------------------------------------------------------------------------------------
 # Escape hatches: plain Python run by Dynamo at trace time with constant arguments
 # ----------------------------------------------------------------------------------------
 
@@ -161,6 +210,12 @@ _KEYS = itertools.count(1)
 @_assume_constant
 def _escape_new_key() -> int:
     return next(_KEYS)
+
+
+@_assume_constant
+def _escape_prepare_inductor() -> bool:
+    """Run at trace time by every lowering: see `_subgraph_inputs_never_donated`."""
+    return _subgraph_inputs_never_donated()
 
 
 @_assume_constant
@@ -479,6 +534,7 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
 
 def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
+    _escape_prepare_inductor()
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
     shapes = _dynamo_outside()
@@ -489,6 +545,7 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
 
 def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
     """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
+    _escape_prepare_inductor()
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
@@ -521,6 +578,7 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
 
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
     """`torch.while_loop` over the flat leaves of `init_val`."""
+    _escape_prepare_inductor()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
     leaves = [x.contiguous() for x in leaves]
@@ -563,6 +621,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 
 def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
+    _escape_prepare_inductor()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
@@ -660,6 +719,7 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
 
 def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.lax.map
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+    _escape_prepare_inductor()
     x_leaves, x_td = tree_flatten(xs)
 
     x_carrier = _carrier(x_td, x_leaves)
@@ -684,6 +744,7 @@ POINTWISE_ON_CUDA = True
 
 def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
     """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
+    _escape_prepare_inductor()
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)
