@@ -38,6 +38,16 @@ How the lowering works (torch 2.11-2.13):
   output is cloned (else "scan might be aliasing the input or the output"), and the
   gradients reaching the outputs are made contiguous by a hook (inductor's scan computes
   wrong values from stride-0 tangents such as the gradient of `carry.sum()`).
+- Inductor in torch 2.11-2.14 lets a HOP body in the backward graph overwrite its inputs in
+  place (it applies the outer graph's donated-buffer indices to the body's placeholders),
+  which made the gradients of stacked scans wrong (2-layer and bidirectional RNNs).
+  Every lowering first runs `_escape_prepare_inductor`, which applies torch's upstream fix
+  (`_subgraph_inputs_never_donated`): under `tfun.jit` and plain `torch.compile` alike.
+- torch 2.13's scan autograd rejects integer and bool carries and ys; under grad mode they
+  cross the HOP as int64 bits in float64 tensors (exact; see `scan`).
+- Inductor on torch 2.13 computes wrong gradients through a complex `associative_scan`
+  (S4D, S5, LRU): under grad mode with a backend other than eager/aot_eager it is refused
+  with a `JitError` (`_escape_complex_scan_refusal`).
 - Known torch 2.13 limitations: `x.T` inside a cond branch triggers a spurious Dynamo
   aliasing error (use `x.t()` / `x.mT`); `associative_scan` on the CPU lowers to torch's
   "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node);
@@ -60,7 +70,7 @@ from typing import Any
 import torch
 
 from .. import _funcinfo
-from .._errors import ArgumentTypeError, StructureMismatchError, TensorMismatchError, format_message
+from .._errors import ArgumentTypeError, JitError, StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
 __all__ = [
@@ -154,6 +164,50 @@ def _count_lowering() -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# Inductor: the inputs of a HOP body are never donated (torch 2.11 - 2.14)
+# ----------------------------------------------------------------------------------------
+
+
+def _subgraph_inputs_never_donated() -> bool:
+    """Make Inductor treat every input of a HOP body it lowers as owned by the caller.
+
+    Inductor lowers the body of a scan / while_loop / cond / map in the backward graph as a
+    `torch._inductor.graph.SubgraphLowering`, which inherits the *outer* backward graph's
+    donated-buffer indices (`bw_donated_idxs`, AOTAutograd's list of saved tensors the
+    backward may overwrite) and applies them to its own, unrelated placeholder order. A body
+    input at such a position is then written in place, so the first iteration of the
+    while_loop that scan's backward becomes overwrites a buffer that the rest of the
+    backward still reads. Two stacked scans (a 2-layer or bidirectional LSTM/GRU) share the
+    zero buffer their backward scans start from: the second backward scan then starts from
+    the first one's final carry gradient, and the gradients of the earlier layer are wrong
+    (pytorch/pytorch#153679; fixed upstream by pytorch/pytorch#193960, not in torch 2.14.1).
+
+    This applies the upstream fix: after `SubgraphLowering.__init__`, its
+    `bw_donated_idxs` is cleared, so no body input is donated (the outer backward graph
+    keeps its own donation). Idempotent; returns whether subgraph lowering is now safe.
+    Called at trace time by every lowering (through `_escape_prepare_inductor`), so it is in
+    place before Inductor lowers the graph, under `tfun.jit` and plain `torch.compile` alike.
+    """
+    try:
+        from torch._inductor import graph as inductor_graph
+    except ImportError:  # pragma: no cover - inductor unavailable: nothing lowers subgraphs
+        return True
+    cls = getattr(inductor_graph, "SubgraphLowering", None)
+    if cls is None or getattr(cls, "_tfun_inputs_never_donated", False):
+        return True
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    cls.__init__ = __init__
+    cls._tfun_inputs_never_donated = True
+    return True
+
+
+# ----------------------------------------------------------------------------------------
 # Escape hatches: plain Python run by Dynamo at trace time with constant arguments
 # ----------------------------------------------------------------------------------------
 
@@ -187,6 +241,12 @@ def _escape_lowerings(count: bool) -> int:
 @_assume_constant
 def _escape_new_key() -> int:
     return next(_KEYS)
+
+
+@_assume_constant
+def _escape_prepare_inductor() -> bool:
+    """Run at trace time by every lowering: see `_subgraph_inputs_never_donated`."""
+    return _subgraph_inputs_never_donated()
 
 
 @_assume_constant
@@ -527,6 +587,7 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
 def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
     _count_lowering()
+    _escape_prepare_inductor()
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
     # Sizes are not exchanged: once Dynamo makes a size symbolic (a second input shape),
@@ -542,6 +603,7 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
 def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
     """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
     _count_lowering()
+    _escape_prepare_inductor()
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _escape_new_key()
@@ -575,6 +637,7 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
     """`torch.while_loop` over the flat leaves of `init_val`."""
     _count_lowering()
+    _escape_prepare_inductor()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
     leaves = [x.contiguous() for x in leaves]
@@ -618,6 +681,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
     _count_lowering()
+    _escape_prepare_inductor()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
@@ -636,11 +700,21 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
     #    a carry's `requires_grad` is that of `init`, not of later steps.
     # 2. inductor's scan lowering computes wrong values when the backward scan's tangents
     #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
+    # 3. torch's scan autograd accepts no integer or bool carries or ys ("outs_to_grad length
+    #    (2) != tangents length (3)": it asks a tangent of every output but differentiates
+    #    only the floating ones). Under grad mode they cross the HOP as the bits of int64 in
+    #    a float64 tensor (`_to_floating` / `_from_floating`, exact). Complex leaves are
+    #    left alone: torch 2.13's scan autograd cannot differentiate complex view ops.
     for_inductor = not _is_exporting()
     clone_all = for_inductor and torch.is_grad_enabled()
     check_export_constants(op, f)
+    encode = clone_all
+    c_dtypes = [t.dtype for t in c_leaves]
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
+        raw_ins = list(carry_flat) + list(x_flat)
+        if encode:
+            carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat[:n_c], c_dtypes)] + list(carry_flat[n_c:])
         c_td_in = tree_structure(c_carrier)
         carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
@@ -653,23 +727,36 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         new_leaves = [t.contiguous() for t in new_leaves]
         y_leaves, y_td = tree_flatten(y)
         y_leaves = [_as_tensor(t) for t in y_leaves]
-        ins = list(carry_flat) + list(x_flat)
+        y_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in y_leaves]
+        if encode:
+            new_leaves = [_to_floating(t) for t in new_leaves]
+            y_leaves = [_to_floating(t) if isinstance(t, torch.Tensor) else t for t in y_leaves]
+        ins = raw_ins + list(carry_flat) + list(x_flat)
         outs = _unalias(new_leaves + y_leaves, ins, clone_all=clone_all)
         if n_c == 0:
-            outs = [carry_flat[0].clone()] + outs  # the placeholder carry
+            outs = [raw_ins[0].clone()] + outs  # the placeholder carry
         k = max(n_c, 1)
+        ys_out = outs[k:]
+        if encode:  # the original dtype travels as the key of a marker dict (see _unmark)
+            ys_out = [_mark(t, d) for t, d in zip(ys_out, y_dtypes)]
         # torch's scan needs at least one y: stack a dummy 0-d tensor when y has no leaves
-        extra = [] if y_leaves else [torch.zeros((), device=carry_flat[0].device)]
-        return list(outs[:k]), (_pack(y_td, outs[k:]), extra)
+        extra = [] if y_leaves else [torch.zeros((), device=raw_ins[0].device)]
+        return list(outs[:k]), (_pack(y_td, ys_out), extra)
 
     if length == 0:
         return _scan_empty(f, init, xs, x_leaves, x_td)
     dev = (c_leaves + x_leaves)[0].device if (c_leaves or x_leaves) else torch.device("cpu")
     init_flat = c_leaves if n_c else [torch.zeros((), device=dev)]
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
+    if encode:
+        init_flat = [_to_floating(t) for t in init_flat]
     carry_flat, (ys, _) = _torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
     carry_flat = list(carry_flat)[:n_c]
+    if encode:
+        carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat, c_dtypes)]
     ys = _unpack(ys)
+    if encode:
+        ys = _unmark(ys)
     if for_inductor:
         carry_flat = [_contiguous_grad(t) for t in carry_flat]
         y_leaves, y_td = tree_flatten(ys)
@@ -738,6 +825,47 @@ def _global_names(code: Any) -> set[str]:
             names |= _global_names(c)
     return names
 
+# Integer and bool leaves cross torch's scan as float64 tensors holding int64 bits (see `scan`).
+_BITS_KEY = "__tfun_bits__"  # + the dtype's name: the marker dict of such a y leaf
+
+
+def _is_bits(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _to_floating(t: torch.Tensor) -> torch.Tensor:
+    """An integer or bool `t` as the bits of `t.to(int64)` viewed as float64 (exact); any
+    other `t` itself."""
+    return t.to(torch.int64).view(torch.float64) if _is_bits(t.dtype) else t
+
+
+def _from_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `_to_floating` for a leaf of dtype `dtype`."""
+    return t.view(torch.int64).to(dtype) if _is_bits(dtype) else t
+
+
+def _mark(t: Any, dtype: Any) -> Any:
+    """A y leaf as a HOP output: an encoded one in a marker dict whose key names its dtype."""
+    if dtype is None or not _is_bits(dtype):
+        return t
+    return {_BITS_KEY + str(dtype).replace("torch.", ""): t}
+
+
+def _is_marked(x: Any) -> bool:
+    return type(x) is dict and len(x) == 1 and next(iter(x)).startswith(_BITS_KEY)
+
+
+def _unmark(tree: Any) -> Any:
+    """Inverse of `_mark` over a tree of stacked ys."""
+    parts, td = tree_flatten(tree, is_leaf=_is_marked, none_is_leaf=True)
+    out = []
+    for x in parts:
+        if _is_marked(x):
+            ((key, t),) = x.items()
+            x = _from_floating(t, getattr(torch, key[len(_BITS_KEY) :]))
+        out.append(x)
+    return tree_unflatten(td, out)
+
 
 def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
     return g.contiguous()
@@ -761,7 +889,8 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
     x0 = tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves])
     _, y = f(init, x0)
     y_leaves, y_td = tree_flatten(y)
-    ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in map(_as_tensor, y_leaves)]
+    # (no builtin `map` in this module: `map` below is the lowering of tfun.lax.map)
+    ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_as_tensor(y) for y in y_leaves)]
     return init, tree_unflatten(y_td, ys)
 
 
@@ -773,9 +902,16 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
 def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.lax.map
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
     _count_lowering()
+    _escape_prepare_inductor()
     x_leaves, x_td = tree_flatten(xs)
 
     x_carrier = _carrier(x_td, x_leaves)
+    if x_leaves and x_leaves[0].shape[0] == 0:
+        # torch's map rejects zero rows: the output structure comes from one call on a zero row
+        y = f(tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves]))
+        y_leaves, y_td = tree_flatten(y)
+        ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_as_tensor(v) for v in y_leaves)]
+        return tree_unflatten(y_td, ys)
 
     def body(x_flat: list[Any]) -> Any:
         y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
@@ -798,6 +934,7 @@ POINTWISE_ON_CUDA = True
 def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
     """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
     _count_lowering()
+    _escape_prepare_inductor()
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)
@@ -805,6 +942,14 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, a
     mode = "pointwise" if (cuda and POINTWISE_ON_CUDA) else "generic"
 
     carrier = _carrier(td, leaves)
+    if leaves and leaves[0].shape[axis] == 0:
+        return elems  # nothing to combine (torch's associative_scan rejects length 0), as in eager
+    if torch.is_grad_enabled() and not _is_exporting() and any(x.is_complex() for x in leaves):
+        # Inductor (torch 2.13) computes wrong gradients through a complex associative_scan
+        # (S4D/S5/LRU, length >= 4; the outputs are right): refuse rather than return them.
+        msg = _escape_complex_scan_refusal(_describe(td, leaves, _dynamo_outside()), _code_of(fn))
+        if msg is not None:
+            raise JitError(msg)
 
     def combine(a: list[Any], b: list[Any]) -> Any:
         td_in = tree_structure(carrier)
@@ -825,6 +970,48 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, a
 
     out = _torch_associative_scan()(combine, list(leaves), dim=axis, reverse=reverse, combine_mode=mode)
     return tree_unflatten(td, list(out))
+
+
+#: Backends under which gradients through a complex associative_scan are right (tested).
+_COMPLEX_SCAN_GRAD_BACKENDS = ("eager", "aot_eager")
+
+
+def _compiling_backend() -> str | None:
+    """The name of the backend Dynamo is compiling for ("inductor", "aot_eager", ...), or
+    None where it cannot be told (a custom backend, or torch internals that moved)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        fn = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001 - not under Dynamo, or its internals changed: unknown
+        return None
+    name = getattr(fn, "compiler_name", None) or getattr(fn, "_compiler_name", None)
+    return name if isinstance(name, str) else None
+
+
+@_assume_constant
+def _escape_complex_scan_refusal(desc: Any, code: Any) -> str | None:
+    """None if the backend being compiled for differentiates a complex associative_scan
+    correctly; else the message of the JitError that refuses it."""
+    backend = _compiling_backend()
+    if backend in _COMPLEX_SCAN_GRAD_BACKENDS:
+        return None
+    sk, leaf_descs = desc
+    bullets = [
+        f"elems{p}: {_leaf_text(d)}"
+        for p, d in zip(_leaf_paths(sk), leaf_descs)
+        if len(d) == 3 and d[0].is_complex
+    ]
+    bullets.append(f"backend: {backend or 'not one of ' + ', '.join(_COMPLEX_SCAN_GRAD_BACKENDS)}")
+    return format_message(
+        "tfun.lax.associative_scan: complex elems must be compiled with a backend whose gradients are right, "
+        "but Inductor on torch 2.13 computes wrong gradients through a complex associative_scan (its outputs "
+        "are right), so this is refused:",
+        bullets,
+        function=_fn_text(code),
+        revise='Compile with tfun.jit(..., backend="aot_eager") (exact), or run the compiled function under '
+        "torch.no_grad() if no gradient is needed.",
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -118,7 +118,11 @@ def selective_scan(
     dtype_in = u.dtype
     ct = torch.promote_types(torch.promote_types(u.dtype, delta.dtype), torch.float32)
     u_ = u.to(ct)
-    dt = delta.to(ct)
+    # Contiguous: softplus's gradient then meets its input in one layout. Mamba's `delta` is a
+    # transposed view; with mixed layouts torch 2.13's fake-tensor strides for
+    # softplus_backward differ from the real kernel's, and the compiled backward (tfun.jit,
+    # aot_eager) fails with "view size is not compatible with input tensor's size and stride".
+    dt = delta.to(ct).contiguous()
     if delta_bias is not None:
         dt = dt + delta_bias.to(ct)[:, None]
     if delta_softplus:

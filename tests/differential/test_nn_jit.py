@@ -1,0 +1,201 @@
+"""Every `tfun.nn` layer under `tfun.jit`: outputs and gradients against eager float64.
+
+Each layer runs eagerly in float64 (the reference) and compiled by `tfun.jit` with the
+`aot_eager` backend and with Inductor (the default), also in float64 (Inductor's CPU
+backend supports it), so every difference beyond rounding is a bug. The loss weights every
+output with fixed random weights, so no gradient reaching a scan's backward is a special
+(stride-0 or all-ones) tensor. Compared: every output, every parameter's gradient and the
+input's gradient, at T=1 and at an odd T (see `INDUCTOR_T1`).
+
+Inductor takes seconds per compiled graph on a 2-core CI machine, so each test compiles one
+function that runs its layer on both lengths, and the layer configurations are chosen to
+cover the code paths with few scans (the three cells share one scan).
+
+Regressions: before `tfun.lax._hop._subgraph_inputs_never_donated`, the gradients of every
+layer but the last of a stacked or bidirectional RNN/LSTM/GRU were wrong under Inductor.
+S4D, S5 and LRU (a complex `associative_scan`) still get wrong gradients from Inductor on
+torch 2.13 at lengths >= 4; tfun refuses them with a `JitError` (tested here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun.errors import JitError
+from tfun.tree import tree_leaves
+
+DT = torch.float64
+B, F, HID = 2, 3, 4
+RTOL, ATOL = 1e-7, 1e-9
+
+pytestmark = [
+    # torch's first compile imports torch.utils.mkldnn, which warns at import time
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+    # S4D, S5, LRU: complex ops run as fallback kernels (a performance note, not an error)
+    pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex:UserWarning"),
+]
+
+
+class _ScannedCells(torch.nn.Module):
+    """`RNNCell`, `LSTMCell` and `GRUCell` run over time in one `tfun.lax.scan` (the body
+    closes over their parameters; the carry is a pytree of the three states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = tfun.nn.RNNCell(F, HID, dtype=DT)
+        self.lstm = tfun.nn.LSTMCell(F, HID, dtype=DT)
+        self.gru = tfun.nn.GRUCell(F, HID, dtype=DT)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        h0 = x.new_zeros(x.shape[0], HID) + 0.1
+        init = {"rnn": h0, "lstm": (h0 * 2, h0 * 3), "gru": h0 * 4}
+
+        def step(c, xt):
+            new = {"rnn": self.rnn(xt, c["rnn"]), "lstm": self.lstm(xt, c["lstm"]), "gru": self.gru(xt, c["gru"])}
+            return new, new["rnn"] + new["lstm"][0] * new["gru"]
+
+        return tfun.lax.scan(step, init, x.transpose(0, 1))
+
+
+# Few scans per configuration (Inductor compiles each scan body's forward and backward):
+# stacked and bidirectional are covered together where the layer has both.
+LAYERS = {
+    "RNN_2layer_relu": lambda: tfun.nn.RNN(F, HID, num_layers=2, nonlinearity="relu", batch_first=True, dtype=DT),
+    # the reported case (the first layer's gradients were wrong under Inductor)
+    "LSTM_2layer": lambda: tfun.nn.LSTM(F, HID, num_layers=2, batch_first=True, dtype=DT),
+    "LSTM_bidirectional_proj": lambda: tfun.nn.LSTM(F, 5, bidirectional=True, proj_size=3, dtype=DT),
+    "GRU_2layer_bidirectional": lambda: tfun.nn.GRU(F, HID, num_layers=2, bidirectional=True, batch_first=True, dtype=DT),
+    "S4D": lambda: tfun.nn.S4D(F, 4, dtype=DT),
+    "S5": lambda: tfun.nn.S5(F, 3, dtype=DT),
+    "LRU": lambda: tfun.nn.LRU(F, 4, r_min=0.4, r_max=0.99, dtype=DT),
+    "MinGRU": lambda: tfun.nn.MinGRU(F, HID, dtype=DT),
+    "Mamba": lambda: tfun.nn.Mamba(F, d_state=3, d_conv=3, dtype=DT),
+    "cells": _ScannedCells,
+}
+
+#: Every layer runs at T=1 and T=5 under aot_eager; under Inductor, where every length is
+#: another set of compiled scan bodies, T=1 only for these.
+INDUCTOR_T1 = ("LSTM_2layer", "S5", "MinGRU")
+
+#: Layers whose recurrence is a complex `tfun.lax.associative_scan`: refused under Inductor
+#: with gradients (see `tfun.lax._hop.associative_scan`).
+COMPLEX = ("S4D", "S5", "LRU")
+
+
+def _run(fn, layer, xs):
+    """Outputs, parameter gradients and input gradients of a weighted sum of every output."""
+    layer.zero_grad(set_to_none=True)
+    xs = [x.clone().requires_grad_(True) for x in xs]
+    outs = fn(xs)
+    g = torch.Generator().manual_seed(2)
+    loss = sum((y * torch.randn(y.shape, dtype=y.dtype, generator=g)).sum() for y in tree_leaves(outs))
+    loss.backward()
+    grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in layer.named_parameters()}
+    return [y.detach() for y in tree_leaves(outs)], grads, [x.grad for x in xs]
+
+
+def _close(what: str, a: torch.Tensor, b: torch.Tensor, backend: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{backend}: {what} differs from eager float64\n{m}")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_outputs_and_gradients_match_eager_float64(name, backend):
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    g = torch.Generator().manual_seed(1)
+    lengths = (1, 5) if backend == "aot_eager" or name in INDUCTOR_T1 else (5,)
+    xs = [torch.randn(B, t, F, dtype=DT, generator=g) for t in lengths]
+
+    def both_lengths(xs):  # one compiled graph for both lengths: one compile per test
+        return [layer(x) for x in xs]
+
+    ref_out, ref_g, ref_xg = _run(both_lengths, layer, xs)
+    if backend == "inductor" and name in COMPLEX:
+        # Inductor's gradients through a complex associative_scan are wrong on torch 2.13:
+        # refused with a JitError; without gradients the outputs are compiled and right.
+        with pytest.raises(JitError, match=r"complex elems must be compiled with a backend whose gradients are right"):
+            _run(tfun.jit(both_lengths, backend=backend), layer, xs)
+        with torch.no_grad():
+            out = tree_leaves(tfun.jit(both_lengths, backend=backend)(xs))
+        for i, (a, b) in enumerate(zip(out, ref_out, strict=True)):
+            _close(f"output leaf {i} (no_grad)", a, b, backend)
+        return
+    out, grads, xg = _run(tfun.jit(both_lengths, backend=backend), layer, xs)
+    assert len(out) == len(ref_out)
+    for i, (a, b) in enumerate(zip(out, ref_out)):
+        _close(f"output leaf {i}", a, b, backend)
+    for t, a, b in zip(lengths, xg, ref_xg):
+        _close(f"input gradient at T={t}", a, b, backend)
+    assert ref_g
+    for n in ref_g:
+        _close(f"gradient of {n}", grads[n], ref_g[n], backend)
+
+
+# ----------------------------------------------------------------------------------------
+# Pure tfun.lax: scans feeding scans, a reverse scan, pytrees, cond and map after a scan
+# ----------------------------------------------------------------------------------------
+
+_W = [torch.nn.Parameter(torch.randn(3, 3, dtype=DT, generator=torch.Generator().manual_seed(i)) * 0.5) for i in range(4)]
+
+
+def _lax_cases(xs: torch.Tensor) -> dict[str, object]:
+    """`xs`: (T, B, 3). Each case closes over some of `_W`; the scans' `init`s are zeros of
+    one shape, which the compiler merges into one buffer (the minimal repro of the bug)."""
+    W0, W1, W2, W3 = _W
+    lax = tfun.lax
+    zeros = torch.zeros(xs.shape[1], 3, dtype=xs.dtype)
+
+    def cell(W):
+        def step(h, x):
+            h = torch.tanh(x + h @ W)
+            return h, h * 1.0
+
+        return step
+
+    # two stacked scans, each from zeros (the ys of the first are the xs of the second)
+    _, ys1 = lax.scan(cell(W0), zeros, xs)
+    _, stacked = lax.scan(cell(W1), torch.zeros(xs.shape[1], 3, dtype=xs.dtype), ys1)
+
+    # a scan whose final carry is the init of a second, reverse scan over its ys
+    c, ys = lax.scan(cell(W2), zeros + 0.1, xs)
+    c2, reverse = lax.scan(cell(W1), c, ys, reverse=True)
+
+    # pytrees in carry, xs and ys (with a None y), then a cond and a map over the ys
+    def tree_step(carry, x):
+        h, (a, n) = carry["h"], carry["rest"]
+        h = torch.sin(h @ W3 + x["x"] * a)
+        return {"h": h, "rest": (a * 0.9 + h.mean(), n + 1)}, (h * 2.0, {"none": None, "a": a * 1.0})
+
+    init = {"h": zeros, "rest": (torch.ones((), dtype=xs.dtype), torch.zeros((), dtype=torch.int64))}
+    tc, (ty, extra) = lax.scan(tree_step, init, {"x": xs})
+    picked = lax.cond(ty.sum() > 0, lambda t: t * W0.sum(), lambda t: torch.cos(t) + W0.sum(), ty)
+    mapped = lax.map(lambda r: torch.tanh(r @ W2), picked)
+    return {
+        "stacked": stacked,
+        "reverse": (c2, reverse),
+        "pytree": (tc["h"], tc["rest"][0], extra["a"], mapped),
+    }
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_lax_scans_cond_map_gradients_match_eager_float64(backend):
+    # Plain torch.compile (not tfun.jit): the lowering itself makes Inductor's gradients right.
+    xs = torch.randn(5, 2, 3, dtype=DT, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    compiled = torch.compile(_lax_cases, backend=backend, fullgraph=True)
+    results = []
+    for fn in (_lax_cases, compiled):
+        out = fn(xs)
+        g = torch.Generator().manual_seed(4)
+        leaves = [y for y in tree_leaves(out) if y.is_floating_point()]
+        loss = sum((y * torch.randn(y.shape, dtype=y.dtype, generator=g)).sum() for y in leaves)
+        grads = torch.autograd.grad(loss, [xs, *_W])
+        results.append((out, grads))
+    (ref, ref_g), (out, g) = results
+    for case in ref:
+        for i, (a, b) in enumerate(zip(tree_leaves(out[case]), tree_leaves(ref[case]))):
+            _close(f"{case}: output leaf {i}", a, b, backend)
+    for name, a, b in zip(["xs", "W0", "W1", "W2", "W3"], g, ref_g):
+        _close(f"gradient of {name}", a, b, backend)
