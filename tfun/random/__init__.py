@@ -1,11 +1,18 @@
-"""`tfun.random`: JAX's explicit-key PRNG on torch tensors, bit for bit.
+"""`tfun.random`: JAX's explicit-key PRNG on torch tensors.
 
 Keys are `torch.uint32` tensors of shape `(2,)` holding a Threefry-2x32 key, exactly the
 raw keys of `jax.random.PRNGKey`. Every function takes the key explicitly and is pure:
 the same key gives the same numbers, eagerly, under `tfun.jit`, `tfun.vmap` (map over a
-batch of keys) and inside `scan`/`fori_loop` carries. For the same seed, shape and
-dtype, the results equal `jax.random`'s (default configuration, CPU) bit for bit in
-float32; each function's docstring states its guarantee for other dtypes.
+batch of keys) and inside `scan`/`fori_loop` carries.
+
+Against `jax.random` (default configuration, CPU), same seed, shape and dtype: keys,
+`split`, `fold_in`, `bits`, `uniform`, `bernoulli`, `randint`, `permutation` and
+`categorical` are bit-identical (float32, float16, bfloat16); `normal` is bit-identical
+in float16/bfloat16. `normal` (float32), `truncated_normal` and `gumbel` go through
+`log`/`log1p`, whose XLA CPU kernels round differently from torch's: their float32
+values are within `8 * eps * max(1, |x|)` of JAX's (most bit-identical). Under
+`tfun.jit` with the default inductor backend, fused float code may differ by an ulp from
+eager; `backend="aot_eager"` reproduces eager exactly.
 """
 
 from ._keys import PRNGKey as PRNGKey
