@@ -112,11 +112,11 @@ class _IndexedRef:
         return _positions(self._x.shape, self._idx, mode, gather=gather, device=self._x.device)
 
     def get(self, *, mode: str | None = None, fill_value: Any = None) -> torch.Tensor:
-        """`x[idx]`, with JAX's out-of-bounds handling (default: clip; `mode="fill"`: `fill_value`)."""
+        """`x[idx]`, with JAX's out-of-bounds handling (default: clip; `"fill"`/`"drop"`: `fill_value`)."""
         x = self._x
         pos = self._pos(mode, gather=True)
         out = x.reshape(-1)[pos.clamp(min=0)]
-        if mode == "fill":
+        if mode in ("fill", "drop"):  # JAX's gather fills for both
             if fill_value is None:
                 if x.dtype.is_floating_point or x.dtype.is_complex:
                     fill_value = math.nan
@@ -198,9 +198,9 @@ class at:
     `x[idx]`; repeated indices accumulate for `add`/`multiply`/`min`/`max` (for `set`, one
     of the writes wins, unspecified which, as in JAX); negative indices count from the end.
     Out-of-bounds indices follow `mode`: by default `get` clips them and updates drop
-    them; `"clip"` clamps into range; `"drop"` drops updates; `"fill"` returns
-    `fill_value` from `get` (default NaN for floats, the most negative value for signed
-    ints, the largest for unsigned, True for bools) and drops updates.
+    them; `"clip"` clamps into range; `"drop"` and `"fill"` drop updates and make `get`
+    return `fill_value` (default NaN for floats, the most negative value for signed ints,
+    the largest for unsigned, True for bools).
 
     Every result is differentiable in `x` and `values` (a gather, `index_put` or
     `scatter_reduce`), and works under `tfun.vmap`, `tfun.grad` and `tfun.jit`: out-of-bounds
