@@ -5,14 +5,13 @@ raw keys of `jax.random.PRNGKey`. Every function takes the key explicitly and is
 the same key gives the same numbers, eagerly, under `tfun.jit`, `tfun.vmap` (map over a
 batch of keys) and inside `scan`/`fori_loop` carries.
 
-Against `jax.random` (default configuration, CPU), same seed, shape and dtype: keys,
-`split`, `fold_in`, `bits`, `uniform`, `bernoulli`, `randint`, `permutation` and
-`categorical` are bit-identical (float32, float16, bfloat16); `normal` is bit-identical
-in float16/bfloat16. `normal` (float32), `truncated_normal` and `gumbel` go through
-`log`/`log1p`, whose XLA CPU kernels round differently from torch's: their float32
-values are within `8 * eps * max(1, |x|)` of JAX's (most bit-identical). Under
-`tfun.jit` with the default inductor backend, fused float code may differ by an ulp from
-eager; `backend="aot_eager"` reproduces eager exactly.
+Against `jax.random` (default configuration, CPU), same seed, shape and dtype, every
+function here is bit-identical in float32 (and in float16/bfloat16, except float16
+`gumbel`): Threefry and the counters are JAX's, and the float steps replay XLA's CPU
+kernels (`log`, `log1p`, `erf`, `erf_inv`) op for op, fused multiply-adds included. Each
+docstring states its guarantee for other dtypes. Under `tfun.jit` with the default
+inductor backend, fused float code may differ from eager by an ulp;
+`backend="aot_eager"` reproduces eager exactly.
 """
 
 from ._keys import PRNGKey as PRNGKey

@@ -1,13 +1,12 @@
 """Samplers, each the same sequence of operations as its `jax.random` namesake.
 
 Bit-exactness: every sampler starts from Threefry bits (exact) and the float "mantissa
-trick" (exact). What follows is float arithmetic done in the sample dtype, op by op, as
-XLA does it; the two transcendental functions JAX lowers itself are reproduced here with
-XLA's own formulas: `erf_inv` (Giles' single-precision polynomial, used by `normal` and
-`truncated_normal`) and `erf` (Eigen's rational interpolant, used by `truncated_normal`
-on its bounds). `log`/`log1p` are torch's, which round differently from XLA's CPU kernels in the last
-bit for some inputs: the samplers using them (`normal` in float32, `truncated_normal`,
-`gumbel`) are within a few ulp of JAX, not bit-identical. The tests compare against JAX.
+trick" (exact). What follows is float arithmetic in the sample dtype, op by op, as XLA's
+CPU backend compiles it: its float32 kernels for `log` and `log1p` (Cephes), `erf_inv`
+(Giles) and `erf` (Eigen's rational interpolant) are reproduced here, including which
+multiply-adds LLVM fuses into one rounding (emulated through float64, see `_fma`) and a
+correctly rounded `sqrt` (torch's float32 CPU `sqrt` is not). float16/bfloat16 compute
+the transcendental parts in float32 and round, as XLA does. The tests compare against JAX.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ def _uniform(key, shape, dtype, minval, maxval):
     floats = _unit_floats(key, shape, dtype)
     if dtype == torch.float32:
         # XLA's CPU backend contracts `floats * span + minval` into one fused multiply-add.
-        scaled = _fma_f32(floats, (maxval - minval).double(), minval.double())
+        scaled = _fma(floats, maxval - minval, minval)
     else:
         scaled = floats * (maxval - minval) + minval
     return torch.maximum(minval, scaled)
@@ -131,23 +130,107 @@ _ERFINV_SMALL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06
                  -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
 _ERFINV_LARGE = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
                  -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+# Cephes' single-precision log (XLA's CPU kernel for f32 `log`): polynomial in three
+# interleaved parts, and ln 2 split in two.
+_LOG_P = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+          -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
+_LOG_Q1, _LOG_Q2 = -2.12194440e-4, 0.693359375
+# Cephes' log1p rational approximation (XLA's CPU `log1p` for |x| < sqrt(2) - 1).
+_LOG1P_NUM = (4.5270000862445199635215e-5, 4.9854102823193375972212e-1, 6.5787325942061044846969e0,
+              2.9911919328553073277375e1, 6.0949667980987787057556e1, 5.7112963590585538103336e1,
+              2.0039553499201281259648e1)
+_LOG1P_DEN = (1.0, 1.5062909083469192043167e1, 8.3047565967967209469434e1, 2.2176239823732856465394e2,
+              3.0909872225312059774938e2, 2.1642788614495947685003e2, 6.0118660497603843919306e1)
 
 
-def _horner(coeffs: Sequence[float], w: torch.Tensor) -> torch.Tensor:
-    p = torch.full_like(w, coeffs[0])
-    for c in coeffs[1:]:
-        p = c + p * w
-    return p
+def _f32(v: float) -> float:
+    """A Python float rounded to the nearest float32 (how XLA stores the constant)."""
+    return torch.tensor(v, dtype=torch.float32).item()
+
+
+def _fma(a: torch.Tensor | float, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
+    """float32 fused multiply-add `a * b + c` with one rounding, via float64.
+
+    XLA's CPU backend lets LLVM fuse a multiply into the add that consumes it (when the
+    product has no other use), so its float32 results round once per `a * b + c`. The
+    product of two float32s is exact in float64; the float64 sum is rounded twice (to
+    float64, then to float32), which differs from one rounding only when the float64 sum
+    lands exactly halfway between two float32s - about 2**-29 of random inputs.
+    """
+    a64 = a.double() if isinstance(a, torch.Tensor) else a
+    b64 = b.double() if isinstance(b, torch.Tensor) else b
+    c64 = c.double() if isinstance(c, torch.Tensor) else c
+    return (a64 * b64 + c64).float()  # type: ignore[operator, union-attr]
+
+
+def log_f32(x: torch.Tensor) -> torch.Tensor:
+    """XLA's CPU float32 `log`, op for op (including which multiply-adds are fused)."""
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny, dtype=torch.float32, device=x.device)
+    xc = torch.where(x > tiny, x, tiny)
+    bits = xc.view(torch.int32)
+    e = ((bits >> 23) - 127).to(torch.float32) + 1.0
+    m = ((bits & -2139095041) | 0x3F000000).view(torch.float32)  # mantissa in [0.5, 1)
+    low = m < _f32(0.70710678118654752)
+    y = (m - 1.0) + torch.where(low, m, torch.zeros_like(m))
+    e = e - low.to(torch.float32)
+    y2 = y * y
+    y3 = y2 * y
+    p = [_f32(c) for c in _LOG_P]
+    a = _fma(_fma(y, p[0], p[1]), y, p[2])
+    b = _fma(_fma(y, p[3], p[4]), y, p[5])
+    c = _fma(_fma(y, p[6], p[7]), y, p[8])
+    a = _fma(_fma(a, y3, b), y3, c)
+    a = _fma(a, y3, e * _f32(_LOG_Q1))
+    r = _fma(e, _LOG_Q2, _fma(y2, -0.5, y) + a)
+    r = torch.where(x < 0, torch.full_like(r, math.nan), r)
+    r = torch.where(x == 0, torch.full_like(r, -math.inf), r)
+    r = torch.where(x == math.inf, x, r)
+    return torch.where(torch.isnan(x), x, r)
+
+
+def log1p_f32(x: torch.Tensor) -> torch.Tensor:
+    """XLA's CPU float32 `log1p`: Cephes' rational approximation near 0, else `log(1 + x)`."""
+    large = log_f32(x + 1.0)
+    num = torch.full_like(x, _f32(_LOG1P_NUM[0]))
+    den = torch.full_like(x, _f32(_LOG1P_DEN[0]))
+    for c in _LOG1P_NUM[1:]:
+        num = _fma(num, x, _f32(c))
+    for c in _LOG1P_DEN[1:]:
+        den = _fma(den, x, _f32(c))
+    x2 = x * x
+    small = x + _fma(x2, -0.5, (x * x2) * (num / den))
+    return torch.where(x.abs() < _f32(0.41421356237309504880), small, large)
 
 
 def erf_inv_f32(x: torch.Tensor) -> torch.Tensor:
     """XLA's float32 `erf_inv`, op for op (float32 in, float32 out)."""
-    w = -torch.log1p(x * -x)
+    w = -log1p_f32(x * -x)
     small = w < 5.0
-    p_small = _horner(_ERFINV_SMALL, w - 2.5)
-    p_large = _horner(_ERFINV_LARGE, torch.sqrt(w) - 3.0)
-    r = torch.where(small, p_small, p_large) * x
-    return torch.where(x.abs() == 1.0, x * math.inf, r)
+    # torch's float32 sqrt is not always correctly rounded on CPU; through float64 it is
+    # (53 >= 2 * 24 + 2 bits, so rounding twice is exact for sqrt).
+    wt = torch.where(small, w - 2.5, torch.sqrt(w.double()).float() - 3.0)
+    cs = torch.tensor([_ERFINV_SMALL, _ERFINV_LARGE], dtype=torch.float32, device=x.device)
+    p = torch.where(small, cs[0, 0], cs[1, 0])
+    for i in range(1, len(_ERFINV_SMALL)):
+        p = _fma(p, wt, torch.where(small, cs[0, i], cs[1, i]))
+    p = torch.where(x.abs() == 1.0, torch.full_like(p, math.inf), p)
+    return x * p
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return log_f32(x)
+    if x.dtype == torch.float64:
+        return torch.log(x)
+    return log_f32(x.float()).to(x.dtype)
+
+
+def _log1p(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return log1p_f32(x)
+    if x.dtype == torch.float64:
+        return torch.log1p(x)
+    return log1p_f32(x.float()).to(x.dtype)
 
 
 def _erf_inv(x: torch.Tensor) -> torch.Tensor:
@@ -156,11 +239,6 @@ def _erf_inv(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32:
         return erf_inv_f32(x)
     return erf_inv_f32(x.float()).to(x.dtype)
-
-
-def _fma_f32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
-    """float32 fused multiply-add via float64 (a*b is exact in float64; one extra rounding of the sum)."""
-    return (a.double() * b + c).float()
 
 
 _ERF_ALPHA = (0.00022905065861350646, 0.0034082910107109506, 0.050955695062380861, 0.18520832239976145,
@@ -173,13 +251,13 @@ def erf_f32(x: torch.Tensor) -> torch.Tensor:
     """XLA's CPU float32 `erf` (Eigen's rational interpolant evaluated with FMAs)."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - round a constant to f32
     x2 = x * x
-    p = _fma_f32(x2, f32(_ERF_ALPHA[0]), f32(_ERF_ALPHA[1]))
+    p = _fma(x2, f32(_ERF_ALPHA[0]), f32(_ERF_ALPHA[1]))
     for c in _ERF_ALPHA[2:]:
-        p = _fma_f32(x2, p.double(), f32(c))
+        p = _fma(x2, p, f32(c))
     p = x * p
-    q = _fma_f32(x2, f32(_ERF_BETA[0]), f32(_ERF_BETA[1]))
+    q = _fma(x2, f32(_ERF_BETA[0]), f32(_ERF_BETA[1]))
     for c in _ERF_BETA[2:]:
-        q = _fma_f32(x2, q.double(), f32(c))
+        q = _fma(x2, q, f32(c))
     clamp = x.abs() >= f32(3.832506856900711)
     return torch.where(clamp, torch.copysign(torch.ones_like(x), x), p / q)
 
@@ -195,12 +273,9 @@ def _erf(x: torch.Tensor) -> torch.Tensor:
 def normal(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
     """Standard normal samples, as `jax.random.normal`: `sqrt(2) * erf_inv(u)`, `u` uniform in (-1, 1).
 
-    Bit-identical to JAX for float16 and bfloat16 (XLA's `erf_inv` polynomial is
-    reproduced op for op). float32: about 95% of values are bit-identical and the rest
-    within `2 * eps * max(1, |x|)`, because XLA's CPU `log1p` kernel (inside `erf_inv`)
-    rounds differently from torch's; the tests pin the bound `8 * eps * max(1, |x|)`.
-    float64 uses `torch.erfinv` (not XLA's float64 polynomial): within 1e-13 relative of
-    JAX with `jax_enable_x64`.
+    Bit-identical to JAX for float32, float16 and bfloat16 (XLA's CPU `erf_inv` and
+    `log1p` kernels are reproduced op for op). float64 uses `torch.erfinv` (not XLA's
+    float64 polynomial): within 1e-13 relative of JAX with `jax_enable_x64`.
 
     **Arguments:**
 
@@ -245,9 +320,10 @@ def truncated_normal(
     """Normal samples truncated to the open interval `(lower, upper)`, as `jax.random.truncated_normal`.
 
     `sqrt(2) * erf_inv(u)` with `u` uniform in `[erf(lower/sqrt 2), erf(upper/sqrt 2))`,
-    clipped to just inside the bounds. XLA's float32 `erf` is reproduced bit for bit
-    (its fused multiply-adds emulated in float64); `erf_inv`'s `log1p` is torch's, so
-    float32 values are within `8 * eps * max(1, |x|)` of JAX's, not bit-identical.
+    clipped to just inside the bounds. Bit-identical to JAX for float32 and bfloat16
+    (XLA's `erf`, `erf_inv` and its rewrite of `x / sqrt2` as `x * (1 / sqrt2)` are
+    reproduced); float64 uses torch's `erf`/`erfinv` (close to, not bit-identical with,
+    JAX's x64 results).
 
     **Arguments:**
 
@@ -270,8 +346,10 @@ def truncated_normal(
         shape = check_shape("truncated_normal", shape)
         _check_broadcast("truncated_normal", shape, lower=lo, upper=hi)
     sqrt2 = torch.tensor(math.sqrt(2), dtype=dtype, device=key.device)
-    a = _erf(lo / sqrt2)
-    b = _erf(hi / sqrt2)
+    # XLA rewrites `x / sqrt2` as `x * (1 / sqrt2)` with the reciprocal rounded to `dtype`.
+    inv_sqrt2 = 1 / sqrt2
+    a = _erf(lo * inv_sqrt2)
+    b = _erf(hi * inv_sqrt2)
     u = _uniform(key, shape, dtype, a, b)
     out = sqrt2 * _erf_inv(u)
     inf = torch.tensor(math.inf, dtype=dtype, device=key.device)
@@ -333,9 +411,10 @@ def _nmant(dtype: torch.dtype) -> int:
 def gumbel(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None = None, mode: str = "low") -> torch.Tensor:
     """Standard Gumbel samples, as `jax.random.gumbel`: `-log(-log(u))`, `u` uniform in `[tiny, 1)`.
 
-    The uniform draw is bit-identical to JAX's; the two logs are torch's, whose rounding
-    differs from XLA's CPU kernel: float32 values are within `8 * eps * max(1, |x|)` of
-    JAX's (about 80% bit-identical). `categorical`'s argmax is unaffected in practice.
+    Bit-identical to JAX for float32 and bfloat16 (XLA's CPU `log`/`log1p` kernels are
+    reproduced). float16 in `"low"` mode differs from JAX in the last bit for a few
+    percent of values (within `8 * eps * max(1, |x|)`): XLA evaluates that chain in a
+    wider type. float64 uses torch's `log`.
 
     **Arguments:**
 
@@ -367,9 +446,9 @@ def _gumbel(key, shape, dtype, mode):
         high, low = u[0], u[1]
         tiny = torch.finfo(dtype).tiny
         x = torch.where(high >= 0.5, high, high + 2.0 ** -_nmant(dtype) * low + tiny)
-        return -torch.log(-torch.log1p(-x))
+        return -_log(-_log1p(-x))
     tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=dev)
-    return -torch.log(-torch.log(_uniform(key, shape, dtype, tiny, one)))
+    return -_log(-_log(_uniform(key, shape, dtype, tiny, one)))
 
 
 def categorical(
