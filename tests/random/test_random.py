@@ -202,6 +202,8 @@ def test_hypothesis_keys_bits_uniform(seed: int, shape: tuple[int, ...], data: i
     _same_bits(tr.bits(k, shape), jax.random.bits(jk, shape))
     _same_bits(tr.uniform(k, shape), jax.random.uniform(jk, shape))
     _same_bits(tr.randint(k, shape, -7, 300), jax.random.randint(jk, shape, -7, 300))
+    _same_bits(tr.normal(k, shape), jax.random.normal(jk, shape))
+    _same_bits(tr.gumbel(k, shape), jax.random.gumbel(jk, shape))
 
 
 @settings(max_examples=10, deadline=None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -254,7 +253,3 @@ def key_data(keys: torch.Tensor) -> torch.Tensor:
     `keys`, unchanged.
     """
     return check_key("key_data", keys, batched=True)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
