@@ -18,6 +18,18 @@ if HAVE_JAX:
 
     jax.config.update("jax_platforms", "cpu")
 
+
+
+@pytest.fixture(autouse=True)
+def _jax_default_32_bit_mode():
+    """Other test modules turn on `jax_enable_x64` globally; compare with JAX's default mode."""
+    if not HAVE_JAX:
+        yield
+        return
+    with jax.enable_x64(False):
+        yield
+
+
 X = np.arange(20, dtype=np.float32).reshape(4, 5) - 7.0
 INDICES = [
     ("int", lambda m: 2),
