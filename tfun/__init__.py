@@ -34,6 +34,10 @@ from . import kernels as kernels  # registers the "torch" and "triton" impls of 
 # --- nn (issue 6) ---
 from . import nn as nn
 
+# --- random and at (issue 17) ---
+from . import random as random
+from ._at import at as at
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -62,5 +66,8 @@ __all__ = [
     "kernels",
     # --- __all__ nn ---
     "nn",
+    # --- __all__ random and at ---
+    "random",
+    "at",
     "__version__",
 ]
