@@ -75,10 +75,22 @@ def _cpu64(ts: Sequence[Any]) -> list[torch.Tensor]:
 
 
 def run(
-    name: str, spec: Spec, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name: str,
+    spec: Spec,
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    rounded_to: torch.dtype | None = None,
 ) -> Result | Refused:
-    """Outputs and gradients of case `name` built for `spec`, along `path`."""
+    """Outputs and gradients of case `name` built for `spec`, along `path`.
+
+    `rounded_to`: round the floating inputs to that dtype first (then convert to `dtype`), so an
+    oracle sees exactly the inputs a lower-precision path sees: a comparison near a branch's
+    threshold (`select`, `cond`) then takes the same side on both paths.
+    """
     fn, args = CASES[name](spec, dtype, torch.device(device))
+    if rounded_to is not None:
+        args = tuple(a.to(rounded_to).to(dtype) if a.is_floating_point() else a for a in args)
     args = tuple(a.detach().requires_grad_() for a in args)
     try:
         if path == "eager":
@@ -139,7 +151,7 @@ def compare(name: str, spec: Spec, path: str, dtype: torch.dtype, device: str | 
     """(output error, gradient error) of a path against the float64 eager oracle on the CPU."""
     # the oracle runs the pure-torch algorithms (a spec's `impl` picks the path under test)
     oracle_spec = {**spec, "impl": "torch"} if "impl" in spec else spec
-    oracle = run(name, oracle_spec, "eager", torch.float64, "cpu")
+    oracle = run(name, oracle_spec, "eager", torch.float64, "cpu", rounded_to=dtype)
     assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
     got = run(name, spec, path, dtype, device)
     if isinstance(got, Refused):
