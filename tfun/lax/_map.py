@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _funcinfo, _rules
-from .._tree import tree_flatten, tree_unflatten
+from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import scan, stack_outputs, xs_leaves, zero_length_outputs
 
@@ -83,6 +83,11 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
 def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any, n: int, batch_size: int) -> Any:
     # torch.func.vmap knows torch's pytrees, not tfun's: give it flat tuples of tensors.
     out_def: list[Any] = []
+    if _hop.is_tracing():
+        # A traced scan body may not write to `out_def` (a side effect outside the HOP, which
+        # Dynamo refuses): learn the output structure from one row first. Only the structure
+        # is used, so the graph drops that call's ops as dead code.
+        out_def.append(tree_structure(f(tree_unflatten(treedef, [x[0] for x in leaves]))))
 
     def flat_f(*x_leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y_leaves, y_def = tree_flatten(f(tree_unflatten(treedef, x_leaves)))
