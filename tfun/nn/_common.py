@@ -9,26 +9,6 @@ import torch
 from .. import lax
 from .._errors import ArgumentTypeError, ArgumentValueError, TensorMismatchError, format_message
 
-_linear_scan_impl = None
-
-
-def _resolve_linear_scan():
-    """`tfun.lax.linear_scan` if it imports and runs (its impls are registered by `tfun.kernels`), else False."""
-    global _linear_scan_impl
-    if _linear_scan_impl is None:
-        impl = False
-        try:
-            from .. import kernels as _kernels  # noqa: F401  (registers the linear_scan impls)
-            from ..lax._linear_scan import linear_scan as candidate
-
-            probe = candidate(torch.full((3, 1), 0.5), torch.ones(3, 1), axis=0)
-            if torch.allclose(probe[:, 0], torch.tensor([1.0, 1.5, 1.75])):
-                impl = candidate
-        except Exception:  # noqa: BLE001 - not landed yet, or broken: use associative_scan
-            impl = False
-        _linear_scan_impl = impl
-    return _linear_scan_impl
-
 
 def _combine(x, y):
     a_i, b_i = x
@@ -39,17 +19,15 @@ def _combine(x, y):
 def linear_recurrence(a: torch.Tensor, b: torch.Tensor, *, axis: int = -1, init: torch.Tensor | None = None) -> torch.Tensor:
     """All states of `h_t = a_t * h_{t-1} + b_t` along `axis` (h_{-1} = `init`, or 0).
 
-    Uses `tfun.lax.linear_scan` for real tensors when it is available, and otherwise
-    `tfun.lax.associative_scan` with the S5 binary operator
-    `(a_i, b_i) • (a_j, b_j) = (a_j a_i, a_j b_i + b_j)` (Smith et al. 2023), which also
-    covers complex tensors. `a` must broadcast to `b`'s shape.
+    Uses `tfun.lax.linear_scan` for real tensors (`tfun.kernels`, imported by `import tfun`
+    before `tfun.nn`, registers its implementations), and `tfun.lax.associative_scan` with the
+    S5 binary operator `(a_i, b_i) • (a_j, b_j) = (a_j a_i, a_j b_i + b_j)` (Smith et al. 2023)
+    for complex tensors. `a` must broadcast to `b`'s shape.
     """
     ax = axis % b.dim()
-    impl = _resolve_linear_scan()
-    if impl and not (a.is_complex() or b.is_complex()):
-        a = a.expand_as(b) if a.shape != b.shape else a
-        return impl(a, b, init, axis=ax)
     a = a.expand_as(b) if a.shape != b.shape else a
+    if not (a.is_complex() or b.is_complex()):
+        return lax.linear_scan(a, b, init, axis=ax)
     if init is not None:
         first = a.narrow(ax, 0, 1) * init.unsqueeze(ax) + b.narrow(ax, 0, 1)
         b = torch.cat([first, b.narrow(ax, 1, b.shape[ax] - 1)], dim=ax)
@@ -61,7 +39,7 @@ def linear_recurrence(a: torch.Tensor, b: torch.Tensor, *, axis: int = -1, init:
 
 def linear_scan_backend() -> str:
     """Which implementation `linear_recurrence` uses for real tensors."""
-    return "tfun.lax.linear_scan" if _resolve_linear_scan() else "tfun.lax.associative_scan"
+    return "tfun.lax.linear_scan"
 
 
 def describe(x: torch.Tensor) -> str:
