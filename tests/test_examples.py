@@ -26,6 +26,7 @@ OURS = [
     ("early_stopping_generation.py", ["--smoke"]),
     ("attention_masks.py", ["--smoke"]),
     ("demo.py", []),
+    ("train_distributed.py", ["--smoke"]),  # launches torchrun with two gloo processes itself
 ]
 # Owned by the tfun.nn engineer; smoke-run when present.
 # Their plots go to a temporary folder (OUT_DIR, filled in by the fixture), not into the checkout.
@@ -48,6 +49,7 @@ EXPECT = {
     "early_stopping_generation.py": "matches the hand-written loop: True",
     "attention_masks.py": "match the hand-written if/else: True",
     "demo.py": "associative_scan cumsum:",
+    "train_distributed.py": "ranks agree: True",
 }
 
 TIMEOUT_S = 300
