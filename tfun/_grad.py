@@ -386,17 +386,30 @@ def _value_and_grad_call(
         out = _check_scalar_output(op, fun, out, holomorphic)
         return out, _pack_aux(box, aux)
 
-    if fl.leaves and _hop.is_tracing():
-        # Under torch.compile / tfun.jit, torch.func.grad cannot trace tfun's control-flow
-        # ops (torch 2.13 asserts "Expected FakeTensor"), but reverse-mode autograd can:
-        # tfun.jit lets Dynamo trace torch.autograd.grad, so jit(grad(loss)) is one graph.
-        #
+    # Under torch.compile / tfun.jit, torch.func.grad cannot trace tfun's control-flow ops
+    # (torch 2.13 asserts "Expected FakeTensor"), but reverse-mode autograd can: tfun.jit
+    # lets Dynamo trace torch.autograd.grad, so jit(grad(loss)) is one graph.
+    #
+    # A tensor the function closes over may require grad (a module's parameter): then the
+    # gradient depends on it, and an outer .backward() (a gradient penalty) must reach it
+    # through the gradient's graph, as it does eagerly. Reverse-mode autograd on fresh leaves
+    # cannot return such a gradient from a compiled region, so torch.func.grad (which
+    # Dynamo traces when there is no control flow) takes that case; with control flow
+    # inside, torch has no second derivative of a HOP, so it is refused, never dropped.
+    # Whether the function closes over such a tensor is learned at trace time by a probe
+    # (`_probe_closure`); its ops feed nothing and AOTAutograd drops them before anything runs.
+    tracing = bool(fl.leaves) and _hop.is_tracing()
+    closed = False
+    if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
+        closed, flows = _probe_closure(f_flat, fl.leaves)
+        if closed and flows:
+            _refuse_second_order(op, fun, closed=True)
+    if tracing and not closed:
         # Like torch.func's, the results stay differentiable by an outer autograd (a
-        # .backward() of a loss built on the gradient, tfun.grad of tfun.grad, a penalty
-        # on the gradient w.r.t. closed-over parameters): with grad mode on, an argument
-        # that requires grad stays connected (through a view of its own, so that one tensor
-        # passed twice gets a gradient per position) and the graph of the gradient is kept.
-        # Detaching them would drop those derivatives without an error.
+        # .backward() of a loss built on the gradient, tfun.grad of tfun.grad): with grad
+        # mode on, an argument that requires grad stays connected (through a view of its
+        # own, so that one tensor passed twice gets a gradient per position) and the graph
+        # of the gradient is kept. Detaching them would drop those derivatives without an error.
         outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
         with torch.enable_grad():
             leaves = [x.view_as(x) if outer and x.requires_grad else x.detach().requires_grad_() for x in fl.leaves]
@@ -431,19 +444,43 @@ def _value_and_grad_call(
     return value, g, aux
 
 
-def _refuse_second_order(op: str, fun: Callable[..., Any]) -> None:
-    """Under tfun.jit, a gradient taken w.r.t. arguments that require grad must stay
-    differentiable, but torch 2.13's control-flow HOPs have no double backward: their
-    gradient would silently stop there. Refused instead."""
+def _probe_closure(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> tuple[bool, bool]:
+    """Traced code only: evaluate `f_flat` once on detached arguments. Returns whether its
+    value requires grad all the same (through a closed-over tensor that requires grad: a
+    module's parameter, a captured weight) and whether it contains control flow (a HOP)."""
+    lowered = _hop.lowerings()
+    with torch.enable_grad():
+        value, _ = f_flat(*[x.detach() for x in leaves])
+    return bool(value.requires_grad), _hop.lowerings() != lowered
+
+
+def _refuse_second_order(op: str, fun: Callable[..., Any], closed: bool = False) -> None:
+    """Under tfun.jit, a gradient that something outside may differentiate again must stay
+    differentiable, but torch's control-flow HOPs have no double backward: their gradient
+    would silently stop there. Refused instead."""
+    if closed:
+        why = (
+            "a tensor it closes over requires grad (a module's parameter, say), so the gradient depends on it "
+            "and an outer .backward() could differentiate it"
+        )
+        revise = (
+            "If the gradient itself is not differentiated (no gradient penalty), call the tfun.grad under "
+            "`torch.no_grad()` or pass the closed-over tensors as arguments; otherwise take this derivative "
+            "outside tfun.jit."
+        )
+    else:
+        why = "an argument it differentiates requires grad, so an outer .backward() or tfun.grad could reach it"
+        revise = (
+            "Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order "
+            "gradient is wanted, or take the higher-order derivative outside tfun.jit."
+        )
     raise JitError(
         format_message(
             f"{op}: under tfun.jit, the gradient of a function with tfun.lax control flow cannot itself be "
-            "differentiated (an argument it differentiates requires grad, so an outer .backward() or "
-            f"tfun.grad could reach it), and torch {torch.__version__} has no second derivative of a "
+            f"differentiated ({why}), and torch {torch.__version__} has no second derivative of a "
             "control-flow op.",
             function=describe(fun),
-            revise="Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order "
-            "gradient is wanted, or take the higher-order derivative outside tfun.jit.",
+            revise=revise,
         )
     )
 

@@ -135,16 +135,33 @@ class Lowered:
         return "\n".join(parts)
 
     def count(self, target_name: str) -> int:
-        """How many nodes of the outer graphs call a target whose name contains `target_name`."""
+        """How many live nodes of the outer graphs call a target whose name contains
+        `target_name`. A node is live when its result reaches the graph's outputs or it has
+        a side effect; dead nodes (such as those of `tfun.grad`'s trace-time probe for
+        closed-over tensors that require grad) are dropped by the compiler before anything
+        runs, so they are not counted."""
         n = 0
         for g in self.graphs:
+            live = _live_nodes(g)
             for node in g.nodes:
-                if node.op == "call_function" and target_name in _target_text(node.target):
+                if node in live and node.op == "call_function" and target_name in _target_text(node.target):
                     n += 1
         return n
 
     def __repr__(self) -> str:
         return f"Lowered({len(self.graphs)} graph(s), {self.graph_breaks} graph break(s))"
+
+
+def _live_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose results reach the output, or that have side effects, and their inputs."""
+    stack = [n for n in graph.nodes if n.op == "output" or (n.op != "placeholder" and n.is_impure())]
+    live: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
 
 
 def _target_text(target: Any) -> str:
