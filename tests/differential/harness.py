@@ -7,6 +7,14 @@ Paths:
   of a loss computed from the jitted outputs (the backward is compiled by AOTAutograd).
 - `"aot_eager+grad"`, `"inductor+grad"`: JAX's training step, `tfun.jit(tfun.value_and_grad(loss))`,
   the whole forward and backward traced into one graph.
+- `"vmap"`: `tfun.vmap(fn)` over a batch of `VMAP_BATCH` copies of the case, each built from its
+  own seed (`spec["seed"] + k`); gradients by autograd through the batched outputs. Slice `k` is
+  compared with the oracle of seed `k`, so a batched predicate (cond, switch, while_loop) must
+  take each example's own branch or trip count, as in JAX.
+- `"vmap+grad"`: per-example gradients, `tfun.vmap(tfun.value_and_grad(loss))`, over the same batch.
+- `"jvp"`: forward mode, `tfun.jvp(fn, args, tangents)` with random tangents `v`. Its outputs are
+  the primal outputs; its "gradient" is the directional derivative of the weighted loss,
+  `sum(w * tangent_out)`, which the oracle computes by reverse mode as `sum(grad * v)`.
 
 The loss is a fixed random weighting of every floating output, so every output's gradient
 matters. A path either gives the oracle's outputs and gradients within the dtype's tolerance, or
@@ -33,7 +41,9 @@ TOLERANCE = {
     torch.float32: (2e-4, 1e-3),
     torch.bfloat16: (6e-2, 1.5e-1),
 }
-PATHS = ("eager", "aot_eager", "inductor", "aot_eager+grad", "inductor+grad")
+PATHS = ("eager", "aot_eager", "inductor", "aot_eager+grad", "inductor+grad", "vmap", "vmap+grad", "jvp")
+#: examples in the batch of the vmap paths
+VMAP_BATCH = 3
 
 
 @dataclasses.dataclass
@@ -88,6 +98,11 @@ def run(
     oracle sees exactly the inputs a lower-precision path sees: a comparison near a branch's
     threshold (`select`, `cond`) then takes the same side on both paths.
     """
+    if path in ("vmap", "vmap+grad"):
+        try:
+            return _vmapped(name, spec, dtype, torch.device(device), grad=path == "vmap+grad")
+        except TfunError as e:
+            return Refused(e)
     fn, args = CASES[name](spec, dtype, torch.device(device))
     if rounded_to is not None:
         args = tuple(a.to(rounded_to).to(dtype) if a.is_floating_point() else a for a in args)
@@ -95,6 +110,8 @@ def run(
     try:
         if path == "eager":
             return _forward_then_grad(fn, args)
+        if path == "jvp":
+            return _jvp(fn, args)
         backend, _, mode = path.partition("+")
         if backend not in ("aot_eager", "inductor"):
             raise ValueError(f"unknown path {path!r}")
@@ -128,6 +145,77 @@ def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], 
     return Result(_cpu64(outs), _cpu64(grads))
 
 
+def _slice_specs(spec: Spec) -> list[Spec]:
+    return [{**spec, "seed": int(spec.get("seed", 0)) + k} for k in range(VMAP_BATCH)]
+
+
+def _vmapped(name: str, spec: Spec, dtype: torch.dtype, device: torch.device, grad: bool) -> Result:
+    """`tfun.vmap` of the case over the batch of `_slice_specs(spec)`; outputs and gradients
+    of each example, concatenated in example order (as `_oracle_of_slices` lays them out)."""
+    built = [CASES[name](s, dtype, device) for s in _slice_specs(spec)]
+    fn = built[0][0]  # the function depends on the spec's shapes, not on its seed
+    args = tuple(torch.stack(col).detach() for col in zip(*(b[1] for b in built)))
+    with torch.no_grad():
+        weights = _weights(_cpu64(tree_leaves(CASES[name](spec, torch.float64, torch.device("cpu"))[0](*built[0][1]))))
+
+    def loss(*xs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        outs = tree_leaves(fn(*xs))
+        return _loss(outs, weights), outs
+
+    if grad:
+        (_, outs), grads = tfun.vmap(tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+    else:
+        args = tuple(a.requires_grad_() for a in args)
+        outs = tree_leaves(tfun.vmap(fn)(*args))
+        # the loss of each example with the same weights: slice k's gradient is example k's
+        total = sum(_loss([o[k] for o in outs], weights) for k in range(VMAP_BATCH))
+        found = torch.autograd.grad(total, args, allow_unused=True)
+        grads = [torch.zeros_like(a) if g is None else g for a, g in zip(args, found)]
+    return Result(_per_example(_cpu64(outs)), _per_example(_cpu64(grads)))
+
+
+def _per_example(batched: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t[k] for k in range(VMAP_BATCH) for t in batched]
+
+
+def _jvp(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> Result:
+    primals = tuple(a.detach() for a in args)
+    tangents = _tangents(primals)
+    outs, touts = tfun.jvp(lambda *xs: tree_leaves(fn(*xs)), primals, tangents)
+    weights = _weights(_cpu64(outs))
+    directional = sum(
+        (t.to(torch.float64) * w.to(t.device)).sum() for t, w in zip(touts, weights) if w is not None and _floating(t)
+    )
+    return Result(_cpu64(outs), _cpu64([torch.as_tensor(directional)]))
+
+
+def _tangents(primals: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(4321)
+    return tuple(
+        torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype).to(p.device) if p.is_floating_point() else torch.zeros_like(p)
+        for p in primals
+    )
+
+
+def _oracle(name: str, spec: Spec, path: str, dtype: torch.dtype) -> Result:
+    """The float64 eager oracle of `path`, laid out as that path lays out its results."""
+    oracle_spec = {**spec, "impl": "torch"} if "impl" in spec else spec
+    if path in ("vmap", "vmap+grad"):
+        parts = [run(name, s, "eager", torch.float64, "cpu", rounded_to=dtype) for s in _slice_specs(oracle_spec)]
+        for r in parts:
+            assert isinstance(r, Result), f"the oracle itself refused: {getattr(r, 'error', None)}"
+        return Result([t for r in parts for t in r.outs], [t for r in parts for t in r.grads])  # type: ignore[union-attr]
+    oracle = run(name, oracle_spec, "eager", torch.float64, "cpu", rounded_to=dtype)
+    assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
+    if path == "jvp":
+        fn, args = CASES[name](oracle_spec, torch.float64, torch.device("cpu"))
+        args = tuple(a.to(dtype).to(torch.float64) if a.is_floating_point() else a for a in args)
+        tangents = [t.to(dtype).to(torch.float64) for t in _tangents(args)]
+        directional = sum((g * t).sum() for g, t in zip(oracle.grads, tangents) if _floating(g))
+        return Result(oracle.outs, [torch.as_tensor(directional, dtype=torch.float64)])
+    return oracle
+
+
 def max_rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
     """The largest |got - want| over all leaves, relative to the largest |want| (at least 1)."""
     if len(got) != len(want):
@@ -150,9 +238,7 @@ def max_rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> 
 def compare(name: str, spec: Spec, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[float, float] | Refused:
     """(output error, gradient error) of a path against the float64 eager oracle on the CPU."""
     # the oracle runs the pure-torch algorithms (a spec's `impl` picks the path under test)
-    oracle_spec = {**spec, "impl": "torch"} if "impl" in spec else spec
-    oracle = run(name, oracle_spec, "eager", torch.float64, "cpu", rounded_to=dtype)
-    assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
+    oracle = _oracle(name, spec, path, dtype)
     got = run(name, spec, path, dtype, device)
     if isinstance(got, Refused):
         return got

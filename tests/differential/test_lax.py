@@ -110,3 +110,27 @@ def test_compiled_paths_one_after_another() -> None:
     for name in ["scan", "scan_stacked", "cond", "switch", "map"]:
         for spec in ({"T": 4, "C": 2, "seed": 1}, {"T": 6, "C": 3, "seed": 2}):
             harness.assert_matches(name, spec, "aot_eager+grad", torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# The functorch paths, eagerly: vmap (forward and backward through it), per-example
+# gradients (vmap of value_and_grad) and forward mode (jvp), drawn by hypothesis
+# ----------------------------------------------------------------------------------------
+
+#: (case, path) -> why it raises a tfun error eagerly instead of a number, asserted below
+REFUSED_FUNCTORCH: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize("path", ["vmap", "vmap+grad", "jvp"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@given(data=st.data())
+def test_functorch_paths_float64_and_float32(name: str, path: str, data: st.DataObject) -> None:
+    spec = data.draw(specs(name))
+    spec["T"] = min(spec["T"], 40)  # a batch of 3 (vmap) or two passes (jvp): keep it quick
+    why = REFUSED_FUNCTORCH.get((name, path))
+    for dtype in (torch.float64, torch.float32):
+        if why is None:
+            harness.assert_matches(name, spec, path, dtype)
+        else:
+            res = harness.compare(name, spec, path, dtype)
+            assert isinstance(res, harness.Refused), f"{name} along {path} now runs ({why})"
