@@ -26,6 +26,7 @@ import torch.func
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
+from . import _context
 from ._errors import ArgumentTypeError, ArgumentValueError, format_message
 from ._funcinfo import describe
 from ._grad import describe_value, is_inexact
@@ -443,13 +444,6 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, *result)
 
 
-def _functorch_active() -> bool:
-    try:
-        return bool(torch._C._are_functorch_transforms_active())
-    except AttributeError:  # pragma: no cover
-        return True
-
-
 def checkpoint(
     fun: Callable[..., Any] | None = None,
     *,
@@ -556,7 +550,7 @@ def checkpoint(
         spec.n_in = len(ins)
         # discovery run: no graph; finds closed-over tensors (and, outside torch.func, is the forward)
         spec.rng = _RngState(ins) if preserve_rng_state else None
-        plain = not _functorch_active()
+        plain = not _context.functorch_active()
         mode = _Mode(inputs=ins, discover=True, policy=policy if plain else None)
         with torch.no_grad(), mode:
             out = spec.call(ins)

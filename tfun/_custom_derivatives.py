@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.func
 
+from . import _context
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -32,13 +33,6 @@ from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe
 from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["custom_vjp", "custom_jvp"]
-
-
-def _functorch_active() -> bool:
-    try:
-        return bool(torch._C._are_functorch_transforms_active())
-    except AttributeError:  # pragma: no cover - older torch
-        return True
 
 
 _STATE = threading.local()
@@ -55,12 +49,7 @@ class _InsideForward:
         _STATE.depth -= 1
 
 
-def _tensor_level(t: torch.Tensor) -> int:
-    """The torch.func level a tensor is wrapped at (-1 for a plain tensor)."""
-    try:
-        return int(torch._C._functorch.maybe_get_level(t))  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - older torch
-        return -1
+_tensor_level = _context.functorch_level
 
 
 class _Transposing:
@@ -97,7 +86,7 @@ def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the custom rule can matter: autograd or a torch.func transform may see it."""
     if getattr(_STATE, "depth", 0) > 0:
         return False
-    if _functorch_active():
+    if _context.functorch_active():
         return True
     if not tensors:
         return False
@@ -796,8 +785,8 @@ class custom_jvp:
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         fn: Any = _CustomJvpFunction
-        if torch.compiler.is_compiling():
-            if _functorch_active():
+        if _context.is_tracing():
+            if _context.functorch_active():
                 # Traced, the function has no forward-mode rule (see _CustomJvpTracedFunction):
                 # inside a torch.func transform Dynamo would differentiate `fun` itself and
                 # ignore the rule. Which transform is active cannot be asked while tracing

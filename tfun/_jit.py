@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import _funcinfo
+from . import _context, _funcinfo
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from .lax import _hop
 
@@ -344,7 +344,7 @@ class Jitted:
             if self._static_nums or self._static_names:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
-        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:  # type: ignore[attr-defined]
+        if _context.in_functorch_transform():
             # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
             # transform (pytorch#128711), so f runs eagerly there; values and gradients are
             # those of f. Put the transform inside instead: tfun.jit(tfun.grad(f)).

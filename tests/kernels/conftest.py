@@ -3,15 +3,16 @@
 The linear_scan launcher reads `TRITON_INTERPRET` at every launch (not when `@triton.jit`
 decorates, which is when triton 3.6 itself reads it), so setting it per test with monkeypatch
 works whatever imported torch/triton/tfun first, and does not leak into other test directories
-when the whole suite runs in one process. `TFUN_KERNELS_NAN_FILL=1` makes the launchers allocate
-NaN-filled outputs, so a kernel that skips a store fails the comparison.
+when the whole suite runs in one process. The launchers' private knob `nan_fill` makes them
+allocate NaN-filled outputs, so a kernel that skips a store fails the comparison.
 
 Two ways the interpreter differs from a GPU are closed here, so that what passes on the CPU
 also holds on CUDA:
 
 - Plans. On the CPU the launcher never splits time into segments (the interpreter runs programs
-  one by one). `gpu_plans` makes it plan as an H100 would (`SIMULATE_SMS`), so the segmented
-  plans a GPU picks for few channels x long sequences run here too.
+  one by one). `gpu_plans` makes it plan as an H100 would, so the segmented
+  plans a GPU picks for few channels x long sequences run here too (the knob `simulate_sms`;
+  `force_segment` forces a segment length on any input).
 - Reduction order. `tl.reduce` on a GPU reduces in-thread, then with butterfly shuffles across
   lanes, so it may reassociate and *commute* the combine's operands (triton-lang/triton#4962);
   the interpreter folds strictly left to right. `_reversed_reduce` (autouse) makes the
@@ -19,6 +20,8 @@ also holds on CUDA:
   a kernel that relies on the interpreter's order fails here instead of only on CUDA.
   (`tl.associative_scan` keeps the order on GPUs too, and is left as it is.)
 """
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -49,14 +52,13 @@ def _reverse_generic_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TFUN_KERNELS_NAN_FILL", "1")
     from tfun.kernels import _linear_scan_triton
 
-    monkeypatch.setattr(_linear_scan_triton, "FORCE_SEGMENT", None)
-    monkeypatch.setattr(_linear_scan_triton, "SIMULATE_SMS", None)
-    _reverse_generic_reduce(monkeypatch)
+    with _linear_scan_triton.knobs(nan_fill=True, force_segment=None, simulate_sms=None):
+        _reverse_generic_reduce(monkeypatch)
+        yield
 
 
 @pytest.fixture
@@ -64,5 +66,5 @@ def gpu_plans(monkeypatch: pytest.MonkeyPatch) -> int:
     """Plan every launch as on an H100; returns its SM count."""
     from tfun.kernels import _linear_scan_triton
 
-    monkeypatch.setattr(_linear_scan_triton, "SIMULATE_SMS", H100_SMS)
+    monkeypatch.setattr(_linear_scan_triton.KNOBS, "simulate_sms", H100_SMS)
     return H100_SMS

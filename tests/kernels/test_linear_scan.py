@@ -112,7 +112,7 @@ def test_long(T: int, C: int, reverse: bool) -> None:
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_long_multi_segment(reverse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(K, "FORCE_SEGMENT", 512)
+    monkeypatch.setattr(K.KNOBS, "force_segment", 512)
     before = K.LAUNCHES.copy()
     check((2100, 2), 0, reverse, seed=7)  # 5 segments, the last one 52 long
     # the summary and carry kernels ran for the forward and for the backward
@@ -121,7 +121,7 @@ def test_long_multi_segment(reverse: bool, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_multi_segment_uneven_last_segment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(K, "FORCE_SEGMENT", 256)
+    monkeypatch.setattr(K.KNOBS, "force_segment", 256)
     before = K.LAUNCHES.copy()
     check((3, 1000), 1, True, dtype=torch.float32, seed=3)  # 4 segments, the last one 232 long
     assert K.LAUNCHES["summary"] == before["summary"] + 2
@@ -252,6 +252,37 @@ def test_compile_keeps_one_op_and_runs_the_kernels() -> None:
         torch.testing.assert_close(x.grad, y.grad)
 
 
+def test_second_order_under_jit_goes_through_the_one_backward() -> None:
+    """A gradient penalty through the kernel under tfun.jit: the op's backward (registered
+    autograd, the one `_backward`) must itself be differentiable when the graph is kept."""
+    a, b, h0 = (t.double() for t in _inputs(4))
+
+    def penalty(a):
+        g = tfun.grad(lambda a: _loss("triton")(a, b, h0))(a)
+        return (g**2).sum()
+
+    def penalty_ref(a):
+        g = tfun.grad(lambda a: _loss("torch")(a, b, h0))(a)
+        return (g**2).sum()
+
+    want = tfun.grad(penalty_ref)(a)
+    torch.testing.assert_close(tfun.grad(penalty)(a), want)  # eager: _LinearScanFunction
+    torch.testing.assert_close(tfun.jit(tfun.grad(penalty), backend="aot_eager")(a), want)  # the op
+
+
+def test_first_order_backward_is_the_fused_kernel() -> None:
+    a, b, h0 = (t.clone().requires_grad_() for t in _inputs(5))
+    before = K.LAUNCHES.copy()
+    linear_scan(a, b, h0, impl="triton").sum().backward()
+    assert K.LAUNCHES["scan_bwd"] == before["scan_bwd"] + 1
+    # with create_graph the backward is the differentiable reference: forward scans only
+    a2 = a.detach().requires_grad_()
+    before = K.LAUNCHES.copy()
+    (g,) = torch.autograd.grad(linear_scan(a2, b.detach(), h0.detach(), impl="triton").sum(), a2, create_graph=True)
+    assert K.LAUNCHES["scan_bwd"] == before["scan_bwd"] and K.LAUNCHES["scan_fwd"] == before["scan_fwd"] + 2
+    torch.testing.assert_close(g, a.grad)
+
+
 def test_export_shows_the_op() -> None:
     class M(torch.nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
@@ -344,5 +375,5 @@ def test_gpu_plans_other_dtypes(dtype: torch.dtype, gpu_plans: int) -> None:
 @pytest.mark.parametrize("seg", [128, 256])
 def test_every_forced_segment_length(T: int, seg: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """fla-style odd lengths under forced small segments: every segment boundary case."""
-    monkeypatch.setattr(K, "FORCE_SEGMENT", seg)
+    monkeypatch.setattr(K.KNOBS, "force_segment", seg)
     check((T, 2), 0, T % 2 == 1, seed=T + seg)

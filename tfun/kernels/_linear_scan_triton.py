@@ -4,11 +4,17 @@ Four layers:
 
 1. `_scan_kernel` / `_summary_kernel`: the Triton programs.
 2. `linear_scan_fwd` / `linear_scan_bwd`: the launchers (shape plan, allocation, grid).
-3. `torch.ops.tfun.linear_scan` / `torch.ops.tfun.linear_scan_bwd`: `torch.library.triton_op`s
-   with fake impls, `register_autograd` and `register_vmap`, plus `_LinearScanFunction`, an
-   `autograd.Function` with a `jvp` rule used in eager mode so `torch.func.grad`/`jvp`/`vmap`
-   compose (under `torch.compile`/`torch.export` the op is called directly, one node in the graph).
-4. `linear_scan_triton`: the impl registered into `tfun.lax.linear_scan` (validation lives there).
+3. One autograd path. `torch.ops.tfun.linear_scan` / `torch.ops.tfun.linear_scan_bwd` are
+   `torch.library.triton_op`s with fake impls and `register_vmap`; the forward op's autograd is
+   `_backward`, the one backward definition, which `_LinearScanFunction` (the eager entry: an
+   `autograd.Function` that adds the forward-mode rule torch.func needs; Dynamo does not trace a
+   custom `jvp`, so compiled and exported code calls the op, one node in the graph) shares.
+   `_backward` runs the fused backward kernel for a first-order backward, and `_vjp_reference`
+   (the same formula as linear_scan plus elementwise ops) when the backward is itself
+   differentiated, so every order works eagerly, under torch.func and under tfun.jit.
+4. `linear_scan_triton`: the impl registered into `tfun.lax.linear_scan`, whose validation and
+   broadcasting run first (the public function). Beside it, `_linear_scan_ref.linear_scan_torch`
+   is the pure-torch reference with the same signature.
 
 Internal layout. The launchers see every operand as a 3-d view `(O, T, I)`: `O` the product of
 the dims before `axis`, `T` the scanned axis, `I` the product of the dims after it; the channel
@@ -38,10 +44,10 @@ version of each kernel are built at import and `_kernel()` picks one at launch f
 `triton.knobs.runtime.interpret` (which reads the environment on every access), so setting
 `TRITON_INTERPRET=1` any time before a launch works.
 
-Test hooks: `LAUNCHES` counts launches per kernel; with `TFUN_KERNELS_NAN_FILL=1` in the
-environment, outputs are allocated NaN-filled so a skipped store shows up; `FORCE_SEGMENT`
-(module attribute) forces the multi-segment plan with that segment length, and `SIMULATE_SMS`
-makes `plan` pick what a CUDA device with that many SMs would, so the interpreter covers the GPU's
+Test hooks: `LAUNCHES` counts launches per kernel; `KNOBS` (set with `knobs(...)`) holds the
+private knobs: `nan_fill` allocates outputs NaN-filled so a skipped store shows up,
+`force_segment` forces the multi-segment plan with that segment length, and `simulate_sms` makes
+`plan` pick what a CUDA device with that many SMs would, so the interpreter covers the GPU's
 plans.
 
 `tl.reduce` is only ever given a commutative combine (`_add`): Triton may reorder and commute a
@@ -51,8 +57,11 @@ interpreter with a reduce that folds in the opposite order to catch exactly that
 """
 
 import collections
+import contextlib
+import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,6 +71,7 @@ from torch import Tensor
 from torch.library import triton_op
 from triton.runtime.jit import JITFunction
 
+from .. import _context
 from .._compat import triton_launcher
 
 try:  # the interpreter ships with triton; guard anyway so a stripped build still imports
@@ -73,11 +83,40 @@ __all__ = ["linear_scan_fwd", "linear_scan_bwd", "linear_scan_triton", "triton_u
 
 #: launches per kernel name ("scan_fwd", "scan_bwd", "summary", "carry"); tests read it
 LAUNCHES: collections.Counter = collections.Counter()
-#: force the multi-segment plan with this segment length (a multiple of the time tile); tests set it
-FORCE_SEGMENT: int | None = None
-#: plan as if on a CUDA device with this many SMs, so the CPU interpreter runs exactly the plans a
-#: GPU picks (an H100 has 132); tests set it
-SIMULATE_SMS: int | None = None
+
+
+@dataclasses.dataclass
+class Knobs:
+    """The launchers' private test knobs, in one place (tests set them with `knobs(...)`).
+
+    - `force_segment`: force the multi-segment plan with this segment length (rounded down to
+      a multiple of the time tile), so small inputs run the plan long sequences get.
+    - `simulate_sms`: plan as if on a CUDA device with this many SMs (an H100 has 132), so the
+      CPU interpreter runs exactly the plans a GPU picks.
+    - `nan_fill`: allocate outputs NaN-filled, so a kernel that skips a store shows up.
+    """
+
+    force_segment: int | None = None
+    simulate_sms: int | None = None
+    nan_fill: bool = False
+
+
+KNOBS = Knobs()
+
+
+@contextlib.contextmanager
+def knobs(**changes: Any) -> Iterator[Knobs]:
+    """Set some of `KNOBS` for the duration of a `with` block."""
+    old = {k: getattr(KNOBS, k) for k in changes}
+    for k, v in changes.items():
+        if k not in old or not hasattr(KNOBS, k):
+            raise AttributeError(f"no kernel knob {k!r}")
+        setattr(KNOBS, k, v)
+    try:
+        yield KNOBS
+    finally:
+        for k, v in old.items():
+            setattr(KNOBS, k, v)
 MAX_BLOCK_T = 128
 MAX_BLOCK_C = 16
 MIN_SEGMENT = 512
@@ -290,12 +329,8 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 # 2. launchers
 
 
-def _nan_fill() -> bool:
-    return os.environ.get("TFUN_KERNELS_NAN_FILL", "") == "1"
-
-
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if _nan_fill():
+    if KNOBS.nan_fill:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -305,8 +340,8 @@ def _as_3d(x: Tensor, O: int, T: int, I: int) -> Tensor:
 
 
 def _target_programs(device: torch.device) -> int:
-    if SIMULATE_SMS is not None:
-        return 4 * SIMULATE_SMS
+    if KNOBS.simulate_sms is not None:
+        return 4 * KNOBS.simulate_sms
     if device.type == "cuda" and not _interpreting():
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the interpreter runs programs one after another: splitting only adds work
@@ -316,8 +351,8 @@ def plan(C: int, T: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_C, BLOCK_T, segment length) for C channels of T steps."""
     block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(T)))
     block_c = min(MAX_BLOCK_C, triton.next_power_of_2(max(C, 1)))
-    if FORCE_SEGMENT is not None:
-        return block_c, block_t, max(block_t, FORCE_SEGMENT // block_t * block_t)
+    if KNOBS.force_segment is not None:
+        return block_c, block_t, max(block_t, KNOBS.force_segment // block_t * block_t)
     tiles = triton.cdiv(C, block_c)
     target = _target_programs(device)
     if tiles >= target or T < 2 * MIN_SEGMENT:
@@ -502,9 +537,22 @@ def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple:
+    """The one backward of linear_scan, for both entries (the op's autograd registration, used
+    under torch.compile/export, and `_LinearScanFunction`, used eagerly)."""
     a, h0, h = ctx.saved_tensors
-    da, db, dh0 = torch.ops.tfun.linear_scan_bwd(a, h0, h, grad, ctx.axis, ctx.reverse)
-    return da, db, dh0, None, None
+    return (*_vjp(a, h0, h, grad, ctx.axis, ctx.reverse), None, None)
+
+
+def _vjp(a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(da, db, d_h0) of `h = linear_scan(a, b, h0)` for `dL/dh = grad`.
+
+    First order (grad mode off, as autograd runs a backward without create_graph): the fused
+    backward kernel, one pass. When the backward itself is differentiated (create_graph,
+    torch.func.grad/hessian), `_vjp_reference`: the same formula as linear_scan plus
+    elementwise ops, differentiable to any order and in forward mode."""
+    if torch.is_grad_enabled():
+        return _vjp_reference(a, h0, h, grad, axis, reverse)
+    return torch.ops.tfun.linear_scan_bwd(a, h0, h, grad, axis, reverse)
 
 
 _linear_scan_op.register_autograd(_backward, setup_context=_setup_context)
@@ -542,19 +590,19 @@ def _previous_states(h: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     return torch.cat([h0.unsqueeze(axis), h.narrow(axis, 0, T - 1)], axis)
 
 
-def _backward_composite(
+def _vjp_reference(
     a: Tensor, h0: Tensor, h: Tensor, grad: Tensor, axis: int, reverse: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward of linear_scan as linear_scan itself plus elementwise ops (differentiable):
-    g = scan of (a shifted one step ahead, grad) run the other way; da = g * h_prev; db = g;
-    d_h0 = a_first * g_first."""
+    """What `linear_scan_bwd` computes, as linear_scan itself plus elementwise ops
+    (differentiable): g = the scan of (a shifted one step ahead, grad) run the other way;
+    da = g * h_prev; db = g; d_h0 = a_first * g_first."""
     T = h.shape[axis]
     zero = torch.zeros_like(a.narrow(axis, 0, 1))
     if reverse:
         a_next = torch.cat([zero, a.narrow(axis, 0, T - 1)], axis)
     else:
         a_next = torch.cat([a.narrow(axis, 1, T - 1), zero], axis)
-    g = _LinearScanFunction.apply(a_next, grad.to(h.dtype), torch.zeros_like(h0), axis, not reverse)
+    g = _scan(a_next, grad.to(h.dtype), torch.zeros_like(h0), axis, not reverse)
     first = T - 1 if reverse else 0
     da = g * _previous_states(h, h0, axis, reverse)
     return da, g, a.select(axis, first) * g.select(axis, first)
@@ -582,11 +630,7 @@ class _LinearScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
-        if not torch.is_grad_enabled():  # first order only: the fused backward kernel
-            return _backward(ctx, grad)
-        # create_graph / torch.func.grad: a differentiable backward, so higher orders work
-        a, h0, h = ctx.saved_tensors
-        return (*_backward_composite(a, h0, h, grad, ctx.axis, ctx.reverse), None, None)
+        return _backward(ctx, grad)
 
     @staticmethod
     def jvp(ctx: Any, ta: Tensor | None, tb: Tensor | None, th0: Tensor | None, *_: Any) -> Tensor:  # type: ignore[override]
@@ -602,8 +646,15 @@ class _LinearScanFunction(torch.autograd.Function):
 # 4. the impl registered into tfun.lax.linear_scan
 
 
-def linear_scan_triton(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
-    """The Triton path of `tfun.lax.linear_scan` (inputs already validated and broadcast)."""
-    if torch.compiler.is_compiling():
+def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    """The differentiable linear_scan: the op itself under torch.compile/export (one node in
+    the graph; Dynamo does not trace a custom `jvp`), else `_LinearScanFunction`, which adds
+    the forward-mode rule for torch.func. Both differentiate through `_backward`."""
+    if _context.is_tracing():
         return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
     return _LinearScanFunction.apply(a, b, h0, axis, reverse)
+
+
+def linear_scan_triton(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
+    """The Triton path of `tfun.lax.linear_scan` (inputs already validated and broadcast)."""
+    return _scan(a, b, h0, axis, reverse)

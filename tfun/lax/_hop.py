@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from .. import _funcinfo
+from .. import _context, _funcinfo
 from .._errors import ArgumentTypeError, JitError, StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
@@ -90,32 +90,17 @@ __all__ = [
 # Feature detection (torch 2.11 - 2.13)
 # ----------------------------------------------------------------------------------------
 
-def _detect_is_compiling() -> Callable[[], bool]:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if f is not None:
-        return f
-    import importlib  # older torch: only Dynamo's own flag (imports Dynamo, ~1 s)
-
-    return importlib.import_module("torch._dynamo").is_compiling
-
-
-_is_compiling: Callable[[], bool] = _detect_is_compiling()
-
-
 def is_tracing() -> bool:
-    """True under `torch.compile` (Dynamo) and `torch.export.export` (strict and non-strict).
-
-    `torch.compiler.is_compiling()` is True in all three on torch 2.11-2.13 (Dynamo
-    constant-folds it to True; non-strict export sets the flag while it traces), and False
-    in eager mode and under plain `torch.func` transforms. About 0.1 us per call in eager.
+    """True under `torch.compile` (Dynamo) and `torch.export.export`: `tfun._context.is_tracing`,
+    the one place that answers it.
 
     Known torch 2.13 limitation: `torch.compile(torch.func.grad(f))` fails for every
     control-flow HOP (cond, scan, map: "Expected FakeTensor, got Tensor", asserted by
     Dynamo's aliasing check of the HOP body, whose inputs are functorch-wrapped there), so
-    `tfun.jit(tfun.grad(f))` with lax ops inside does not compile; `tfun.jit(f)` followed by
-    `.backward()` does, with any backend.
+    `tfun.jit(torch.func.grad(f))` with lax ops inside does not compile; `tfun.jit(f)` followed
+    by `.backward()` and `tfun.jit(tfun.grad(f))` do, with any backend.
     """
-    return _is_compiling()
+    return _context.is_tracing()
 
 
 def _torch_cond() -> Callable[..., Any]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import lax
+from .. import _context, lax
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, check_tensor
 
@@ -27,7 +27,7 @@ _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
 def _out(h: Tensor) -> Tensor:
     """The per-step output `h`: a copy when compiling, since scan's body outputs may not alias each other."""
-    return h.clone() if torch.compiler.is_compiling() else h
+    return h.clone() if _context.is_tracing() else h
 
 
 def _scan_direction(

@@ -1,0 +1,57 @@
+"""Where a call runs: the one place that answers "tracing? under torch.func? at what level?".
+
+tfun picks a path per call: eagerly it runs Python loops; traced by `torch.compile` (so
+`tfun.jit`) or `torch.export` it lowers to PyTorch's higher-order ops; under a `torch.func`
+transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`) some rules read the transform's level. Every
+such question is asked here, so the answer cannot differ between modules. No tfun imports:
+every layer may use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["is_tracing", "functorch_active", "functorch_level", "in_functorch_transform"]
+
+
+def _detect_is_compiling() -> Callable[[], bool]:
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if f is not None:
+        return f
+    return importlib.import_module("torch._dynamo").is_compiling  # pragma: no cover - older torch
+
+
+_is_compiling: Callable[[], bool] = _detect_is_compiling()
+
+
+def is_tracing() -> bool:
+    """True under `torch.compile` (Dynamo, so `tfun.jit`) and `torch.export.export` (strict
+    and non-strict); False eagerly and under plain `torch.func` transforms.
+
+    `torch.compiler.is_compiling()`: Dynamo constant-folds it to True, non-strict export sets
+    the flag while it traces. About 0.1 us per call eagerly.
+    """
+    return _is_compiling()
+
+
+def functorch_active() -> bool:
+    """Whether a `torch.func` transform (grad, vjp, jvp, vmap, ...) is active on this thread.
+    Conservatively True where torch cannot say."""
+    probe = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return True if probe is None else bool(probe())
+
+
+def in_functorch_transform() -> bool:
+    """Whether eager code runs inside a `torch.func` transform (its interpreter stack is not
+    empty). Not meaningful while tracing: Dynamo models the stack itself."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def functorch_level(t: torch.Tensor) -> int:
+    """The `torch.func` level a tensor is wrapped at (-1 for a plain tensor)."""
+    get = getattr(torch._C._functorch, "maybe_get_level", None)
+    return -1 if get is None else int(get(t))
