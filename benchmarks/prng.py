@@ -1,6 +1,6 @@
 """tfun.random.normal vs torch.randn: eager and under tfun.jit, a few sizes (CPU by default).
 
-    PYTHONPATH=. python benchmarks/random.py [--sizes 1000 100000 1000000] [--repeat 20]
+    PYTHONPATH=. python benchmarks/prng.py [--sizes 1000 100000 1000000] [--repeat 20]
 
 Prints a Markdown table (median milliseconds per call). Not run by the tests.
 """
