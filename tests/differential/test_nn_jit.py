@@ -13,8 +13,9 @@ cover the code paths with few scans (the three cells share one scan).
 
 Regressions: before `tfun.lax._hop._subgraph_inputs_never_donated`, the gradients of every
 layer but the last of a stacked or bidirectional RNN/LSTM/GRU were wrong under Inductor.
-S4D, S5 and LRU (a complex `associative_scan`) still get wrong gradients from Inductor on
-torch 2.13 at lengths >= 4; tfun refuses them with a `JitError` (tested here).
+S4D in its scan mode, S5 and LRU (a complex `associative_scan`) still get wrong gradients from
+Inductor on torch 2.13 at lengths >= 4; tfun refuses them with a `JitError` (tested here).
+S4D's default convolution mode (a real kernel and an FFT) compiles and is compared.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ LAYERS = {
     "LSTM_2layer": lambda: tfun.nn.LSTM(F, HID, num_layers=2, batch_first=True, dtype=DT),
     "LSTM_bidirectional_proj": lambda: tfun.nn.LSTM(F, 5, bidirectional=True, proj_size=3, dtype=DT),
     "GRU_2layer_bidirectional": lambda: tfun.nn.GRU(F, HID, num_layers=2, bidirectional=True, batch_first=True, dtype=DT),
-    "S4D": lambda: tfun.nn.S4D(F, 4, dtype=DT),
+    "S4D": lambda: tfun.nn.S4D(F, 4, dtype=DT),  # the FFT convolution mode: real kernel, no scan
+    "S4D_scan": lambda: tfun.nn.S4D(F, 4, mode="scan", dtype=DT),
     "S5": lambda: tfun.nn.S5(F, 3, dtype=DT),
     "LRU": lambda: tfun.nn.LRU(F, 4, r_min=0.4, r_max=0.99, dtype=DT),
     "MinGRU": lambda: tfun.nn.MinGRU(F, HID, dtype=DT),
@@ -81,7 +83,7 @@ INDUCTOR_T1 = ("LSTM_2layer", "S5", "MinGRU")
 
 #: Layers whose recurrence is a complex `tfun.lax.associative_scan`: refused under Inductor
 #: with gradients (see `tfun.lax._hop.associative_scan`).
-COMPLEX = ("S4D", "S5", "LRU")
+COMPLEX = ("S4D_scan", "S5", "LRU")
 
 
 def _run(fn, layer, xs):

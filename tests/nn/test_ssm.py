@@ -147,3 +147,43 @@ def test_mingru_h0_continues_a_sequence():
     x = torch.randn(2, 9, H, dtype=DT)
     full = m(x)
     torch.testing.assert_close(m(x[:, 4:], full[:, 3]), full[:, 4:])
+
+
+def _s4d_results(m, x, mode):
+    m.mode = mode
+    m.zero_grad()
+    x = x.detach().requires_grad_()
+    y = m(x)
+    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+
+@given(length=st.integers(1, 70), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_s4d_convolution_mode_matches_the_recurrence(length, batch, seed):
+    # outputs and every gradient (input and each parameter), float64
+    torch.manual_seed(seed)
+    m = tfun.nn.S4D(3, 8, dt_min=0.01, dt_max=0.5, dtype=DT)
+    x = torch.randn(batch, length, 3, dtype=DT)
+    for got, want in zip(_s4d_results(m, x, "conv"), _s4d_results(m, x, "scan")):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_s4d_convolution_mode_long_float32_against_float64():
+    torch.manual_seed(0)
+    m64 = tfun.nn.S4D(4, 16, dtype=DT)
+    m32 = tfun.nn.S4D(4, 16)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    x = torch.randn(2, 4097, 4, dtype=DT)
+    want = _s4d_results(m64, x, "scan")
+    for got, w in zip(_s4d_results(m32, x.float(), "conv"), want):
+        assert ((got.double() - w).abs().max() / w.abs().max().clamp_min(1)).item() < 1e-4
+
+
+def test_s4d_mode_is_checked():
+    assert tfun.nn.S4D(2, 4).mode == "conv"
+    with pytest.raises(ArgumentValueError, match=r'mode must be "conv"'):
+        tfun.nn.S4D(2, 4, mode="fft")
+    m = tfun.nn.S4D(2, 4)
+    m.mode = "recurrent"
+    with pytest.raises(ArgumentValueError, match=r"but it is 'recurrent'"):
+        m(torch.randn(1, 3, 2))

@@ -172,14 +172,24 @@ class S4D(_SSMBase):
     `Ā = exp(ΔA)`, `B̄ = (exp(ΔA) - 1) / A · B` (`B = 1`, folded into `C` as in the paper).
     S4D-Lin initialization: `A_n = -½ + iπn`, stored as `log_A_real = log ½` and `A_imag = πn`;
     `Δ = exp(log_dt)` log-uniform in `[dt_min, dt_max]`; `C ~ CN(0, 1)` (stored as its real
-    view `(d_model, d_state // 2, 2)`); `D ~ N(0, 1)`. The recurrence (not the paper's
-    Vandermonde convolution kernel) runs through `associative_scan`, so `step` is exact.
+    view `(d_model, d_state // 2, 2)`); `D ~ N(0, 1)`.
+
+    Two ways to run a whole sequence, with the same outputs and gradients (to rounding):
+
+    - `mode="conv"` (the default, for training): the paper's convolution mode. The kernel
+      `K_l = 2 Re(Σ_n C_n B̄_n Ā_n^l)` (the Vandermonde product, `l < L`) is computed in real
+      arithmetic, and `y = K * u + D u` is a causal convolution by FFT, `O(L log L)` per
+      channel. Memory `O(d_model · d_state · L)` for the kernel.
+    - `mode="scan"`: the recurrence through `associative_scan`.
+
+    `step` runs the recurrence one position at a time (inference); it agrees with both.
 
     **Arguments:**
 
     - `d_model`: channels H.
     - `d_state`: state size N (N // 2 complex modes; default 64).
     - `dt_min`, `dt_max`: range of the step size initialization.
+    - `mode`: `"conv"` or `"scan"`, how `forward` runs (an attribute: it may be changed later).
     - `device`, `dtype`: factory arguments.
 
     **Returns:** `forward(x)` maps `(batch, length, d_model)` to the same shape.
@@ -188,12 +198,14 @@ class S4D(_SSMBase):
     _layer_name = "tfun.nn.S4D"
 
     def __init__(self, d_model: int, d_state: int = 64, dt_min: float = 0.001, dt_max: float = 0.1,
-                 device: Any = None, dtype: Any = None) -> None:
+                 mode: str = "conv", device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         if d_state < 2 or d_state % 2:
             raise ArgumentValueError(f"{self._layer_name}: d_state must be an even number >= 2, got {d_state}.")
         f = {"device": device, "dtype": dtype}
         self.d_model, self.d_state = d_model, d_state
+        self.mode = mode
+        self._check_mode()
         n = d_state // 2
         self.log_dt = nn.Parameter(torch.rand(d_model, **f) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dtype_c = _complex_dtype(self.log_dt.dtype)
@@ -220,10 +232,46 @@ class S4D(_SSMBase):
         **Returns:** `(batch, length, d_model)`.
         """
         x = self._check_x(x)
+        if self._check_mode() == "conv":
+            return _causal_conv(x, self.kernel(x.shape[1])) + self.D * x
         A_bar, B_bar, C = self._discrete()
         bu = B_bar * x.unsqueeze(-1).to(B_bar.dtype)  # (b, l, h, n)
         h = _complex_scan(A_bar, bu, None)
         return 2 * (h * C).sum(-1).real + self.D * x
+
+    def _check_mode(self) -> str:
+        if self.mode not in ("conv", "scan"):
+            raise ArgumentValueError(
+                f'{self._layer_name}: mode must be "conv" (the FFT convolution, for training) or "scan" '
+                f"(the recurrence), but it is {self.mode!r}."
+            )
+        return self.mode
+
+    def kernel(self, length: int) -> Float[Tensor, "d_model length"]:
+        """The convolution kernel `K_l = 2 Re(Σ_n C_n B̄_n Ā_n^l)` for `l < length`, shape
+        `(d_model, length)`, computed in real arithmetic (differentiable; no complex ops, so
+        Inductor compiles it).
+
+        **Arguments:**
+
+        - `length`: how many positions.
+
+        **Returns:** the real kernel (without the skip term `D`).
+        """
+        dt = torch.exp(self.log_dt).unsqueeze(-1)  # (h, 1)
+        a_re = -torch.exp(self.log_A_real)  # Re A, (h, n)
+        a_im = self.A_imag
+        # B̄ = (exp(ΔA) - 1) / A, and the weight W = C B̄, in real and imaginary parts
+        e = torch.exp(a_re * dt)
+        ex_re, ex_im = e * torch.cos(a_im * dt) - 1, e * torch.sin(a_im * dt)
+        den = a_re * a_re + a_im * a_im
+        b_re, b_im = (ex_re * a_re + ex_im * a_im) / den, (ex_im * a_re - ex_re * a_im) / den
+        c_re, c_im = self.C[..., 0], self.C[..., 1]
+        w_re, w_im = c_re * b_re - c_im * b_im, c_re * b_im + c_im * b_re
+        pos = torch.arange(length, dtype=dt.dtype, device=dt.device)
+        mag = torch.exp((a_re * dt).unsqueeze(-1) * pos)  # |Ā^l|, (h, n, L)
+        ang = (a_im * dt).unsqueeze(-1) * pos
+        return 2 * (mag * (w_re.unsqueeze(-1) * torch.cos(ang) - w_im.unsqueeze(-1) * torch.sin(ang))).sum(1)
 
     def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_model modes"]:
         """Zero state `(batch, d_model, d_state // 2)`, complex.
@@ -253,6 +301,18 @@ class S4D(_SSMBase):
         h = self._check_state(state, (x_t.shape[0], self.d_model, self.d_state // 2), A_bar.dtype)
         h = A_bar * h + B_bar * x_t.unsqueeze(-1).to(B_bar.dtype)
         return 2 * (h * C).sum(-1).real + self.D * x_t, h
+
+
+def _causal_conv(x: Tensor, k: Tensor) -> Tensor:
+    """`y[b, t, h] = Σ_{s<=t} k[h, t-s] x[b, s, h]`, by FFT (zero-padded to 2L, so nothing
+    wraps around). float16/bfloat16 are transformed in float32."""
+    L = x.shape[1]
+    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    n = 2 * L
+    xf = torch.fft.rfft(x.transpose(1, 2).to(work), n=n)  # (b, h, n/2+1)
+    kf = torch.fft.rfft(k.to(work), n=n)  # (h, n/2+1)
+    y = torch.fft.irfft(xf * kf, n=n)[..., :L]
+    return y.transpose(1, 2).to(x.dtype)
 
 
 def _hippo_n(n: int) -> tuple[Tensor, Tensor]:
