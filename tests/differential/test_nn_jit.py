@@ -201,3 +201,31 @@ def test_lax_scans_cond_map_gradients_match_eager_float64(backend):
             _close(f"{case}: output leaf {i}", a, b, backend)
     for name, a, b in zip(["xs", "W0", "W1", "W2", "W3"], g, ref_g):
         _close(f"gradient of {name}", a, b, backend)
+
+
+def test_jax_style_training_step_every_layer_in_one_program():
+    """`tfun.jit(tfun.value_and_grad(loss))(params, x)`, the parameters passed as a dict through
+    `torch.func.functional_call`, every layer one after another in one process (as a user's
+    program runs them: Dynamo's automatic dynamic shapes carry over from one layer's sizes to
+    the next). Regression: the LSTM's scan body closed over `hidden // 4`, a SymInt expression
+    under dynamic shapes that torch's scan refused."""
+    from torch.func import functional_call
+
+    for name, make in LAYERS.items():
+        if name == "cells":
+            continue
+        torch.manual_seed(0)
+        layer = make()
+        params = {k: v.detach() for k, v in layer.named_parameters()}
+        x = torch.randn(B, 5, F, dtype=DT, generator=torch.Generator().manual_seed(3))
+
+        def loss(p, x, layer=layer):
+            out = functional_call(layer, p, (x,))
+            y = out[0] if isinstance(out, tuple) else out
+            return (y * torch.linspace(-1, 1, y.numel(), dtype=DT).reshape(y.shape)).sum()
+
+        want_v, want_g = tfun.value_and_grad(loss)(params, x)
+        v, g = tfun.jit(tfun.value_and_grad(loss), backend="aot_eager")(params, x)
+        _close(f"{name} loss", v, want_v, "aot_eager")
+        for n in params:
+            _close(f"{name} gradient of {n}", g[n], want_g[n], "aot_eager")

@@ -64,7 +64,6 @@ def _scan_direction(
         xp = xp + b_hh
     if mode == "LSTM":
         w_hr_t = w_hr.t() if w_hr is not None else None
-        hidden = w_hh.shape[0] // 4
 
         def lstm_step(carry: tuple[Tensor, Tensor], xt: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
             h, c = carry
@@ -72,7 +71,10 @@ def _scan_direction(
             # one sigmoid over all four gates (the g gate's is unused) costs less than three
             # small ones: each op is a dispatch, forward and backward
             i, f, _, o = torch.sigmoid(g).chunk(4, 1)
-            c = torch.addcmul(f * c, i, torch.tanh(g[:, 2 * hidden : 3 * hidden]))
+            # the g gate by chunk, not by a slice with a closed-over size: under tfun.jit's
+            # dynamic shapes that size is a SymInt expression (hidden // 4), which torch's
+            # scan cannot take as a lifted input
+            c = torch.addcmul(f * c, i, torch.tanh(g.chunk(4, 1)[2]))
             h = o * torch.tanh(c)
             if w_hr_t is not None:
                 h = h.mm(w_hr_t)
