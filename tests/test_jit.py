@@ -331,3 +331,27 @@ def test_probe_for_closed_over_parameters_adds_nothing_to_the_graph():
     W = torch.randn(4, 4) * 0.3
     low = tfun.jit(tfun.grad(lambda W, xs: _loss(W, xs))).lower(W, torch.randn(7, 4))
     assert low.graph_breaks == 0 and low.count("higher_order.scan") == 1
+
+
+def test_closed_over_size_from_a_dynamic_shape_is_a_jit_error_that_says_what_to_do():
+    # torch's scan takes a closed-over size only as a plain symbol; `W.shape[0] // 2` becomes
+    # a SymInt expression once tfun.jit makes sizes dynamic (the second distinct shape)
+    def loss(W, xs):
+        n = W.shape[0] // 2
+
+        def body(h, x):
+            h = torch.tanh(h @ W + x)
+            return h, h[:, :n].sum()
+
+        return lax.scan(body, torch.zeros(1, W.shape[0]), xs)[1].sum()
+
+    f = tfun.jit(tfun.grad(loss), backend="aot_eager")
+    torch.testing.assert_close(f(torch.randn(4, 4), torch.randn(5, 1, 4)).shape, torch.Size([4, 4]))
+    with pytest.raises(JitError, match=r"closes over a size computed from a dynamic shape") as info:
+        f(torch.randn(6, 6), torch.randn(5, 1, 6))
+    assert "dynamic=False" in str(info.value)
+    # the fix it names: one compile per shape
+    g = tfun.jit(tfun.grad(loss), backend="aot_eager", dynamic=False)
+    for H in (4, 6):
+        W, xs = torch.randn(H, H), torch.randn(5, 1, H)
+        torch.testing.assert_close(g(W, xs), tfun.grad(loss)(W, xs))

@@ -639,12 +639,23 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         inner.dynamo_error = e  # type: ignore[attr-defined]
         return inner
     where = _user_frame(e)
+    revise = (
+        "Revise that line (tfun.lax ops instead of Python control flow on tensor values, no "
+        "printing or .item() on traced tensors), or pass fullgraph=False to allow graph breaks."
+    )
+    if "SymInt with basic symbols" in str(e):
+        # torch's scan/while_loop take a closed-over size only as a plain symbol: a size computed
+        # from a dynamic shape (`n // 4`) and closed over by the body is refused
+        revise = (
+            "A loop body closes over a size computed from a dynamic shape (such as `h.shape[0] // 4`): "
+            "compute it inside the body from a tensor it receives (`x.shape[0] // 4`, or `chunk`), or "
+            "pass dynamic=False to tfun.jit to compile each shape on its own."
+        )
     err = JitError(
         format_message(
             f"tfun.jit: could not compile `{fn_text}` as one graph:",
             [_headline(e)] + ([f"at {where}"] if where else []),
-            revise="Revise that line (tfun.lax ops instead of Python control flow on tensor values, no "
-            "printing or .item() on traced tensors), or pass fullgraph=False to allow graph breaks.",
+            revise=revise,
         )
     )
     err.dynamo_error = e  # type: ignore[attr-defined]
