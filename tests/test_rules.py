@@ -1365,3 +1365,72 @@ def test_checkpointed_method_as_a_body_names_the_users_file():
     m = _Step()
     with pytest.raises(StructureMismatchError, match=r"The function is `forward at .*test_rules\.py:\d+`"):
         lax.scan(tfun.checkpoint(m.forward), torch.zeros(3), torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: only what this thread's function did
+# ---------------------------------------------------------------------------------------
+
+
+def _in_another_thread(work):
+    import threading
+
+    stop = threading.Event()
+    started = threading.Event()
+
+    def loop():
+        started.set()
+        while not stop.is_set():
+            work()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    started.wait()
+    return stop, t
+
+
+def test_read_only_body_is_not_blamed_for_another_threads_mutation():
+    import time
+
+    shared = [0]
+    meta = {"n": 0}
+    stop, t = _in_another_thread(lambda: (shared.append(0), meta.__setitem__("n", meta["n"] + 1), time.sleep(0.0005)))
+    try:
+
+        def body(c, x):
+            time.sleep(0.02)  # the other thread runs meanwhile
+            return c + x + 0 * len(shared) + 0 * meta["n"], None
+
+        out = lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0]
+    finally:
+        stop.set()
+        t.join()
+    assert torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_mutating_body_is_still_refused_while_other_threads_run():
+    import time
+
+    stop, t = _in_another_thread(lambda: time.sleep(0.001))
+    try:
+        shared = []
+
+        def body(c, x):
+            shared.append(c)
+            return c + x, None
+
+        with pytest.raises(SideEffectError, match=r"it mutates nonlocal `shared` \(a list: 0 items before the call, 1 after\)"):
+            lax.scan(body, torch.zeros(3), torch.ones(2, 3))
+
+        class Counter:
+            def __init__(self):
+                self.n = 0
+
+        counter = Counter()
+        lin = torch.nn.Linear(3, 3)
+        lin.register_forward_hook(lambda m, i, o: setattr(counter, "n", counter.n + 1))
+        with pytest.raises(SideEffectError, match=r"it mutates nonlocal `counter`"):
+            lax.scan(lambda c, x: (lin(c) + x, None), torch.zeros(3), torch.ones(2, 3))
+    finally:
+        stop.set()
+        t.join()

@@ -986,14 +986,25 @@ class Snapshot:
                 frontier.extend((name + suffix, child, depth + 1) for suffix, child in _children(obj))
         self.entries = entries
 
-    def changes(self) -> list[str]:
+    def changes(self, fn: Any = None) -> list[str]:
+        """What changed since the snapshot. With `fn` and other threads alive, a change to
+        a container or an object's attributes is blamed on `fn` only where its bytecode
+        (or a helper's) can make it (`_mutation_kinds`): another thread may have made it.
+        In-place tensor and numpy writes are always blamed (torch code writes them, which
+        bytecode does not show)."""
         out = []
+        kinds = None
         for name, obj, fp in self.entries:
             now = _fingerprint(obj)
             if now == fp:
                 continue
             if fp[0] == "object" and now is not None and _only_cached_properties(obj, fp[1], now[1]):
                 continue
+            if fn is not None and fp[0] in ("list", "dict", "set", "object") and threading.active_count() > 1:
+                if kinds is None:
+                    kinds = _mutation_kinds(fn)
+                if ("object" if fp[0] == "object" else "container") not in kinds:
+                    continue
             if fp[0] == "tensor":
                 out.append(
                     f"it writes in place to {name}, a tensor it did not create (version {fp[1]} -> {now[1]})"
@@ -1007,6 +1018,73 @@ class Snapshot:
             else:
                 out.append(f"it mutates {name} (a {_kind(obj)}: its attributes changed)")
         return out
+
+
+#: Method names that mutate a container (list, dict, set, deque) or an object's attributes.
+_CONTAINER_MUTATORS = frozenset(
+    "append extend insert pop remove clear update add discard setdefault popitem sort reverse appendleft "
+    "extendleft popleft rotate __setitem__ __delitem__ __iadd__ __ior__ __isub__ __iand__ difference_update "
+    "intersection_update symmetric_difference_update heappush heappop heapreplace heappushpop heapify shuffle".split()
+)
+_OBJECT_MUTATORS = frozenset(
+    "setattr delattr __setattr__ __delattr__ register_buffer register_parameter register_module add_module "
+    "train eval requires_grad_ apply zero_grad update setdefault __dict__ load_state_dict".split()
+)
+
+
+def _mutation_kinds(fn: Any) -> frozenset[str]:
+    """Which outer mutations `fn`'s bytecode, or that of the user functions it names (to a
+    depth of four), can make: "container" (item stores, mutating methods, `+=`) and
+    "object" (attribute stores, setattr, nn.Module setters)."""
+    kinds: set[str] = set()
+    base = _funcinfo.unwrap_callable(fn)
+    todo: list[tuple[Any, int]] = [(base, 0)]
+    seen_codes: set[int] = set()
+    while todo and len(kinds) < 2:
+        f, depth = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(code) in seen_codes:
+            continue
+        seen_codes.add(id(code))
+        stack = [code]
+        names: set[str] = set()
+        while stack:
+            c = stack.pop()
+            names.update(c.co_names)
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            for ins in dis.get_instructions(c):
+                op = ins.opname
+                if op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+                    kinds.add("container")
+                elif op in ("STORE_ATTR", "DELETE_ATTR"):
+                    kinds.add("object")
+                elif op == "BINARY_OP" and ins.argrepr.endswith("="):
+                    kinds.add("container")  # `lst += [...]` extends the list in place
+                elif isinstance(ins.argval, str) and op.startswith("LOAD_"):
+                    if ins.argval in _CONTAINER_MUTATORS:
+                        kinds.add("container")
+                    if ins.argval in _OBJECT_MUTATORS:
+                        kinds.add("object")
+        if depth < _MAX_DEPTH and isinstance(f, types.FunctionType):
+            helpers = [f.__globals__.get(n) for n in names]
+            for cell in f.__closure__ or ():
+                try:
+                    helpers.append(cell.cell_contents)
+                except ValueError:
+                    continue
+            todo.extend((h, depth + 1) for h in helpers if _is_user_function(h))
+            # methods of the objects the function reaches (`self.helper()`), and what calling
+            # a module runs (its forward, its hooks)
+            for _, root in roots_of(f):
+                if isinstance(root, _SKIP_TYPES) or isinstance(root, (torch.Tensor, list, dict, set, tuple)):
+                    continue
+                methods = [getattr(type(root), n, None) for n in names]
+                if isinstance(root, torch.nn.Module):
+                    methods.append(getattr(type(root), "forward", None))
+                    for kind in _HOOK_DICTS:
+                        methods.extend(getattr(root, kind, {}).values())
+                todo.extend((m, depth + 1) for m in methods if _is_user_function(m))
+    return frozenset(kinds)
 
 
 def side_effect_message(op: str, role: str, function: str, short: str, problems: Sequence[str]) -> str:
@@ -1043,7 +1121,7 @@ def checked_call(
     snap = Snapshot(roots)
     state = _torch_state()
     out = fn(*args) if call is None else call()
-    problems = snap.changes() + torch_state_changes(state)
+    problems = snap.changes(fn) + torch_state_changes(state)
     if problems:
         _raise_side_effects(op, role, fn, problems)
     return out
@@ -1194,7 +1272,7 @@ def abstract_eval(
             out = fn(*tree_unflatten(treedef, fake_leaves))
         out_leaves, out_def = tree_flatten(out)
         if snap is not None:
-            problems = snap.changes() + torch_state_changes(state)
+            problems = snap.changes(fn) + torch_state_changes(state)
             if problems:
                 _raise_side_effects(op or "tfun", role or "function", fn, problems)
     except TfunError:
