@@ -791,12 +791,19 @@ def _torch_state() -> tuple[tuple[str, Any], ...]:
     )
 
 
+_SETTERS: dict[str, Callable[[Any], Any]] = {
+    "torch.set_default_dtype": torch.set_default_dtype,
+    "torch.set_grad_enabled": torch.set_grad_enabled,
+    "torch.use_deterministic_algorithms": torch.use_deterministic_algorithms,
+    "torch.set_num_threads": torch.set_num_threads,
+}
+
+
 def _restore_torch_state(state: tuple[tuple[str, Any], ...]) -> None:
-    d = dict(state)
-    torch.set_default_dtype(d["torch.set_default_dtype"])
-    torch.set_grad_enabled(d["torch.set_grad_enabled"])
-    torch.use_deterministic_algorithms(d["torch.use_deterministic_algorithms"])
-    torch.set_num_threads(d["torch.set_num_threads"])
+    """Put back the settings that differ from `state` (and only those)."""
+    for (name, before), (_, now) in zip(state, _torch_state()):
+        if before != now:
+            _SETTERS[name](before)
 
 
 def _state_text(v: Any) -> str:
