@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -116,9 +119,12 @@ def test_while_loop_body_mismatch():
 
 
 def test_fori_loop_dtype_mismatch():
+    # an int64 tensor init is strongly typed (a Python int init is weak: JAX, and tfun,
+    # give it the body's float32, see test_weak_typed_python_scalars_are_accepted_as_in_jax)
     with pytest.raises(TensorMismatchError) as e:
-        lax.fori_loop(0, 3, lambda i, v: v * 1.5, 1)
+        lax.fori_loop(0, 3, lambda i, v: v * 1.5, torch.tensor(1))
     assert "  * carry: input is int64[] on cpu, output is float32[] on cpu (dtypes differ)" in str(e.value)
+    assert torch.equal(lax.fori_loop(0, 3, lambda i, v: v * 1.5, 1), torch.tensor(3.375))
 
 
 def test_associative_scan_combine_mismatch():
@@ -336,7 +342,8 @@ def test_attribute_assignment_refused():
         box.value = x
         return x
 
-    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `box` \(a .*Box: its attributes changed\)"):
+    # found in the bytecode, before the call: the attribute and its line are named
+    with pytest.raises(SideEffectError, match=r"sets attribute `value` of nonlocal `box` \(line \d+\)"):
         lax.cond(True, f, f, torch.zeros(2))
 
 
@@ -819,3 +826,611 @@ def test_not_implemented_error_of_the_branch_not_taken_is_raised():
 
     with pytest.raises(NotImplementedError, match="mode c is not implemented"):
         lax.switch(0, [lambda x: x, lambda x: -x, mode_c], torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: side effects the rules missed, eagerly and under tfun.jit alike
+# ---------------------------------------------------------------------------------------
+
+
+def _same_error_eagerly_and_jitted(make, cls=SideEffectError):
+    """`make()` builds a fresh program (fresh outer state) that breaks a rule. It is run
+    eagerly and under `tfun.jit`: the same tfun error (class and message) both times, naming
+    the user's function in this file. Returns the message."""
+    msgs = []
+    for jitted in (False, True):
+        clear_cache()
+        program = make()
+        if jitted:
+            program = tfun.jit(program, backend="aot_eager")
+        with pytest.raises(cls) as e:
+            program()
+        assert type(e.value) is cls
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]
+    assert re.search(r"The function is `[\w<>]+ at .*test_rules\.py:\d+`\.", msgs[0]), msgs[0]
+    return msgs[0]
+
+
+def _scan_with(body):
+    return lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0]
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(3))
+
+
+def test_rebinding_a_module_buffer_refused():
+    def make():
+        m = _WithBuffer()
+
+        def body(c, x):
+            m.buf = m.buf + x
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * sets attribute `buf` of nonlocal `m` (line " in msg
+
+
+def test_register_buffer_inside_a_body_refused():
+    def make():
+        m = _WithBuffer()
+
+        def body(c, x):
+            m.register_buffer("buf", c + x)
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * it mutates nonlocal `m` (a _WithBuffer: its attributes changed)" in msg
+
+
+def test_rebinding_a_buffer_through_self_refused():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def body(self, c, x):
+            self.count = self.count + 1
+            return c + x, None
+
+    net = Net()
+    with pytest.raises(SideEffectError, match=r"it mutates self \(a .*Net: its attributes changed\)"):
+        lax.scan(net.body, torch.zeros(3), torch.ones(2, 3))
+
+
+def test_in_place_write_through_data_refused():
+    def make():
+        p = torch.nn.Parameter(torch.ones(3))
+
+        def body(c, x):
+            p.data.mul_(2)
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * writes in place to nonlocal `p`, a tensor it did not create, through `.data` (`.data.mul_`, line " in msg
+
+
+def test_deque_append_refused():
+    def make():
+        dq = collections.deque()
+
+        def body(c, x):
+            dq.append(1)
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * it mutates nonlocal `dq` (a deque: 0 items before the call, 1 after)" in msg
+
+
+def test_write_into_a_numpy_array_refused():
+    np = pytest.importorskip("numpy")
+
+    def make():
+        arr = np.zeros(3)
+
+        def body(c, x):
+            arr[0] = 1.0
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * it writes to nonlocal `arr` (a numpy array: its contents changed)" in msg
+
+
+class _Slotted:
+    __slots__ = ("v",)
+
+    def __init__(self):
+        self.v = 0
+
+
+def test_setting_a_slot_attribute_refused():
+    def make():
+        s = _Slotted()
+
+        def body(c, x):
+            s.v = 1
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * sets attribute `v` of nonlocal `s` (line " in msg
+
+
+def test_slot_attribute_mutated_through_a_helper_refused():
+    s = _Slotted()
+
+    def bump(obj):
+        obj.v += 1
+
+    def body(c, x):
+        bump(s)
+        return c + x, None
+
+    with pytest.raises(SideEffectError, match=r"it mutates nonlocal `s` \(a _Slotted: its attributes changed\)"):
+        lax.scan(body, torch.zeros(3), torch.ones(2, 3))
+
+
+_CALLS = 0
+
+
+def _count_a_call():
+    global _CALLS
+    _CALLS += 1
+
+
+def test_helper_that_rebinds_a_global_refused():
+    def make():
+        def body(c, x):
+            _count_a_call()
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert re.search(r"  \* calls `_count_a_call at .*test_rules\.py:\d+`, which rebinds global `_CALLS` \(line \d+\)", msg)
+    assert _CALLS == 0  # found in the bytecode: the body never ran
+
+
+def test_setting_a_module_attribute_refused():
+    def make():
+        mod = types.ModuleType("tfun_test_settings")
+
+        def body(c, x):
+            mod.attr = 1
+            return c + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert "  * sets attribute `attr` of nonlocal `mod` (line " in msg
+
+
+def test_forward_hook_that_mutates_state_refused():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+    def make():
+        lin = torch.nn.Linear(3, 3)
+        counter = Counter()
+
+        def hook(module, inputs, output):
+            counter.n += 1
+
+        lin.register_forward_hook(hook)
+
+        def body(c, x):
+            return lin(c) + x, None
+
+        return _scan_with(body)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert re.search(r"  \* it mutates nonlocal `counter` \(through `hook`\) \(a .*Counter: its attributes changed\)", msg)
+
+
+@pytest.mark.parametrize(
+    ("setting", "before", "after"),
+    [
+        (lambda: torch.set_default_dtype(torch.float64), "float32", "float64"),
+        (lambda: torch.set_grad_enabled(False), "True", "False"),
+    ],
+    ids=["set_default_dtype", "set_grad_enabled"],
+)
+def test_torch_global_state_leaking_out_of_a_body_refused(setting, before, after):
+    name = "set_default_dtype" if after == "float64" else "set_grad_enabled"
+
+    def make():
+        def body(c, x):
+            setting()
+            return c + x, None
+
+        return _scan_with(body)
+
+    try:
+        msg = _same_error_eagerly_and_jitted(make)
+        # eagerly tfun restores the state it reports; under tfun.jit the body never ran
+        assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+    assert (
+        f"  * it leaves torch's global state changed: `torch.{name}` was {before} before the call and is {after} after"
+        in msg
+    )
+
+
+def test_torch_state_set_in_a_with_block_is_accepted():
+    def body(c, x):
+        with torch.no_grad():
+            y = c * 2
+        return y + x, None
+
+    for run in (lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0],
+                tfun.jit(lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0], backend="aot_eager")):
+        clear_cache()
+        assert torch.equal(run(), torch.full((3,), 3.0))
+
+
+def test_map_with_batch_size_keeps_the_side_effect_rule():
+    def make():
+        seen = []
+
+        def f(x):
+            seen.append(x)
+            return x * 2
+
+        return lambda: lax.map(f, torch.ones(4, 3), batch_size=2)
+
+    msg = _same_error_eagerly_and_jitted(make)
+    assert msg.startswith("tfun.lax.map: the function must not have side effects, but it does:")
+    assert "  * it mutates nonlocal `seen` (a list: 0 items before the call, 2 after)" in msg
+
+
+def test_map_with_batch_size_runs_the_rules_once_per_signature(monkeypatch):
+    calls = []
+    original = tfun._rules.Snapshot.__init__
+
+    def counting(self, roots):
+        calls.append(1)
+        original(self, roots)
+
+    monkeypatch.setattr(tfun._rules.Snapshot, "__init__", counting)
+    f = lambda x: x * 2  # noqa: E731
+    assert torch.equal(lax.map(f, torch.ones(5, 3), batch_size=2), torch.full((5, 3), 2.0))
+    first = len(calls)
+    assert first >= 1  # f's rules (and those of the scan over batches)
+    for _ in range(2):
+        assert torch.equal(lax.map(f, torch.ones(5, 3), batch_size=2), torch.full((5, 3), 2.0))
+    assert len(calls) == first
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: harmless programs the rules rejected
+# ---------------------------------------------------------------------------------------
+
+
+def _accepted_eagerly_and_jitted(program, expected, jit=True):
+    for jitted in ((False, True) if jit else (False,)):
+        clear_cache()
+        run = tfun.jit(program, backend="aot_eager") if jitted else program
+        out = run()
+        assert torch.equal(torch.as_tensor(out), torch.as_tensor(expected)), (jitted, out, expected)
+        if isinstance(expected, torch.Tensor):
+            assert out.dtype == expected.dtype
+
+
+def test_logging_in_a_body_is_accepted():
+    import logging
+
+    log = logging.getLogger("tfun_test_rules_fresh_logger")
+    root = logging.getLogger()
+    saved = list(root.handlers)
+
+    def body(c, x):
+        logging.debug("step %s", 1)  # the first call sets up the root logger's handler
+        log.debug("step")  # ... and this logger's level cache
+        return c + x, None
+
+    try:
+        # not under tfun.jit: Dynamo cannot trace logging inside a control-flow body
+        _accepted_eagerly_and_jitted(lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0], torch.full((3,), 2.0), jit=False)
+    finally:
+        root.handlers[:] = saved
+
+
+def test_cached_property_read_in_a_body_is_accepted():
+    class Config:
+        @functools.cached_property
+        def scale(self):
+            return torch.full((3,), 2.0)
+
+    cfg = Config()
+    # eagerly only: Dynamo cannot trace cached_property's first read (its lock) inside a
+    # control-flow body; once computed, the value is read as a plain attribute
+    out = lax.scan(lambda c, x: (c + x * cfg.scale, None), torch.zeros(3), torch.ones(2, 3))[0]
+    assert torch.equal(out, torch.full((3,), 4.0))
+    jitted = tfun.jit(lambda: lax.scan(lambda c, x: (c + x * cfg.scale, None), torch.zeros(3), torch.ones(2, 3))[0],
+                      backend="aot_eager")
+    assert torch.equal(jitted(), torch.full((3,), 4.0))
+
+
+def test_torch_compiled_function_as_a_body_is_accepted():
+    body = torch.compile(lambda c, x: (c + x, None), backend="aot_eager")
+    _accepted_eagerly_and_jitted(lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0], torch.full((3,), 2.0))
+
+
+def test_jitted_function_as_a_body_is_accepted():
+    body = tfun.jit(lambda c, x: (c + x, None), backend="aot_eager")
+    _accepted_eagerly_and_jitted(lambda: lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0], torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_branch_returning_a_python_scalar_is_accepted(pred):
+    x = torch.ones(3)
+    expected = torch.tensor(0.0) if pred else x.sum()
+    _accepted_eagerly_and_jitted(lambda: lax.cond(torch.tensor(pred), lambda v: 0.0, lambda v: v.sum(), x), expected)
+    _accepted_eagerly_and_jitted(
+        lambda: lax.switch(torch.tensor(0 if pred else 1), [lambda v: 0.0, lambda v: v.sum(), lambda v: 2.0], x),
+        expected,
+    )
+
+
+def test_numpy_scalars_as_operands_are_accepted():
+    np = pytest.importorskip("numpy")
+    _accepted_eagerly_and_jitted(
+        lambda: lax.scan(lambda c, x: (c + x, None), np.float32(0.0), torch.ones(2))[0], torch.tensor(2.0)
+    )
+    _accepted_eagerly_and_jitted(
+        lambda: lax.cond(True, lambda a, b: a * b, lambda a, b: a + b, torch.ones(3), np.float32(2.0)),
+        torch.full((3,), 2.0),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: JAX's weak types (a Python scalar takes the other side's dtype)
+# ---------------------------------------------------------------------------------------
+
+_F32, _F16, _I32, _I64 = torch.float32, torch.float16, torch.int32, torch.int64
+
+
+def _z(dtype):
+    return torch.zeros((), dtype=dtype)
+
+
+# Each case as jax.lax runs it (checked against JAX 0.4+: `jnp` dtypes, Python scalars
+# weak). The torch analogue of JAX's weak int is int64 (torch.tensor(1).dtype).
+_WEAK_ACCEPTED = {
+    "float output, float32 carry": (lambda: lax.fori_loop(0, 3, lambda i, v: 1.5, _z(_F32)), torch.tensor(1.5)),
+    "int output, int64 carry": (lambda: lax.fori_loop(0, 3, lambda i, v: 1, _z(_I64)), torch.tensor(1)),
+    "scan: float output, float32 carry": (
+        lambda: lax.scan(lambda c, x: (2.0, None), _z(_F32), torch.ones(3))[0], torch.tensor(2.0)),
+    "while_loop: float output": (lambda: lax.while_loop(lambda v: v < 3, lambda v: 5.0, _z(_F32)), torch.tensor(5.0)),
+    "a pytree carry": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: (v[0] + 1, 0.5), (_z(_F32), _z(_F32)))[1], torch.tensor(0.5)),
+    "int init, int32 body": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: v + torch.tensor(1, dtype=_I32), 0), torch.tensor(3)),
+    "int init, float32 body": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: v * torch.tensor(2.0), 1), torch.tensor(8.0)),
+    "float init, float16 body": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: (v * 2).half(), 1.0), torch.tensor(8.0, dtype=_F16)),
+    "scan: int init, float32 body": (
+        lambda: lax.scan(lambda c, x: (c * x * 2, None), 1, torch.ones(3))[0], torch.tensor(8.0)),
+    "while_loop: int init, float32 body": (
+        lambda: lax.while_loop(lambda v: v < 3, lambda v: v + torch.tensor(1.0), 0), torch.tensor(3.0)),
+    "while_loop: int init, int32 body": (
+        lambda: lax.while_loop(lambda v: v < 3, lambda v: v + torch.tensor(1, dtype=_I32), 0), torch.tensor(3)),
+}
+
+
+@pytest.mark.parametrize("case", list(_WEAK_ACCEPTED))
+def test_weak_typed_python_scalars_are_accepted_as_in_jax(case):
+    program, expected = _WEAK_ACCEPTED[case]
+    _accepted_eagerly_and_jitted(program, expected)
+
+
+_WEAK_REFUSED = {
+    "int output, float32 carry": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: 1, _z(_F32)),
+        "  * carry: input is float32[] on cpu, output is a Python int (kinds differ)"),
+    "float output, int32 carry": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: 1.5, _z(_I32)),
+        "  * carry: input is int32[] on cpu, output is a Python float (kinds differ)"),
+    "float output, float16 carry": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: 1.5, _z(_F16)),
+        "  * carry: input is float16[] on cpu, output is a Python float (kinds differ)"),
+    "float output, float32[3] carry": (
+        lambda: lax.scan(lambda c, x: (2.0, None), torch.zeros(3), torch.ones(3))[0],
+        "  * carry: input is float32[3] on cpu, output is a Python float (kinds differ)"),
+    "float init, int32 body": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: torch.tensor(2, dtype=_I32), 1.0),
+        "  * carry: input is float32[] on cpu, output is int32[] on cpu (dtypes differ)"),
+    "int init, bool body": (
+        lambda: lax.fori_loop(0, 3, lambda i, v: v > 0, 0),
+        "  * carry: input is int64[] on cpu, output is bool[] on cpu (dtypes differ)"),
+    "cond: 0 against float32": (
+        lambda: lax.cond(torch.tensor(True), lambda v: 0, lambda v: v.sum(), torch.ones(3)),
+        "  * output: true_fun output is int64[] on cpu, false_fun output is float32[] on cpu (dtypes differ)"),
+    "cond: float16 against 0.0": (
+        lambda: lax.cond(torch.tensor(False), lambda v: v.sum(), lambda v: 0.0, torch.ones(3, dtype=_F16)),
+        "  * output: true_fun output is float16[] on cpu, false_fun output is float32[] on cpu (dtypes differ)"),
+}
+
+
+@pytest.mark.parametrize("case", list(_WEAK_REFUSED))
+def test_scalars_jax_refuses_are_refused(case):
+    program, bullet = _WEAK_REFUSED[case]
+    msg = _same_error_eagerly_and_jitted(lambda: program, TensorMismatchError)
+    assert bullet in msg.splitlines()
+
+
+def test_weak_scalar_output_is_a_tensor_at_every_step():
+    # JAX gives the body a float32 array at every step, never the Python scalar it returned
+    def step(v):
+        return 0.5 if isinstance(v, torch.Tensor) else 7.0
+
+    for _ in range(2):  # the first call runs the rules, the second one does not
+        assert torch.equal(lax.fori_loop(0, 3, lambda i, v: step(v), _z(_F32)), torch.tensor(0.5))
+        assert torch.equal(lax.fori_loop(0, 3, lambda i, v: (v[0], step(v[1])), (_z(_F32), _z(_F32)))[1], torch.tensor(0.5))
+        assert torch.equal(lax.scan(lambda c, x: (step(c), None), _z(_F32), torch.ones(3))[0], torch.tensor(0.5))
+        n = lax.while_loop(lambda v: v[0] < 3, lambda v: (v[0] + 1, step(v[1])), (_z(_I64), _z(_F32)))
+        assert torch.equal(n[1], torch.tensor(0.5))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: tfun errors instead of tracebacks from inside torch
+# ---------------------------------------------------------------------------------------
+
+
+def test_vjp_of_a_non_tensor_output_is_a_tfun_error():
+    with pytest.raises(ArgumentTypeError) as e:
+        tfun.vjp(lambda x: (x * 2, 3), torch.ones(3))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "tfun.vjp: every output leaf of the function must be a tensor, but some are not:"
+    assert lines[1] == "  * output[1]: a Python int (3)"
+    assert re.fullmatch(r"The function is `<lambda> at .*test_rules\.py:\d+`\.", lines[2])
+    assert lines[3].startswith("Return tensors there")
+
+
+def test_jacrev_of_a_python_float_output_is_a_tfun_error():
+    with pytest.raises(ArgumentTypeError, match=r"tfun\.jacrev: every output leaf .*\n  \* output: a Python float \(2\.0\)"):
+        tfun.jacrev(lambda x: 2.0)(torch.tensor(1.0))
+
+
+def test_jacrev_of_a_python_float_argument_is_accepted():
+    # as jax.jacrev(jnp.sin)(1.5): a Python float is a float32 scalar
+    assert torch.allclose(tfun.jacrev(torch.sin)(1.5), torch.cos(torch.tensor(1.5)))
+
+
+@pytest.mark.parametrize("op", ["cond", "switch", "while_loop"])
+def test_meta_device_predicate_is_a_tfun_error(op):
+    meta_true = torch.tensor(True, device="meta")
+    with pytest.raises(ArgumentTypeError) as e:
+        if op == "cond":
+            lax.cond(meta_true, lambda x: x, lambda x: -x, torch.ones(3))
+        elif op == "switch":
+            lax.switch(torch.tensor(1, device="meta"), [lambda x: x, lambda x: -x], torch.ones(3))
+        else:
+            lax.while_loop(lambda v: torch.tensor(True, device="meta"), lambda v: v + 1, torch.ones(3))
+    msg = str(e.value)
+    assert "on meta: a meta tensor has a dtype and shape but no value." in msg
+    assert "Compute " in msg.splitlines()[-1]
+
+
+def test_invalid_jit_backend_is_a_tfun_error():
+    f = tfun.jit(lambda x: x + 1, backend="no_such_backend")
+    with pytest.raises(ArgumentValueError) as e:
+        f(torch.ones(3))
+    msg = str(e.value)
+    assert msg.startswith("tfun.jit: backend='no_such_backend' is not a torch.compile backend")
+    assert "test_rules.py" in msg and "'aot_eager'" in msg and "'inductor'" in msg
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: messages name the user's function through tfun's wrappers
+# ---------------------------------------------------------------------------------------
+
+
+class _Step(torch.nn.Module):
+    def forward(self, c, x):
+        return (c, c), None
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint_method", "checkpoint_module", "vmap_module", "grad_method"])
+def test_wrapped_methods_and_modules_are_named_by_the_users_file(wrap):
+    m = _Step()
+    fn = {
+        "checkpoint_method": lambda: tfun.checkpoint(m.forward),
+        "checkpoint_module": lambda: tfun.checkpoint(m),
+        "vmap_module": lambda: tfun.vmap(m),
+        "grad_method": lambda: tfun.grad(m.forward),
+    }[wrap]()
+    assert re.fullmatch(r"forward at .*test_rules\.py:\d+", tfun._funcinfo.describe(fn))
+
+
+def test_checkpointed_method_as_a_body_names_the_users_file():
+    m = _Step()
+    with pytest.raises(StructureMismatchError, match=r"The function is `forward at .*test_rules\.py:\d+`"):
+        lax.scan(tfun.checkpoint(m.forward), torch.zeros(3), torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 14: only what this thread's function did
+# ---------------------------------------------------------------------------------------
+
+
+def _in_another_thread(work):
+    import threading
+
+    stop = threading.Event()
+    started = threading.Event()
+
+    def loop():
+        started.set()
+        while not stop.is_set():
+            work()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    started.wait()
+    return stop, t
+
+
+def test_read_only_body_is_not_blamed_for_another_threads_mutation():
+    import time
+
+    shared = [0]
+    meta = {"n": 0}
+    stop, t = _in_another_thread(lambda: (shared.append(0), meta.__setitem__("n", meta["n"] + 1), time.sleep(0.0005)))
+    try:
+
+        def body(c, x):
+            time.sleep(0.02)  # the other thread runs meanwhile
+            return c + x + 0 * len(shared) + 0 * meta["n"], None
+
+        out = lax.scan(body, torch.zeros(3), torch.ones(2, 3))[0]
+    finally:
+        stop.set()
+        t.join()
+    assert torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_mutating_body_is_still_refused_while_other_threads_run():
+    import time
+
+    stop, t = _in_another_thread(lambda: time.sleep(0.001))
+    try:
+        shared = []
+
+        def body(c, x):
+            shared.append(c)
+            return c + x, None
+
+        with pytest.raises(SideEffectError, match=r"it mutates nonlocal `shared` \(a list: 0 items before the call, 1 after\)"):
+            lax.scan(body, torch.zeros(3), torch.ones(2, 3))
+
+        class Counter:
+            def __init__(self):
+                self.n = 0
+
+        counter = Counter()
+        lin = torch.nn.Linear(3, 3)
+        lin.register_forward_hook(lambda m, i, o: setattr(counter, "n", counter.n + 1))
+        with pytest.raises(SideEffectError, match=r"it mutates nonlocal `counter`"):
+            lax.scan(lambda c, x: (lin(c) + x, None), torch.zeros(3), torch.ones(2, 3))
+    finally:
+        stop.set()
+        t.join()

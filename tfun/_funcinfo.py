@@ -14,8 +14,10 @@ def unwrap_callable(fn: Any) -> Any:
     seen = 0
     while seen < 16:
         seen += 1
-        if isinstance(fn, types.FunctionType) and isinstance(getattr(fn, "__wrapped__", None), types.FunctionType):
-            fn = fn.__wrapped__  # a `functools.wraps` wrapper (tfun.grad, tfun.vmap, ...): name the user's function
+        if isinstance(fn, types.FunctionType) and callable(getattr(fn, "__wrapped__", None)):
+            # a `functools.wraps` wrapper (tfun.grad, tfun.vmap, tfun.checkpoint, ...) of any
+            # callable (a function, a bound method, an nn.Module): name the user's function
+            fn = fn.__wrapped__
         elif isinstance(fn, functools.partial):
             fn = fn.func
         elif isinstance(fn, types.MethodType):

@@ -715,6 +715,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], Any]:
         ol, al = _call_flat(op, fun, has_aux, box, leaves, diff_idx, ptd, diff)
+        _check_tensor_outputs(op, fun, tree_unflatten(box["out_td"], ol))
         # torch.func.vjp differentiates inexact tensor outputs only; the rest ride along as aux.
         box["inexact"] = [isinstance(o, torch.Tensor) and is_inexact(o) for o in ol]
         diff_out = [o for o, d in zip(ol, box["inexact"]) if d]
@@ -771,8 +772,33 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
 # --------------------------------------------------------------------------------------
 
 
+def _check_tensor_outputs(op: str, fun: Callable[..., Any], out: Any) -> None:
+    """Every output leaf of a differentiated function must be a tensor (torch.func would
+    otherwise fail inside with "Expected tensors, got unsupported type")."""
+    bad = [(p, o) for p, o in tree_flatten_with_path(out)[0] if not isinstance(o, torch.Tensor)]
+    if bad:
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: every output leaf of the function must be a tensor, but some are not:",
+                [f"output{keystr(p)}: {_describe_value(o)}" for p, o in bad],
+                function=describe(fun),
+                revise="Return tensors there (`torch.as_tensor(v)` for a constant, whose derivative is zero), or "
+                "return the other values as aux with has_aux=True.",
+            )
+        )
+
+
+def _describe_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return f"a Python bool ({v!r})"
+    if isinstance(v, (int, float, complex)):
+        return f"a Python {type(v).__name__} ({v!r})"
+    return f"a {type(v).__qualname__}"
+
+
 def _check_jac_outputs(op: str, fun: Callable[..., Any], out: Any, forward: bool, holomorphic: bool) -> None:
     """JAX's rules: holomorphic=True wants complex outputs; jacrev without it, real ones."""
+    _check_tensor_outputs(op, fun, out)
     pl = tree_flatten_with_path(out)[0]
     if holomorphic:
         bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and not o.is_complex()]

@@ -288,7 +288,21 @@ class Jitted:
     def _compile(self, run: Callable[..., Any], name: str) -> Callable[..., Any]:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, name)
-        return torch.compile(run, fullgraph=self._fullgraph, **self._options)
+        try:
+            return torch.compile(run, fullgraph=self._fullgraph, **self._options)
+        except Exception as e:
+            if type(e).__name__ != "InvalidBackend":  # torch._dynamo.exc.InvalidBackend
+                raise
+            from torch import _dynamo
+
+            raise ArgumentValueError(
+                format_message(
+                    f"tfun.jit: backend={self._options.get('backend')!r} is not a torch.compile backend "
+                    f"(compiling `{self._fn_text}`).",
+                    revise="Pass one of " + ", ".join(repr(b) for b in _dynamo.list_backends(exclude_tags=())) + ", or a "
+                    "backend callable `(gm, example_inputs) -> callable`.",
+                )
+            ) from e
 
     def _static_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         key = []
@@ -559,7 +573,12 @@ def _trace_autograd(cache_size: int | None = None) -> Any:
 
 
 #: Dynamo's words for a HOP body with a side effect (torch 2.11-2.13).
-_SIDE_EFFECT_MARKERS = ("Unsafe side effect", "input mutation during higher order op tracing")
+_SIDE_EFFECT_MARKERS = (
+    "Unsafe side effect",
+    "input mutation during higher order op tracing",
+    "Non-nullified side effect",
+    "does not currently support input mutation",
+)
 
 
 def _is_side_effect_error(e: BaseException) -> bool:

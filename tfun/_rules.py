@@ -17,8 +17,10 @@ with the same code and signature skip them (`seen`). The cache is keyed on the f
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dis
+import functools
 import logging
 import os
 import sysconfig
@@ -296,6 +298,85 @@ def as_tensor_leaves(op: str, arg: str, tree: Any) -> tuple[list[torch.Tensor], 
     return leaves, treedef
 
 
+def _is_weak(x: Any) -> bool:
+    """A Python scalar: weakly typed, as in JAX (numpy scalars are not: they have a dtype)."""
+    return isinstance(x, _SCALAR_TYPES) and type(x).__module__ != "numpy"
+
+
+def scalar_dtype(x: Any) -> torch.dtype:
+    """The dtype a Python scalar becomes (`torch.tensor(x).dtype`), without allocating."""
+    if isinstance(x, bool):
+        return torch.bool
+    if isinstance(x, int):
+        return torch.int64
+    if isinstance(x, float):
+        return torch.get_default_dtype()
+    return torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
+
+
+def weak_scalars(tree: Any) -> dict[int, Any]:
+    """The leaves of `tree` (by flat index) that are Python scalars: weakly typed values
+    whose dtype a loop may take from the body's output, as JAX promotes a weak `init`."""
+    return {i: x for i, x in enumerate(tree_flatten(tree)[0]) if _is_weak(x)}
+
+
+def weak_output_dtype_ok(x: Any, ref: Any) -> bool:
+    """Whether a Python scalar `x` may stand for the 0-d tensor `ref` (JAX: a weakly typed
+    output matches a carry of the dtype the scalar has by default, and shape ())."""
+    return _is_weak(x) and _is_tensorlike(ref) and ref.dim() == 0 and scalar_dtype(x) == ref.dtype
+
+
+def normalize_weak_outputs(expected_leaves: Sequence[Any], out: Any) -> Any:
+    """`out` with every Python scalar leaf that may stand for its expected 0-d tensor made
+    that tensor (`weak_output_dtype_ok`); `out` itself when there is none."""
+    leaves, treedef = tree_flatten(out)
+    if len(leaves) != len(expected_leaves) or not any(_is_weak(x) for x in leaves):
+        return out
+    changed = False
+    for i, (x, ref) in enumerate(zip(leaves, expected_leaves)):
+        if weak_output_dtype_ok(x, ref):
+            leaves[i] = torch.tensor(x, dtype=ref.dtype, device=ref.device)
+            changed = True
+    return tree_unflatten(treedef, leaves) if changed else out
+
+
+def _category(dtype: torch.dtype) -> int:
+    """Type promotion's order of kinds: bool < integer < floating < complex. A Python
+    scalar of a kind no higher than a tensor's takes the tensor's dtype (`torch.result_type`,
+    written out so that Dynamo can trace it)."""
+    if dtype == torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    if dtype.is_floating_point:
+        return 2
+    return 1
+
+
+def promote_weak_init(expected_leaves: Sequence[Any], weak: dict[int, Any] | None, out: Any) -> list[Any]:
+    """The expected carry leaves, with each leaf that came from a Python scalar in `init`
+    taking the dtype of the body's output where JAX's weak-type promotion allows it: the
+    output is 0-d on the same device and `result_type(scalar, output)` is its dtype."""
+    expected = list(expected_leaves)
+    if not weak:
+        return expected
+    leaves = tree_flatten(out)[0]
+    if len(leaves) != len(expected):
+        return expected
+    for i, v in weak.items():
+        o, ref = leaves[i], expected[i]
+        if (
+            isinstance(o, torch.Tensor)
+            and _is_tensorlike(ref)
+            and o.dim() == 0
+            and o.dtype != ref.dtype
+            and o.device == ref.device
+            and _category(scalar_dtype(v)) <= _category(o.dtype)  # result_type(v, o) is o.dtype
+        ):
+            expected[i] = LeafMeta(o.dtype, o.shape, o.device)
+    return expected
+
+
 def as_tensor_tree(op: str, arg: str, tree: Any) -> Any:
     leaves, treedef = tree_flatten(tree)
     if all(isinstance(x, torch.Tensor) for x in leaves):
@@ -309,10 +390,27 @@ def check_callable(op: str, arg: str, fn: Any) -> None:
         raise ArgumentTypeError(f"{op}: {arg} must be callable, but got {describe_leaf(fn)}: {fn!r}.")
 
 
+def check_concrete(op: str, what: str, value: Any, fn: Callable[..., Any] | None = None) -> None:
+    """A value an eager op must read (a predicate, an index) may not be on the meta device,
+    which has shapes and dtypes but no values (`.item()` would fail inside torch)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: {what} must have a value to choose what runs, but it is {describe_leaf(value)}: "
+                "a meta tensor has a dtype and shape but no value.",
+                function=None if fn is None else _funcinfo.describe(fn),
+                revise=f"Compute {what} on a device with data (cpu, cuda), or pass a Python scalar; to trace "
+                "shapes only, run the whole program under `tfun.jit` or `torch.export`, where both branches "
+                "are traced.",
+            )
+        )
+
+
 def check_scalar_predicate(op: str, what: str, pred: Any, fn: Callable[..., Any] | None = None) -> Any:
     """A boolean scalar: Python bool, or a 0-d bool tensor. Returns it unchanged."""
     if isinstance(pred, bool):
         return pred
+    check_concrete(op, what, pred, fn)
     if isinstance(pred, torch.Tensor):
         if pred.dtype != torch.bool or pred.dim() != 0:
             raise ArgumentTypeError(
@@ -453,19 +551,71 @@ def clear_cache() -> None:
 _STATIC: weakref.WeakKeyDictionary[types.CodeType, list[str]] = weakref.WeakKeyDictionary()
 
 
-def _static_violations(code: types.CodeType, outer_free: frozenset[str]) -> list[str]:
+_LOAD_OUTER = ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLASSDEREF")
+
+
+def _outer_base(ins: list[Any], i: int, outer_free: frozenset[str], args: frozenset[str]) -> str | None:
+    """The outer object `ins[i]` (a `LOAD_ATTR` chain ending at `ins[i]`) starts from, as
+    `global `name`.attr`, or None when it starts from a local the function made itself."""
+    attrs: list[str] = []
+    j = i
+    while j >= 0 and ins[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        attrs.append(str(ins[j].argval))
+        j -= 1
+    if j < 0:
+        return None
+    base = ins[j]
+    name = str(base.argval)
+    if base.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        kind = "global"
+    elif base.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in outer_free:
+        kind = "nonlocal"
+    elif base.opname.startswith("LOAD_FAST") and name in args:
+        kind = "argument"
+    else:
+        return None
+    return f"{kind} `{name}`" + "".join(f".{a}" for a in reversed(attrs))
+
+
+def _static_violations(code: types.CodeType, outer_free: frozenset[str], top: bool = True) -> list[str]:
     found = []
     own_cells = set(code.co_cellvars)
     line = code.co_firstlineno
-    for ins in dis.get_instructions(code):
-        if ins.positions is not None and ins.positions.lineno is not None:
-            line = ins.positions.lineno
-        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            verb = "rebinds" if ins.opname == "STORE_GLOBAL" else "deletes"
-            found.append(f"{verb} global `{ins.argval}` (line {line})")
-        elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in outer_free:
-            verb = "rebinds" if ins.opname == "STORE_DEREF" else "deletes"
-            found.append(f"{verb} nonlocal `{ins.argval}` (line {line})")
+    ins = list(dis.get_instructions(code))
+    args = frozenset(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]) if top else frozenset()
+    for k, ins_k in enumerate(ins):
+        if ins_k.positions is not None and ins_k.positions.lineno is not None:
+            line = ins_k.positions.lineno
+        if ins_k.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            verb = "rebinds" if ins_k.opname == "STORE_GLOBAL" else "deletes"
+            found.append(f"{verb} global `{ins_k.argval}` (line {line})")
+        elif ins_k.opname in ("STORE_DEREF", "DELETE_DEREF") and ins_k.argval in outer_free:
+            verb = "rebinds" if ins_k.opname == "STORE_DEREF" else "deletes"
+            found.append(f"{verb} nonlocal `{ins_k.argval}` (line {line})")
+        elif ins_k.opname in ("STORE_ATTR", "DELETE_ATTR") and k > 0:
+            # `obj.attr = v` on an object the function did not create: a global or nonlocal
+            # (a module, an object with __slots__, an nn.Module), seen without running it
+            base = _outer_base(ins, k - 1, outer_free, frozenset())
+            if base is not None:
+                verb = "sets" if ins_k.opname == "STORE_ATTR" else "deletes"
+                found.append(f"{verb} attribute `{ins_k.argval}` of {base} (line {line})")
+        elif (
+            ins_k.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and k > 0
+            and ins[k - 1].opname == "LOAD_ATTR"
+            and ins[k - 1].argval == "data"
+            and isinstance(ins_k.argval, str)
+            and ins_k.argval.endswith("_")
+            and not ins_k.argval.startswith("_")
+        ):
+            # `p.data.mul_(...)`: `.data` has a version counter of its own, so the write is
+            # invisible to the snapshot; it is found here
+            base = _outer_base(ins, k - 2, outer_free, args)
+            if base is not None:
+                found.append(
+                    f"writes in place to {base}, a tensor it did not create, through `.data` "
+                    f"(`.data.{ins_k.argval}`, line {line})"
+                )
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             # A nested function's free variables that are not cells of this function
@@ -473,19 +623,60 @@ def _static_violations(code: types.CodeType, outer_free: frozenset[str]) -> list
             nested_outer = frozenset(v for v in const.co_freevars if v not in own_cells) | (
                 outer_free & frozenset(const.co_freevars)
             )
-            found.extend(_static_violations(const, nested_outer))
+            found.extend(_static_violations(const, nested_outer, top=False))
     return found
+
+
+def static_code_side_effects(code: types.CodeType) -> list[str]:
+    """The side effects found in `code` itself (cached per code object): what
+    `static_side_effects` reports without following helpers. Needs no function object, so
+    `tfun.jit`'s lowering runs it at trace time, as eager calls do."""
+    cached = _STATIC.get(code)
+    if cached is None:
+        cached = _static_violations(code, frozenset(code.co_freevars))
+        _STATIC[code] = cached
+    return list(cached)
+
+
+def _helper_violations(fn: types.FunctionType, depth: int, seen_codes: set[int]) -> list[str]:
+    """What the user functions `fn` names as globals or closes over (helpers it calls) do
+    that `fn` may not: rebinding a global or nonlocal, setting an outer attribute."""
+    out: list[str] = []
+    if depth >= _MAX_DEPTH:
+        return out
+    code = fn.__code__
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    helpers = [fn.__globals__.get(n) for n in sorted(names)]
+    for cell in fn.__closure__ or ():
+        try:
+            helpers.append(cell.cell_contents)
+        except ValueError:
+            continue
+    for h in helpers:
+        if not _is_user_function(h) or id(h.__code__) in seen_codes:
+            continue
+        seen_codes.add(id(h.__code__))
+        where = _funcinfo.describe_code(h.__code__, h.__name__)
+        for problem in static_code_side_effects(h.__code__):
+            out.append(f"calls `{where}`, which {problem}")
+        out.extend(_helper_violations(h, depth + 1, seen_codes))
+    return out
 
 
 def static_side_effects(fn: Any) -> list[str]:
     code = _funcinfo.fn_code(fn)
     if code is None:
         return []
-    cached = _STATIC.get(code)
-    if cached is None:
-        cached = _static_violations(code, frozenset(code.co_freevars))
-        _STATIC[code] = cached
-    return cached
+    found = static_code_side_effects(code)
+    base = _funcinfo.unwrap_callable(fn)
+    if isinstance(base, types.FunctionType):
+        found.extend(_helper_violations(base, 0, {id(code)}))
+    return found
 
 
 # ----------------------------------------------------------------------------------------
@@ -513,13 +704,43 @@ _SKIP_TYPES = (
 )
 
 
+#: Objects whose state changes on a harmless first use (logging's lazily created handlers
+#: and level caches): neither fingerprinted nor followed.
+_OPAQUE_TYPES: tuple[type, ...] = (logging.Logger, logging.Handler, logging.Manager, logging.PlaceHolder, logging.Filter)
+
+#: numpy arrays up to this size are fingerprinted by their bytes (they have no version
+#: counter); a write into a larger one is not seen.
+_MAX_ARRAY_BYTES = 1 << 20
+
+
+def _slot_names(tp: type) -> list[str]:
+    names: list[str] = []
+    for klass in tp.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        names.extend(n for n in slots if n not in ("__dict__", "__weakref__") and n not in names)
+    return names
+
+
+_MISSING = object()
+
+
+def _slot_items(obj: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((n, getattr(obj, n, _MISSING)) for n in _slot_names(type(obj)))
+
+
+def _is_ndarray(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
 def _fingerprint(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         try:
             return ("tensor", obj._version)
         except Exception:  # functorch wrappers may not expose a version counter
             return None
-    if isinstance(obj, list):
+    if isinstance(obj, (list, collections.deque)):
         return ("list", len(obj), tuple(map(id, obj)))
     if isinstance(obj, dict):
         return ("dict", len(obj), tuple((k, id(v)) for k, v in obj.items()))
@@ -527,10 +748,85 @@ def _fingerprint(obj: Any) -> Any:
         return ("set", len(obj), frozenset(map(id, obj)))
     if isinstance(obj, bytearray):
         return ("bytearray", bytes(obj))
+    if _is_ndarray(obj):
+        if obj.nbytes > _MAX_ARRAY_BYTES:
+            return None
+        return ("ndarray", obj.shape, obj.dtype.str, obj.tobytes())
+    items: tuple[tuple[str, int], ...] = ()
     d = getattr(obj, "__dict__", None)
     if isinstance(d, dict):
-        return ("object", tuple((k, id(v)) for k, v in d.items()))
-    return None
+        items = tuple((k, id(v)) for k, v in d.items())
+    if isinstance(obj, torch.nn.Module):
+        # rebinding a parameter, buffer or submodule (`self.buf = ...`, `register_buffer`)
+        # changes these dicts, not `__dict__`
+        for kind in ("_parameters", "_buffers", "_modules"):
+            items += tuple((f"{kind}.{k}", id(v)) for k, v in getattr(obj, kind, {}).items())
+    slots = _slot_items(obj) if not isinstance(obj, torch.Tensor) and hasattr(type(obj), "__slots__") else ()
+    if slots:
+        items += tuple((k, id(v)) for k, v in slots)
+    if not isinstance(d, dict) and not slots:
+        return None
+    return ("object", items)
+
+
+def _only_cached_properties(obj: Any, before: tuple[tuple[str, int], ...], after: tuple[tuple[str, int], ...]) -> bool:
+    """Whether `after` differs from `before` only by values `functools.cached_property`
+    computed on first read (a read, not a side effect)."""
+    old = dict(before)
+    new = dict(after)
+    if any(new.get(k, _MISSING) != v for k, v in old.items()):
+        return False
+    added = set(new) - set(old)
+    return bool(added) and all(isinstance(getattr(type(obj), k, None), functools.cached_property) for k in added)
+
+
+def _torch_state() -> tuple[tuple[str, Any], ...]:
+    """Torch's global settings a body may not leave changed (`torch.set_default_dtype`,
+    `torch.set_grad_enabled`, ... called outside a `with`)."""
+    return (
+        ("torch.set_default_dtype", torch.get_default_dtype()),
+        ("torch.set_grad_enabled", torch.is_grad_enabled()),
+        ("torch.use_deterministic_algorithms", torch.are_deterministic_algorithms_enabled()),
+        ("torch.set_num_threads", torch.get_num_threads()),
+    )
+
+
+_SETTERS: dict[str, Callable[[Any], Any]] = {
+    "torch.set_default_dtype": torch.set_default_dtype,
+    "torch.set_grad_enabled": torch.set_grad_enabled,
+    "torch.use_deterministic_algorithms": torch.use_deterministic_algorithms,
+    "torch.set_num_threads": torch.set_num_threads,
+}
+
+
+def _restore_torch_state(state: tuple[tuple[str, Any], ...]) -> None:
+    """Put back the settings that differ from `state` (and only those)."""
+    for (name, before), (_, now) in zip(state, _torch_state()):
+        if before != now:
+            _SETTERS[name](before)
+
+
+def _state_text(v: Any) -> str:
+    return dtype_name(v) if isinstance(v, torch.dtype) else repr(v)
+
+
+def torch_state_problems(before: Sequence[tuple[str, Any]], after: Sequence[tuple[str, Any]]) -> list[str]:
+    """One bullet per torch setting that differs between `before` and `after`."""
+    return [
+        f"it leaves torch's global state changed: `{name}` was {_state_text(a)} before the call and is "
+        f"{_state_text(b)} after (use it as a context manager, `with torch.set_grad_enabled(False):`, or "
+        "set it outside the function)"
+        for (name, a), (_, b) in zip(before, after)
+        if a != b
+    ]
+
+
+def torch_state_changes(before: tuple[tuple[str, Any], ...]) -> list[str]:
+    """What torch's global settings changed since `before` (which is then restored)."""
+    out = torch_state_problems(before, _torch_state())
+    if out:
+        _restore_torch_state(before)
+    return out
 
 
 def _is_user_function(obj: Any) -> bool:
@@ -549,8 +845,10 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         return []
 
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, collections.deque)):
         return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    if _is_ndarray(obj):
+        return []
     if isinstance(obj, dict):
         return [(f"[{k!r}]", v) for k, v in obj.items()]
     if isinstance(obj, (set, frozenset)):
@@ -569,11 +867,22 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
         for k, v in obj.__dict__.items():
             if not k.startswith("_") and not isinstance(v, _SKIP_TYPES):
                 out.append((f".{k}", v))
+        for kind in _HOOK_DICTS:
+            hooks = getattr(obj, kind, None)
+            if hooks:
+                # a hook runs when the module is called: what it mutates, the call mutates
+                out.extend((f" (its hook `{getattr(h, '__name__', '?')}`)", h) for h in hooks.values())
         return out
+    out = []
     d = getattr(obj, "__dict__", None)
     if isinstance(d, dict):
-        return [(f".{k}", v) for k, v in d.items()]
-    return []
+        out.extend((f".{k}", v) for k, v in d.items())
+    if hasattr(type(obj), "__slots__"):
+        out.extend((f".{k}", v) for k, v in _slot_items(obj) if v is not _MISSING)
+    return out
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _kind(obj: Any) -> str:
@@ -592,6 +901,19 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
             # a tfun wrapper whose own state is a cache (tfun.jit): what the wrapped function
             # reaches is what counts; filling the cache is not a side effect of the call
             fn = target.__get__(fn)
+            continue
+        orig = getattr(fn, "_torchdynamo_orig_callable", None)
+        if orig is not None and orig is not fn:
+            # a `torch.compile`d function: Dynamo's own state (the frame callback and its
+            # caches) is not the user's; what the compiled function reaches is
+            fn = orig
+            continue
+        if (
+            isinstance(fn, types.FunctionType)
+            and not _is_user_function(fn)
+            and callable(getattr(fn, "__wrapped__", None))
+        ):
+            fn = fn.__wrapped__  # a library's `functools.wraps` wrapper: the wrapped function
             continue
         if isinstance(fn, types.MethodType):
             roots.append(("self", fn.__self__))
@@ -652,7 +974,7 @@ class Snapshot:
         frontier = [(name, obj, 0) for name, obj in roots]
         while frontier and len(entries) < _MAX_OBJECTS:
             name, obj, depth = frontier.pop(0)
-            if id(obj) in visited:
+            if id(obj) in visited or isinstance(obj, _OPAQUE_TYPES):
                 continue
             if isinstance(obj, _SKIP_TYPES):
                 if _is_user_function(obj) and depth < _MAX_DEPTH:
@@ -671,12 +993,25 @@ class Snapshot:
                 frontier.extend((name + suffix, child, depth + 1) for suffix, child in _children(obj))
         self.entries = entries
 
-    def changes(self) -> list[str]:
+    def changes(self, fn: Any = None) -> list[str]:
+        """What changed since the snapshot. With `fn` and other threads alive, a change to
+        a container or an object's attributes is blamed on `fn` only where its bytecode
+        (or a helper's) can make it (`_mutation_kinds`): another thread may have made it.
+        In-place tensor and numpy writes are always blamed (torch code writes them, which
+        bytecode does not show)."""
         out = []
+        kinds = None
         for name, obj, fp in self.entries:
             now = _fingerprint(obj)
             if now == fp:
                 continue
+            if fp[0] == "object" and now is not None and _only_cached_properties(obj, fp[1], now[1]):
+                continue
+            if fn is not None and fp[0] in ("list", "dict", "set", "object") and threading.active_count() > 1:
+                if kinds is None:
+                    kinds = _mutation_kinds(fn)
+                if ("object" if fp[0] == "object" else "container") not in kinds:
+                    continue
             if fp[0] == "tensor":
                 out.append(
                     f"it writes in place to {name}, a tensor it did not create (version {fp[1]} -> {now[1]})"
@@ -685,22 +1020,94 @@ class Snapshot:
                 )
             elif fp[0] in ("list", "dict", "set"):
                 out.append(f"it mutates {name} (a {_kind(obj)}: {fp[1]} items before the call, {now[1]} after)")
+            elif fp[0] == "ndarray":
+                out.append(f"it writes to {name} (a numpy array: its contents changed)")
             else:
                 out.append(f"it mutates {name} (a {_kind(obj)}: its attributes changed)")
         return out
 
 
-def _raise_side_effects(op: str, role: str, fn: Any, problems: list[str]) -> None:
-    raise SideEffectError(
-        format_message(
-            f"{op}: the {role} must not have side effects, but it does:",
-            problems,
-            function=_funcinfo.describe(fn),
-            revise=f"Revise `{_funcinfo.short_name(fn)}` so that it only returns values: carry state through "
-            "its inputs and outputs, build new objects instead of mutating outer ones, and use "
-            "out-of-place tensor ops (`x + y`, not `x.add_(y)`) on tensors it did not create.",
-        )
+#: Method names that mutate a container (list, dict, set, deque) or an object's attributes.
+_CONTAINER_MUTATORS = frozenset(
+    "append extend insert pop remove clear update add discard setdefault popitem sort reverse appendleft "
+    "extendleft popleft rotate __setitem__ __delitem__ __iadd__ __ior__ __isub__ __iand__ difference_update "
+    "intersection_update symmetric_difference_update heappush heappop heapreplace heappushpop heapify shuffle".split()
+)
+_OBJECT_MUTATORS = frozenset(
+    "setattr delattr __setattr__ __delattr__ register_buffer register_parameter register_module add_module "
+    "train eval requires_grad_ apply zero_grad update setdefault __dict__ load_state_dict".split()
+)
+
+
+def _mutation_kinds(fn: Any) -> frozenset[str]:
+    """Which outer mutations `fn`'s bytecode, or that of the user functions it names (to a
+    depth of four), can make: "container" (item stores, mutating methods, `+=`) and
+    "object" (attribute stores, setattr, nn.Module setters)."""
+    kinds: set[str] = set()
+    base = _funcinfo.unwrap_callable(fn)
+    todo: list[tuple[Any, int]] = [(base, 0)]
+    seen_codes: set[int] = set()
+    while todo and len(kinds) < 2:
+        f, depth = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(code) in seen_codes:
+            continue
+        seen_codes.add(id(code))
+        stack = [code]
+        names: set[str] = set()
+        while stack:
+            c = stack.pop()
+            names.update(c.co_names)
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            for ins in dis.get_instructions(c):
+                op = ins.opname
+                if op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+                    kinds.add("container")
+                elif op in ("STORE_ATTR", "DELETE_ATTR"):
+                    kinds.add("object")
+                elif op == "BINARY_OP" and ins.argrepr.endswith("="):
+                    kinds.add("container")  # `lst += [...]` extends the list in place
+                elif isinstance(ins.argval, str) and op.startswith("LOAD_"):
+                    if ins.argval in _CONTAINER_MUTATORS:
+                        kinds.add("container")
+                    if ins.argval in _OBJECT_MUTATORS:
+                        kinds.add("object")
+        if depth < _MAX_DEPTH and isinstance(f, types.FunctionType):
+            helpers = [f.__globals__.get(n) for n in names]
+            for cell in f.__closure__ or ():
+                try:
+                    helpers.append(cell.cell_contents)
+                except ValueError:
+                    continue
+            todo.extend((h, depth + 1) for h in helpers if _is_user_function(h))
+            # methods of the objects the function reaches (`self.helper()`), and what calling
+            # a module runs (its forward, its hooks)
+            for _, root in roots_of(f):
+                if isinstance(root, _SKIP_TYPES) or isinstance(root, (torch.Tensor, list, dict, set, tuple)):
+                    continue
+                methods = [getattr(type(root), n, None) for n in names]
+                if isinstance(root, torch.nn.Module):
+                    methods.append(getattr(type(root), "forward", None))
+                    for kind in _HOOK_DICTS:
+                        methods.extend(getattr(root, kind, {}).values())
+                todo.extend((m, depth + 1) for m in methods if _is_user_function(m))
+    return frozenset(kinds)
+
+
+def side_effect_message(op: str, role: str, function: str, short: str, problems: Sequence[str]) -> str:
+    """The message of a `SideEffectError` (eagerly, and from `tfun.jit`'s lowering)."""
+    return format_message(
+        f"{op}: the {role} must not have side effects, but it does:",
+        problems,
+        function=function,
+        revise=f"Revise `{short}` so that it only returns values: carry state through "
+        "its inputs and outputs, build new objects instead of mutating outer ones, and use "
+        "out-of-place tensor ops (`x + y`, not `x.add_(y)`) on tensors it did not create.",
     )
+
+
+def _raise_side_effects(op: str, role: str, fn: Any, problems: list[str]) -> None:
+    raise SideEffectError(side_effect_message(op, role, _funcinfo.describe(fn), _funcinfo.short_name(fn), problems))
 
 
 def check_static_side_effects(op: str, role: str, fn: Any) -> None:
@@ -709,14 +1116,19 @@ def check_static_side_effects(op: str, role: str, fn: Any) -> None:
         _raise_side_effects(op, role, fn, problems)
 
 
-def checked_call(op: str, role: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """Call `fn(*args)` once under the side-effect rules (static and dynamic)."""
+def checked_call(
+    op: str, role: str, fn: Callable[..., Any], args: tuple[Any, ...], call: Callable[[], Any] | None = None
+) -> Any:
+    """Call `fn(*args)` once under the side-effect rules (static and dynamic). With `call`,
+    run `call()` instead, under the rules of `fn` on `args` (an op that calls `fn` on
+    batches of `args` through `vmap`, say)."""
     check_static_side_effects(op, role, fn)
     roots = roots_of(fn)
     roots.extend((f"its argument {i}" if len(args) > 1 else "its argument", a) for i, a in enumerate(args))
     snap = Snapshot(roots)
-    out = fn(*args)
-    problems = snap.changes()
+    state = _torch_state()
+    out = fn(*args) if call is None else call()
+    problems = snap.changes(fn) + torch_state_changes(state)
     if problems:
         _raise_side_effects(op, role, fn, problems)
     return out
@@ -862,11 +1274,12 @@ def abstract_eval(
         if side_effects:
             check_static_side_effects(op or "tfun", role or "function", fn)
             snap = Snapshot(roots_of(fn))
+        state = _torch_state()
         with _eager_stance(), mode:
             out = fn(*tree_unflatten(treedef, fake_leaves))
         out_leaves, out_def = tree_flatten(out)
         if snap is not None:
-            problems = snap.changes()
+            problems = snap.changes(fn) + torch_state_changes(state)
             if problems:
                 _raise_side_effects(op or "tfun", role or "function", fn, problems)
     except TfunError:
@@ -912,8 +1325,13 @@ __all__ = [
     "check_tensors",
     "as_tensor_leaves",
     "as_tensor_tree",
+    "weak_scalars",
+    "scalar_dtype",
+    "normalize_weak_outputs",
+    "promote_weak_init",
     "check_callable",
     "check_scalar_predicate",
+    "check_concrete",
     "check_int",
     "canonical_axis",
     "leading_length",
@@ -924,7 +1342,9 @@ __all__ = [
     "clear_cache",
     "static_side_effects",
     "check_static_side_effects",
+    "static_code_side_effects",
     "checked_call",
+    "side_effect_message",
     "Snapshot",
     "abstract_eval",
     "AbstractEvalUnavailable",

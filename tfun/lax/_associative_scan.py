@@ -80,6 +80,7 @@ def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, a
         )
     elems = tree_unflatten(treedef, leaves)
     if _hop.is_tracing():
+        _hop.check_side_effects(op, "combine function", fn)
         return _hop.associative_scan(fn, elems, bool(reverse), axis)
     return _assoc_eager(op, fn, leaves, treedef, axes, bool(reverse))
 

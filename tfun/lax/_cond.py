@@ -214,6 +214,8 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
     p = _as_pred(op, pred)
     operands = _normalize_operands(op, operands)
     if _hop.is_tracing():
+        _hop.check_side_effects(op, "true_fun", true_fun)
+        _hop.check_side_effects(op, "false_fun", false_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
         return _hop.cond(p, true_fun, false_fun, operands)
@@ -221,6 +223,7 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         # vmap over a data-dependent predicate: both branches, then a per-example select.
         outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
         return _select_tree(p, outs[0], outs[1])
+    _rules.check_concrete(op, "pred", p)
     taken = 0 if bool(p) else 1
     return _run_branch(op, (true_fun, false_fun), taken, operands, ("true_fun", "false_fun"))
 
@@ -279,6 +282,8 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
     operands = _normalize_operands(op, operands)
     n = len(branches)
     if _hop.is_tracing() and isinstance(index, torch.Tensor):
+        for k, b in enumerate(branches):
+            _hop.check_side_effects(op, f"branches[{k}]", b)
         return _hop.switch(index.clamp(0, n - 1), branches, operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
@@ -289,6 +294,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         for k in range(1, n):
             result = _select_tree(idx == k, outs[k], result)
         return result
+    _rules.check_concrete(op, "index", index)
     i = min(max(int(index), 0), n - 1)
     return _run_branch(op, branches, i, operands, names)
 

@@ -69,8 +69,15 @@ from typing import Any
 
 import torch
 
-from .. import _context, _funcinfo
-from .._errors import ArgumentTypeError, JitError, StructureMismatchError, TensorMismatchError, format_message
+from .. import _context, _funcinfo, _rules
+from .._errors import (
+    ArgumentTypeError,
+    JitError,
+    SideEffectError,
+    StructureMismatchError,
+    TensorMismatchError,
+    format_message,
+)
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
 __all__ = [
@@ -269,6 +276,53 @@ def _escape_pair_message(op: str, got: Any, code: Any) -> str:
     )
 
 
+@_assume_constant
+def _escape_side_effects(op: str, role: str, code: Any) -> Any:
+    """The message of the side effects tfun's rules find in `code` without running it
+    (rebinding a global or nonlocal, setting an attribute of an outer object, writing
+    through `.data`), worded as eagerly; None if there are none."""
+    from .. import _rules
+
+    problems = _rules.static_code_side_effects(code)
+    if not problems:
+        return None
+    return _rules.side_effect_message(op, role, _funcinfo.describe_code(code), code.co_name, problems)
+
+
+@_assume_constant
+def _escape_state_message(op: str, role: str, code: Any, before: Any, after: Any) -> str:
+    from .. import _rules
+
+    names = ("torch.set_default_dtype", "torch.set_grad_enabled")
+    problems = _rules.torch_state_problems(list(zip(names, before)), list(zip(names, after)))
+    name = code.co_name if code is not None else "the function"
+    return _rules.side_effect_message(op, role, _fn_text(code) or name, name, problems)
+
+
+def _torch_state() -> tuple[Any, bool]:
+    return (torch.get_default_dtype(), torch.is_grad_enabled())
+
+
+def _check_state(op: str, role: str, fn: Any, before: tuple[Any, bool]) -> None:
+    """A traced body may not leave torch's default dtype or grad mode changed (eagerly:
+    `_rules.torch_state_changes`)."""
+    after = _torch_state()
+    if after[0] != before[0] or after[1] != before[1]:
+        raise SideEffectError(_escape_state_message(op, role, _code_of(fn), before, after))
+
+
+def check_side_effects(op: str, role: str, fn: Any) -> None:
+    """At trace time, the side-effect rules that need no run of `fn` (those a HOP body
+    cannot be refused for by Dynamo, which accepts some of them): the same
+    `SideEffectError` as eagerly."""
+    code = _code_of(fn)
+    if code is None:
+        return
+    msg = _escape_side_effects(op, role, code)
+    if msg is not None:
+        raise SideEffectError(msg)
+
+
 def _mismatch(op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, code: Any, revise: str) -> Any:
     structural = a[0] != b[0]
     revise = revise.replace("{name}", code.co_name if code is not None else "the function")
@@ -307,6 +361,10 @@ def _code_of(fn: Any) -> Any:
     for _ in range(8):
         if isinstance(fn, functools.partial):
             fn = fn.func
+            continue
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is not None and callable(wrapped):
+            fn = wrapped  # a `functools.wraps` wrapper (tfun.checkpoint, tfun.grad, ...): the user's function
             continue
         code = getattr(fn, "__code__", None)
         if code is not None:
@@ -498,7 +556,9 @@ def _check_result(
     leaves, td = tree_flatten(out)
     if td != in_td:
         _raise_mismatch(op, what, root, ("input", "output"), _describe(in_td, in_leaves), _describe(td, leaves), fn, revise)
-    leaves = [_as_tensor(x, ref) for x, ref in zip(leaves, in_leaves)]
+    # a Python scalar stands for a 0-d tensor of its default dtype (weakly typed, as in JAX;
+    # eagerly: `_rules.normalize_weak_outputs`)
+    leaves = [_as_tensor(x, ref) if _rules.weak_output_dtype_ok(x, ref) else x for x, ref in zip(leaves, in_leaves)]
     for x, ref in zip(leaves, in_leaves):
         if not isinstance(x, torch.Tensor) or x.dtype != ref.dtype or x.shape != ref.shape or x.device != ref.device:
             _raise_mismatch(op, what, root, ("input", "output"), _describe(in_td, in_leaves), _describe(td, leaves), fn, revise)
@@ -557,7 +617,9 @@ _REVISE_CARRY = (
 def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool) -> Callable[..., Any]:
     def branch(*flat: Any) -> Any:
         operands = tree_unflatten(tree_structure(op_carrier), list(flat))
+        state = _torch_state()
         out = fn(*operands)
+        _check_state(op, label, fn, state)
         leaves, td = tree_flatten(out)
         leaves = [_as_tensor(x) for x in leaves]
         bad = _escape_exchange(key, label, _describe(td, leaves, shapes), _code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
@@ -619,8 +681,10 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[A
 # ----------------------------------------------------------------------------------------
 
 
-def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
-    """`torch.while_loop` over the flat leaves of `init_val`."""
+def while_loop(
+    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any, weak: Any = None
+) -> Any:
+    """`torch.while_loop` over the flat leaves of `init_val` (`weak`: see `scan`)."""
     _count_lowering()
     _escape_prepare_inductor()
     op = "tfun.lax.while_loop"
@@ -629,18 +693,24 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
     if not leaves:
         # nothing is carried: the loop cannot change anything observable
         return init_val
+    if weak:
+        leaves = promote_weak(leaves, weak, body_fun(tree_unflatten(td, leaves)))
 
     carrier = _carrier(td, leaves)
 
     def c(*flat: Any) -> Any:
+        state = _torch_state()
         p = cond_fun(tree_unflatten(tree_structure(carrier), list(flat)))
+        _check_state(op, "cond_fun", cond_fun, state)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(bool(p), device=flat[0].device)
         return p
 
     def b(*flat: Any) -> Any:
         td_in = tree_structure(carrier)
+        state = _torch_state()
         out = body_fun(tree_unflatten(td_in, list(flat)))
+        _check_state(op, "body_fun", body_fun, state)
         new = _check_result(
             op,
             "body_fun input and output",
@@ -663,14 +733,32 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 # ----------------------------------------------------------------------------------------
 
 
-def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> tuple[Any, Any]:
-    """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars."""
+def promote_weak(c_leaves: list[Any], weak: Any, out_carry: Any) -> list[Any]:
+    """`c_leaves` with the leaves that were Python scalars in `init` converted to the dtype
+    the body gives them, where JAX's weak-type promotion allows it (as eagerly)."""
+    expected = _rules.promote_weak_init(c_leaves, weak, out_carry)
+    return [t if t.dtype == m.dtype else t.to(m.dtype) for t, m in zip(c_leaves, expected)]
+
+
+def scan(
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any = None
+) -> tuple[Any, Any]:
+    """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
+
+    `weak`: the flat indices of `init`'s leaves that were Python scalars (see
+    `_rules.weak_scalars`); the body is traced once outside the HOP to learn their dtypes
+    (its ops are dead code), as JAX traces a loop body twice to promote a weak `init`."""
     _count_lowering()
     _escape_prepare_inductor()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
     x_leaves, x_td = tree_flatten(xs)
+    if weak and length > 0:
+        x0 = tree_unflatten(x_td, [x[0] for x in x_leaves])
+        res = f(tree_unflatten(c_td, c_leaves), x0)
+        if isinstance(res, (tuple, list)) and len(res) == 2:
+            c_leaves = promote_weak(c_leaves, weak, res[0])
     n_c = len(c_leaves)
     revise = _REVISE_CARRY
 
@@ -703,7 +791,9 @@ def scan(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse:
         c_td_in = tree_structure(c_carrier)
         carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
+        state = _torch_state()
         res = f(carry, x)
+        _check_state(op, "body function", f, state)
         if not isinstance(res, (tuple, list)) or len(res) != 2:
             got = None if isinstance(res, torch.Tensor) else _skeleton(tree_structure(res))
             raise ArgumentTypeError(_escape_pair_message(op, got, _code_of(f)))
@@ -899,7 +989,9 @@ def map(f: Callable[[Any], Any], xs: Any) -> Any:  # noqa: A001 - mirrors tfun.l
         return tree_unflatten(y_td, ys)
 
     def body(x_flat: list[Any]) -> Any:
+        state = _torch_state()
         y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
+        _check_state("tfun.lax.map", "function", f, state)
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _unalias([_as_tensor(t) for t in y_leaves], x_flat)
         return _pack(y_td, y_leaves)
@@ -938,7 +1030,9 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, a
 
     def combine(a: list[Any], b: list[Any]) -> Any:
         td_in = tree_structure(carrier)
+        state = _torch_state()
         out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
+        _check_state(op, "combine function", fn, state)
         out_leaves, out_td = tree_flatten(out)
         if out_td != td_in or len(out_leaves) != n:
             _raise_mismatch(

@@ -54,10 +54,13 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     op = "tfun.lax.while_loop"
     _rules.check_callable(op, "cond_fun", cond_fun)
     _rules.check_callable(op, "body_fun", body_fun)
+    weak = _rules.weak_scalars(init_val)
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
     val: Any = tree_unflatten(treedef, leaves)
     if _hop.is_tracing():
-        return _hop.while_loop(cond_fun, body_fun, val)
+        _hop.check_side_effects(op, "cond_fun", cond_fun)
+        _hop.check_side_effects(op, "body_fun", body_fun)
+        return _hop.while_loop(cond_fun, body_fun, val, weak)
     key = (op, _rules.fn_key(cond_fun), _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves))
     # The cache records what has been checked for this signature: None, nothing; "cond",
     # cond_fun for real and body_fun only on fake tensors (the loop ran zero times); True,
@@ -77,12 +80,21 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
                 _rules.remember(key, "cond")
             return val
         new = _rules.checked_call(op, "body_fun", body_fun, (val,))
-        check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        checked = check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output", weak=weak)
+        if checked is not new:
+            _rules.remember((key, "weak"))
         _rules.remember(key, True)
-        val = new
+        val = checked
     is_leaf = treedef.is_leaf()
     cf = cast(Callable[[Any], Any], cond_fun)
     bf = cast(Callable[[Any], Any], body_fun)
+    if _rules.seen((key, "weak")) is not None:
+        # the body returns Python scalars for 0-d carries (weakly typed, as in JAX): they
+        # become tensors of the carry's dtype at every step
+
+        def bf(v: Any) -> Any:
+            return _rules.normalize_weak_outputs(leaves, body_fun(v))
+
     while True:
         pred = cf(val)
         if _batching.is_batched(pred):
@@ -92,11 +104,11 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         val = bf(val)
         if is_leaf:
             if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
-                check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+                val = check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
         elif tree_structure(val) != treedef:
-            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[4]:
-        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     return cast(T, val)
 
 
@@ -204,12 +216,15 @@ def fori_loop(
     if tensors:
         dtype = tensors[0].dtype if len(tensors) == 1 else torch.promote_types(tensors[0].dtype, tensors[1].dtype)
         device = tensors[0].device
+    weak = _rules.weak_scalars(init_val)
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
     val: Any = tree_unflatten(treedef, leaves)
 
     if _hop.is_tracing() or any(_batching.is_batched(t) for t in tensors):
         # Traced, or a bound that differs per example under vmap: a static trip count is
         # not known, so loop with while_loop (whose batching rule freezes finished examples).
+        if _hop.is_tracing():
+            _hop.check_side_effects(op, "body_fun", body_fun)
         if not tensors:
             n = max(int(upper) - int(lower), 0)
 
@@ -223,6 +238,10 @@ def fori_loop(
                 return val
             _hop.check_export_constants(op, body_fun)
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
+            if weak:
+                # Python scalars in init_val take the dtype the body gives them (JAX's weak
+                # types): learned from one traced call outside the loop (dead code)
+                val = tree_unflatten(treedef, _hop.promote_weak(leaves, weak, body_fun(idx[0], val)))
             val, _ = scan(step, val, idx, length=n)
             return val
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
@@ -260,21 +279,29 @@ def fori_loop(
     start = 0
     if _rules.seen(key) is None:
         new = _rules.checked_call(op, "body_fun", body_fun, (idx[0], val))
-        check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
+        checked = check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output", weak=weak)
+        if checked is not new:
+            _rules.remember((key, "weak"))
         _rules.remember(key)
-        val = new
+        val = checked
         start = 1
     is_leaf = treedef.is_leaf()
     bf2 = cast(Callable[[Any, Any], Any], body_fun)
+    if _rules.seen((key, "weak")) is not None:
+        # Python scalars for 0-d carries (weakly typed, as in JAX): tensors at every step
+
+        def bf2(i: Any, v: Any) -> Any:
+            return _rules.normalize_weak_outputs(leaves, body_fun(i, v))
+
     for k in range(start, len(idx)):
         val = bf2(idx[k], val)
         if is_leaf:
             if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
-                check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+                val = check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
         elif tree_structure(val) != treedef:
-            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+            check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     if _rules.leaf_signature(tree_flatten(val)[0]) != key[3]:
-        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output")
+        check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     return cast(T, val)
 
 

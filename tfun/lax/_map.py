@@ -48,8 +48,22 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
     if batch_size is not None:
         batch_size = _rules.check_int(op, "batch_size", batch_size, minimum=1)
         if n > 0:
+            if _hop.is_tracing():
+                _hop.check_side_effects(op, "function", f)
+                return _batched_map(f, leaves, treedef, n, batch_size)
+            # the rules hold for `f` as without batch_size (the scan below checks only its
+            # own body, which calls `f` through vmap)
+            key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape, x.device) for x in leaves), batch_size)
+            if _rules.seen(key) is None:
+                xs0 = tree_unflatten(treedef, leaves)
+                out = _rules.checked_call(
+                    op, "function", f, (xs0,), call=lambda: _batched_map(f, leaves, treedef, n, batch_size)
+                )
+                _rules.remember(key)
+                return out
             return _batched_map(f, leaves, treedef, n, batch_size)
     if _hop.is_tracing():
+        _hop.check_side_effects(op, "function", f)
         return _hop.map(f, xs)
     key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:

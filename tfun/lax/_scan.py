@@ -70,11 +70,20 @@ def check_carry(
     new_carry: Any,
     *,
     what: str = "body carry input and output",
-) -> None:
+    weak: dict[int, Any] | None = None,
+) -> Any:
+    """Check `new_carry` against the carry `(carry_def, carry_leaves)`; return it with its
+    weakly typed Python scalars made tensors of the carry's dtype. As in JAX, a Python
+    scalar output matches a 0-d carry of its default dtype (`1.5` a float32 carry), and a
+    leaf of `init` that was a Python scalar (`weak`, by flat index) takes the dtype of the
+    body's output where JAX's promotion allows it."""
+    new_carry = _rules.normalize_weak_outputs(carry_leaves, new_carry)
+    carry_leaves = _rules.promote_weak_init(carry_leaves, weak, new_carry)
     new_leaves, new_def = tree_flatten(new_carry)
     revise = _REVISE_CARRY.format(name=_funcinfo.short_name(f))
     _rules.check_structure(op, what, carry_def, new_def, root="carry", names=("input", "output"), fn=f, revise=revise)
     _rules.check_tensors(op, what, carry_leaves, new_leaves, carry_def, root="carry", names=("input", "output"), fn=f, revise=revise)
+    return new_carry
 
 
 def stack_outputs(
@@ -220,6 +229,7 @@ def scan(
     op = "tfun.lax.scan"
     _rules.check_callable(op, "f", f)
     check_unroll(op, unroll)
+    weak = _rules.weak_scalars(init)
     carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init)
     init = tree_unflatten(carry_def, carry_leaves)
     x_leaves, x_def = xs_leaves(op, xs)
@@ -229,8 +239,9 @@ def scan(
     if x_def.num_leaves and any(not isinstance(x, torch.Tensor) for x in tree_flatten(xs)[0]):
         xs = tree_unflatten(x_def, x_leaves)
     if _hop.is_tracing():
-        return _hop.scan(f, init, xs, n, bool(reverse))
-    return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse))
+        _hop.check_side_effects(op, "body function", f)
+        return _hop.scan(f, init, xs, n, bool(reverse), weak)
+    return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
 
 def _scan_eager(
@@ -244,6 +255,7 @@ def _scan_eager(
     x_def: PyTreeSpec,
     n: int,
     reverse: bool,
+    weak: dict[int, Any] | None = None,
 ) -> tuple[Any, Any]:
     x_sig = tuple((x.dtype, x.shape[1:], x.device) for x in x_leaves)
     key = (op, _rules.fn_key(f), carry_def, _rules.leaf_signature(carry_leaves), x_def, x_sig)
@@ -251,7 +263,7 @@ def _scan_eager(
     if n == 0:
         x0 = tree_unflatten(x_def, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in x_leaves])
         carry0, y0 = split_pair(op, f, zero_length_outputs(op, "body function", f, (init, x0), key))
-        check_carry(op, f, carry_def, carry_leaves, carry0)
+        check_carry(op, f, carry_def, carry_leaves, carry0, weak=weak)
         y_leaves, y_def = tree_flatten(y0)
         ys = tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
         return init, ys
@@ -277,12 +289,24 @@ def _scan_eager(
     if _rules.seen(key) is None:
         out = _rules.checked_call(op, "body function", f, (carry, x_at(i0)))
         carry, y = split_pair(op, f, out)
-        check_carry(op, f, carry_def, carry_leaves, carry)
+        raw = carry
+        carry = check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
         _rules.remember(key)
     else:
         carry, y = split_pair(op, f, f(carry, x_at(i0)))
         if tree_structure(carry) != carry_def:
-            check_carry(op, f, carry_def, carry_leaves, carry)
+            check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
+        raw = carry
+        carry = _rules.normalize_weak_outputs(carry_leaves, carry)
+    call = f
+    if carry is not raw:
+        # Python scalars the body returns for 0-d carries (weakly typed, as in JAX) become
+        # tensors of the carry's dtype at every step
+
+        def call(c: Any, x: Any) -> Any:
+            c2, y2 = split_pair(op, f, f(c, x))
+            return _rules.normalize_weak_outputs(carry_leaves, c2), y2
+
     y_leaves, y_def = tree_flatten(y)
     y_lists: list[list[Any]] = [[v] for v in y_leaves]
 
@@ -291,15 +315,15 @@ def _scan_eager(
     y_first = y_lists[0] if y_is_leaf else None
     n_y = y_def.num_leaves
     for i in it:
-        out = f(carry, x_at(i))
+        out = call(carry, x_at(i))
         if type(out) is not tuple or len(out) != 2:
             out = split_pair(op, f, out)
         carry, y = out
         if carry_is_leaf:
             if not isinstance(carry, torch.Tensor):
-                check_carry(op, f, carry_def, carry_leaves, carry)
+                check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
         elif tree_structure(carry) != carry_def:
-            check_carry(op, f, carry_def, carry_leaves, carry)
+            check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
         if y_is_leaf:
             y_first.append(y)  # type: ignore[union-attr]
         elif n_y:
@@ -317,7 +341,7 @@ def _scan_eager(
                 revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
             )
     if _rules.leaf_signature(tree_flatten(carry)[0]) != key[3]:
-        check_carry(op, f, carry_def, carry_leaves, carry)
+        check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
     ys = stack_outputs(op, f, y_lists, y_def, reverse)
     return carry, ys
 
