@@ -75,6 +75,15 @@ def test_cond_matches_python_if(pred, x_t, y_t, dtype, seed, swap):
     assert_tree_allclose(out, want, rtol=0, atol=0)
 
 
+def test_cond_five_argument_form():
+    # JAX's older form cond(pred, true_operand, true_fun, false_operand, false_fun), still accepted by JAX
+    x, y = torch.arange(3.0), torch.tensor(5)
+    assert torch.equal(lax.cond(True, x, lambda a: a * 2, y, lambda b: torch.zeros(3) + b), x * 2)
+    assert torch.equal(lax.cond(torch.tensor(False), x, lambda a: a * 2, y, lambda b: torch.zeros(3) + b), torch.full((3,), 5.0))
+    with pytest.raises(TypeError):
+        lax.cond(True, x, lambda a: a, y, 3)
+
+
 def test_cond_operands_forms():
     x = torch.arange(3.0)
     assert lax.cond(True, lambda: torch.tensor(1), lambda: torch.tensor(2)).item() == 1
