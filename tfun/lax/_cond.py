@@ -285,8 +285,11 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         )
     operands = _normalize_operands(op, operands)
     n = len(branches)
-    if _hop.is_tracing() and isinstance(index, torch.Tensor):
-        return _hop.switch(index.clamp(0, n - 1), branches, operands)
+    if _hop.is_tracing():
+        # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
+        # as cond lowers a Python pred: the eager path's caches are not traceable.
+        idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
+        return _hop.switch(idx.clamp(0, n - 1), branches, operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.
