@@ -144,6 +144,48 @@ def _normalize_nondiff(op: str, nondiff_argnums: Any) -> tuple[int, ...]:
     return tuple(sorted(set(nondiff_argnums)))
 
 
+def _argnames_to_nums(op: str, fun: Callable[..., Any], nondiff_argnames: Any) -> tuple[int, ...]:
+    """JAX's `nondiff_argnames`: parameter names of `fun`, as positions."""
+    if isinstance(nondiff_argnames, str):
+        nondiff_argnames = (nondiff_argnames,)
+    if not isinstance(nondiff_argnames, (tuple, list)) or not all(isinstance(n, str) for n in nondiff_argnames):
+        raise ArgumentTypeError(
+            format_message(f"{op}: nondiff_argnames must be a tuple of strings, got {nondiff_argnames!r}.")
+        )
+    if not nondiff_argnames:
+        return ()
+    params = [
+        p.name
+        for p in inspect.signature(fun).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    nums = []
+    for name in nondiff_argnames:
+        if name not in params:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: nondiff_argnames contains {name!r}, which is not a positional parameter of the function.",
+                    function=describe(fun),
+                )
+            )
+        nums.append(params.index(name))
+    return tuple(nums)
+
+
+def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False) -> None:
+    for name, v in (("symbolic_zeros", symbolic_zeros), ("optimize_remat", optimize_remat)):
+        if not isinstance(v, bool):
+            raise ArgumentTypeError(format_message(f"{op}: {name} must be a bool, got {describe_value(v)}."))
+    if symbolic_zeros:
+        raise ArgumentValueError(
+            format_message(
+                f"{op}: symbolic_zeros=True is not supported: tfun passes zero tangents/cotangents as "
+                "zero tensors (or None) and plain values to the rules.",
+                revise="Drop symbolic_zeros=True and write the rules for ordinary tensors.",
+            )
+        )
+
+
 class _CallSpec:
     """The static half of one call: nondiff args, argument structure, non-tensor leaves."""
 
@@ -479,6 +521,8 @@ class custom_vjp:
     - `nondiff_argnums`: positions of arguments that are not differentiated (Python
       values, functions; tensors there are constants). `bwd` receives them first, as in
       JAX: `bwd(*nondiff_args, residuals, g)`.
+    - `nondiff_argnames`: the same, by parameter name (JAX's `nondiff_argnames`); joined
+      with `nondiff_argnums`.
 
     **Returns:** a callable with `fun`'s signature; call `.defvjp(fwd, bwd)` on it where
     `fwd(*args) -> (output, residuals)` (residuals: any pytree) and `bwd(residuals, g)`
@@ -486,14 +530,19 @@ class custom_vjp:
     that argument's structure (`None` anywhere marks a zero cotangent).
     """
 
-    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+    def __init__(
+        self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
+    ) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = _normalize_nondiff("tfun.custom_vjp", nondiff_argnums)
+        nums = tuple(_normalize_nondiff("tfun.custom_vjp", nondiff_argnums))
+        self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_vjp", fun, nondiff_argnames))))
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
 
-    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+    def defvjp(
+        self, fwd: Callable[..., Any], bwd: Callable[..., Any], symbolic_zeros: bool = False, optimize_remat: bool = False
+    ) -> None:
         """Define the rule.
 
         **Arguments:**
@@ -501,9 +550,13 @@ class custom_vjp:
         - `fwd`: `fwd(*args) -> (output, residuals)`, with the primal's signature.
         - `bwd`: `bwd(*nondiff_args, residuals, g) -> tuple` of cotangents, one per
           differentiable positional argument.
+        - `symbolic_zeros`: JAX's flag; only `False` (the default) is supported.
+        - `optimize_remat`: accepted for JAX compatibility (a bool); it changes nothing:
+          `fwd` runs only when a gradient is needed, and `tfun.checkpoint` recomputes it.
 
         **Returns:** None.
         """
+        _check_rule_flags("tfun.custom_vjp.defvjp", symbolic_zeros, optimize_remat)
         for name, fn in (("fwd", fwd), ("bwd", bwd)):
             if not callable(fn):
                 raise ArgumentTypeError(
@@ -716,6 +769,8 @@ class custom_jvp:
       tensors.
     - `nondiff_argnums`: positions of arguments that are not differentiated; the rule
       receives them first: `jvp_fn(*nondiff_args, primals, tangents)`.
+    - `nondiff_argnames`: the same, by parameter name (JAX's `nondiff_argnames`); joined
+      with `nondiff_argnums`.
 
     **Returns:** a callable with `fun`'s signature; define the rule with
     `.defjvp(jvp_fn)` where `jvp_fn(primals, tangents) -> (primal_out, tangent_out)`,
@@ -723,21 +778,26 @@ class custom_jvp:
     `tangent_out` having the output's structure (`None` marks a zero).
     """
 
-    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+    def __init__(
+        self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
+    ) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = _normalize_nondiff("tfun.custom_jvp", nondiff_argnums)
+        nums = tuple(_normalize_nondiff("tfun.custom_jvp", nondiff_argnums))
+        self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_jvp", fun, nondiff_argnames))))
         self.jvp_fn: Callable[..., Any] | None = None
 
-    def defjvp(self, jvp_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def defjvp(self, jvp_fn: Callable[..., Any], symbolic_zeros: bool = False) -> Callable[..., Any]:
         """Define the rule.
 
         **Arguments:**
 
         - `jvp_fn`: `jvp_fn(*nondiff_args, primals, tangents) -> (primal_out, tangent_out)`.
+        - `symbolic_zeros`: JAX's flag; only `False` (the default) is supported.
 
         **Returns:** `jvp_fn`, so `defjvp` can be used as a decorator.
         """
+        _check_rule_flags("tfun.custom_jvp.defjvp", symbolic_zeros)
         if not callable(jvp_fn):
             raise ArgumentTypeError(
                 format_message(f"tfun.custom_jvp.defjvp: the rule must be callable, got {describe_value(jvp_fn)}.")
