@@ -473,3 +473,19 @@ def test_rule_flags_as_jax():
         h.defjvp(lambda p, t: (p[0], t[0]), symbolic_zeros=True)
     with pytest.raises(ArgumentTypeError, match="optimize_remat must be a bool"):
         f.defvjp(lambda x: (x, None), lambda r, g: (g,), optimize_remat="yes")
+
+
+def test_functorch_internal_asserts_become_tfun_errors():
+    # torch.func's "batched == nullptr INTERNAL ASSERT" (a nondiff argument batched by vmap, under jvp)
+    # must reach the user as a tfun error that says what to change, never as torch's internal assert
+    @functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
+    def f(x, y):
+        return x * y
+
+    f.defjvp(lambda x, p, t: (f(x, p[0]), 5 * t[0]))
+    g = tfun.vmap(f)
+    with pytest.raises(ArgumentValueError, match="torch.func cannot apply this function's rule") as info:
+        tfun.jvp(lambda y: g(torch.tensor([2.0]), y), (torch.tensor([3.0]),), (torch.tensor([1.0]),))
+    assert "INTERNAL ASSERT" in str(info.value.__cause__)
+    # transforms still work afterwards
+    assert torch.allclose(tfun.vmap(tfun.grad(torch.sin))(torch.arange(3.0)), torch.cos(torch.arange(3.0)))

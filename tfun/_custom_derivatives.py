@@ -25,6 +25,7 @@ from ._errors import (
     JitError,
     StructureMismatchError,
     TensorMismatchError,
+    TfunError,
     format_message,
 )
 from ._funcinfo import describe
@@ -170,6 +171,34 @@ def _argnames_to_nums(op: str, fun: Callable[..., Any], nondiff_argnames: Any) -
             )
         nums.append(params.index(name))
     return tuple(nums)
+
+
+# torch.func assertions that a custom rule can reach when a tensor it closes over (or a
+# nondiff argument) lives at a vmap/grad level the autograd.Function does not see.
+_FUNCTORCH_ASSERTS = ("INTERNAL ASSERT FAILED", "flat_bdims must not be None")
+
+
+def _apply_rule(op: str, fun: Callable[..., Any], fn: Any, spec: Any) -> Any:
+    """`fn.apply(spec, *tensors)`, with torch.func's internal assertions turned into a tfun error."""
+    try:
+        return fn.apply(spec, *spec.tensors)
+    except (RuntimeError, AssertionError) as e:
+        if isinstance(e, TfunError) or not any(m in str(e) for m in _FUNCTORCH_ASSERTS):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArgumentValueError(
+            format_message(
+                f"{op}: torch.func cannot apply this function's rule under the enclosing transforms: a tensor "
+                "that the function or its rules close over (or a nondiff argument) is batched by an enclosing "
+                "vmap or differentiated by an enclosing grad/jvp that the custom function does not see as an "
+                "input.",
+                [f"torch.func: {first}"],
+                function=describe(fun),
+                revise="Pass such tensors to the custom function as positional (differentiable) arguments "
+                "instead of closing over them or listing them in nondiff_argnums, or apply the vmap outside "
+                "the differentiation (docs/porting.md, Differences from JAX).",
+            )
+        ) from e
 
 
 def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False) -> None:
@@ -584,7 +613,7 @@ class custom_vjp:
         if not _needs_rule(spec.tensors):
             return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
-        outs = _CustomVjpFunction.apply(spec, *spec.tensors)
+        outs = _apply_rule(op, self.fun, _CustomVjpFunction, spec)
         return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
 
 
@@ -874,7 +903,7 @@ class custom_jvp:
                     )
                 )
             fn = _CustomJvpTracedFunction
-        outs = fn.apply(spec, *spec.tensors)
+        outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
 
 
