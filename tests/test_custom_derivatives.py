@@ -489,3 +489,18 @@ def test_functorch_internal_asserts_become_tfun_errors():
     assert "INTERNAL ASSERT" in str(info.value.__cause__)
     # transforms still work afterwards
     assert torch.allclose(tfun.vmap(tfun.grad(torch.sin))(torch.arange(3.0)), torch.cos(torch.arange(3.0)))
+
+
+def test_custom_jvp_rule_primal_out_checked_as_jax():
+    # JAX checks the rule's primal output against the function's output (structure, shape, dtype)
+    @tfun.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: ((p[0], p[0]), (t[0], t[0])))
+    x = torch.tensor(1.0)
+    with pytest.raises(StructureMismatchError, match="primal_out"):
+        tfun.jvp(f, (x,), (x,))
+    f.defjvp(lambda p, t: (torch.zeros(3), t[0]))
+    with pytest.raises(TensorMismatchError, match="primal_out"):
+        tfun.jvp(f, (x,), (x,))

@@ -643,8 +643,19 @@ def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Se
                 revise="Return `(primal_out, tangent_out)`.",
             )
         )
-    _, tan = pair
+    prim, tan = pair
     expected = tree_unflatten(spec.out_td, list(range(spec.n_out)))
+    # the primal output itself comes from `fun`, but as in JAX the rule's must match it
+    _check_cotangents(
+        op,
+        spec.jvp_fn,
+        "primal_out",
+        prim,
+        expected,
+        "the primal output",
+        list(spec.out_meta),
+        "Return a primal_out equal to the function's output (same structure, shapes and dtypes).",
+    )
     flat = _check_cotangents(
         op,
         spec.jvp_fn,
