@@ -504,3 +504,15 @@ def test_custom_jvp_rule_primal_out_checked_as_jax():
     f.defjvp(lambda p, t: (torch.zeros(3), t[0]))
     with pytest.raises(TensorMismatchError, match="primal_out"):
         tfun.jvp(f, (x,), (x,))
+
+
+def test_custom_jvp_integer_outputs_have_no_tangent():
+    # JAX's float0: a rule's tangent for an integer output is dropped (torch would refuse it)
+    @tfun.custom_jvp
+    def f(x, y):
+        return x, y
+
+    f.defjvp(lambda p, t: ((p[0], p[1]), (2 * t[0], torch.zeros((), dtype=torch.int64))))
+    (px, py), (tx, ty) = tfun.jvp(f, (torch.tensor(2.0), torch.tensor(3)), (torch.tensor(1.0), torch.tensor(0)))
+    assert (px.item(), py.item(), tx.item()) == (2.0, 3, 2.0)
+    assert ty.dtype == torch.int64 and ty.item() == 0

@@ -666,7 +666,9 @@ def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Se
         [m if (m[1].is_floating_point or m[1].is_complex) else None for m in spec.out_meta],
         "Return a tangent_out with the structure, shapes and dtypes of the function's output.",
     )
-    return flat
+    # integer and boolean outputs have no tangent (JAX's float0): whatever the rule gave
+    # there is dropped, rather than handed to autograd, which refuses it
+    return [t if (m[1].is_floating_point or m[1].is_complex) else None for t, m in zip(flat, spec.out_meta)]
 
 
 class _CustomJvpFunction(torch.autograd.Function):
@@ -696,7 +698,11 @@ class _CustomJvpFunction(torch.autograd.Function):
         tans = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
         flat = _call_jvp_rule(spec, primals, tans)
         return tuple(
-            torch.zeros(m[0], dtype=m[1], device=primals[0].device if primals else None) if f is None else f
+            None
+            if not (m[1].is_floating_point or m[1].is_complex)
+            else torch.zeros(m[0], dtype=m[1], device=primals[0].device if primals else None)
+            if f is None
+            else f
             for f, m in zip(flat, spec.out_meta)
         )
 
