@@ -934,7 +934,7 @@ class TestCustomVJP:
         (y,) = g_vjp(T(1.0))
         assert_all_close(y, 2.0)
 
-    @skip("residuals-are-tensors")
+    @skip("jit-returns-function")
     def test_nestable_vjp_residual_function(self):
         """The second half of test_nestable_vjp: the residual is the vjp function itself,
         returned from a jitted function."""
