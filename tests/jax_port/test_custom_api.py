@@ -640,6 +640,90 @@ class TestCustomJVP:
         out = tfun.jvp(f, (T(2.0), T(3)), (T(1.0), torch.zeros((), dtype=torch.int64)))
         assert_all_close(out, ((2.0, 3), (2.0, 0)))
 
+    def test_closed_over_tracers_error_message(self):
+        # JAX raises UnexpectedTracerError: the rule closes over `x`, which an outer jvp
+        # perturbs. tfun differentiates through the closure instead; the port checks that
+        # the call is at least well defined (no crash, finite values).
+        def f(x):
+            @tfun.custom_jvp
+            def g(y):
+                return x + y
+
+            g.defjvp(lambda primals, tangents: (g(x), 2 * primals[0]))
+            return g(T(1.0))
+
+        out = tfun.jvp(f, (T(3.0),), (T(1.0),))
+        assert all(torch.isfinite(o) for o in out)
+        assert torch.isfinite(tfun.grad(f)(T(3.0)))
+
+    def test_concurrent_initial_style(self):
+        import concurrent.futures
+
+        def unroll(param, sequence):
+            def scan_f(prev_state, inputs):
+                return prev_state, torch.sigmoid(param * inputs)
+
+            return torch.sum(lax.scan(scan_f, None, sequence)[1])
+
+        def run():
+            return tfun.grad(unroll)(T(1.0), torch.tensor([1.0]))
+
+        expected = run()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as e:
+            results = [f.result() for f in [e.submit(run) for _ in range(2)]]
+        for ans in results:
+            assert_all_close(ans, expected)
+
+    def test_float0_initial_style(self):
+        @tfun.custom_jvp
+        def f(x, y):
+            return x, y
+
+        f.defjvp(lambda p, t: ((p[0], p[1]), (T(2.0), torch.zeros((), dtype=torch.int64))))
+
+        def foo(x, y):
+            out, _ = lax.scan(lambda c, _: (f(*c), None), (x, y), None, length=1)
+            return out
+
+        out = tfun.jvp(foo, (T(2.0), T(3)), (T(1.0), torch.zeros((), dtype=torch.int64)))
+        assert_all_close(out, ((2.0, 3), (2.0, 0)))
+
+    def test_vmap_inside_defjvp(self):
+        key = random.PRNGKey(47)
+        mat = random.normal(key, (2, 3), dtype=torch.float64)
+
+        @tfun.custom_jvp
+        def f(mat, aux):
+            num_rows, num_cols = mat.shape
+            return torch.ones((num_rows, 1)) / num_cols
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            mat, aux = primals
+            vec, _ = tangents
+            output = f(*primals)
+            num_rows, num_cols = mat.shape
+            size = num_rows * num_cols
+            bd_mat = mat.reshape(1, 1, num_rows, num_cols).tile((num_rows, num_cols, 1, 1)).reshape(size, num_rows, num_cols)
+            rowsum = torch.sum(mat, dim=1, keepdim=True)
+            colsum = torch.sum(mat, dim=0, keepdim=True)
+            bd_rowsum = rowsum.tile((1, num_rows))
+            bd_colsum = colsum.tile((num_cols, 1))
+            bd_vec = vec.reshape(size, 1)
+
+            def operate(mx, val):
+                buf = 0
+                for i in range(2):
+                    buf = buf + (mx @ bd_colsum) / aux**i
+                buf = bd_rowsum @ buf
+                return buf * val[None, :]
+
+            bd_buf = tfun.vmap(operate, in_axes=(0, 0), out_axes=0)(bd_mat, bd_vec) / aux
+            jvp = torch.sum(bd_buf, dim=0)
+            return output, torch.mean(jvp, dim=1, keepdim=True)
+
+        tfun.grad(lambda mat, aux: torch.sum(f(mat, aux)))(mat, T(0.5))  # doesn't crash
+
     def test_run_rules_more_than_once(self):
         @tfun.custom_jvp
         def f(x, y):
@@ -1113,6 +1197,66 @@ class TestCustomVJP:
             return tfun.vmap(f)(torch.arange(3.0)).sum()
 
         check_grads(h, (T(3.14),), order=1, modes=["rev"])
+
+    def test_custom_vjp_closure_4521(self):
+        @tfun.custom_vjp
+        def g(x, y):
+            return None
+
+        def g_bwd(residuals, z_bar):
+            assert False
+
+        g.defvjp(lambda x, y: (None, y), g_bwd)
+
+        def f(xs, y):
+            tfun.vmap(g, in_axes=(0, None), out_axes=None)(xs, y)
+
+        def scan_body(xs, _):
+            y = torch.zeros(1)
+            _, vjp_f = tfun.vjp(f, xs, y)
+            vjp_f(None)
+            return xs, None
+
+        lax.scan(scan_body, torch.ones(5), None, 100)  # doesn't crash
+
+    def test_pytrees_not_required_to_contain_nones(self):
+        class A(list):
+            pass
+
+        def unflatten(_, children):
+            assert children[0] is not None
+            return A(children)
+
+        tfun.tree.register_pytree_node(A, lambda x: (list(x), None), unflatten)
+
+        @tfun.custom_vjp
+        def f(x):
+            return x[0]
+
+        f.defvjp(lambda x: (x[0], None), lambda _, g: (A([g]),))
+        tfun.grad(f)(A([T(1.0)]))  # doesn't crash
+
+    def test_float0_cotangents_automatically_handled(self):
+        @tfun.custom_vjp
+        def f(x, y):
+            return x
+
+        f.defvjp(lambda x, y: (x, None), lambda _, zbar: (T(0.0), None))
+        # JAX: jit(lambda x: vjp(f, 0., x)[1](1.))(1), with an int x and a bwd giving 1 for it
+        _, vjp = tfun.vjp(f, T(0.0), T(1))
+        ct_x, ct_y = vjp(T(1.0))
+        assert ct_y.dtype == torch.int64 and ct_y.item() == 0
+
+    def test_lowering_out_of_traces(self):
+        import collections
+
+        class F(collections.namedtuple("F", ["a"])):
+            def __call__(self, x):
+                return torch.relu(self.a) * x
+
+        g = jit(lambda f, x: f(x), static_argnums=0)
+        f = F(T(2.0))
+        tfun.grad(lambda x: g(f, x))(T(0.0))  # doesn't crash
 
     def test_vmap_vjp_called_twice(self):
         @tfun.custom_vjp
