@@ -443,6 +443,17 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, *result)
 
 
+def _forward_mode_active() -> bool:
+    """Whether a torch.func forward-mode transform (tfun.jvp, jacfwd, hessian) is live."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    except (ImportError, AttributeError):  # pragma: no cover
+        return False
+
+
 def _functorch_active() -> bool:
     try:
         return bool(torch._C._are_functorch_transforms_active())
@@ -535,6 +546,11 @@ def checkpoint(
         else:
             fun_k = fun
         if policy is checkpoint_policies.everything_saveable:
+            return fun_k(*args)
+        if _forward_mode_active():
+            # Forward mode saves nothing for a backward pass, so there is nothing to
+            # rematerialize; and the forward rule below would hide `fun`'s ops from an
+            # enclosing jvp (jvp of jvp gave a zero second-order tangent).
             return fun_k(*args)
         for i in statics:
             if i >= len(args):
