@@ -1064,9 +1064,7 @@ class TestLaxControlFlow:
         c = T(r.randn(4))
         assert_all_close(scan(f, c, as_), scan_reference(f, c, as_), rtol=1.4e-15, atol=8e-15)
 
-    @pytest.mark.parametrize("jit_scan, jit_f, scan", [
-        c if "new_checkpoint-" not in c.id + "-" else pytest.param(*c.values, id=c.id, marks=skip("checkpoint-jvp-of-jvp"))
-        for c in SCAN_JIT_CASES])
+    @pytest.mark.parametrize("jit_scan, jit_f, scan", SCAN_JIT_CASES)
     def testScanJVP(self, jit_scan, jit_f, scan):
         r = rng()
         d = T(r.randn(2))

@@ -120,10 +120,9 @@ class TestRemat:
         g = tfun.remat(f)
         assert_all_close(tfun.grad(tfun.grad(g))(T(3.0)), tfun.grad(tfun.grad(f))(T(3.0)))
 
-    @skip("checkpoint-jvp-of-jvp")
     def test_remat_higher_order_autodiff_fwd(self):
-        """Forward-over-forward through remat (JAX's check_grads(order=2, modes=["fwd"])
-        of a remat function, as in LaxControlFlowTest.testScanJVP with checkpoint)."""
+        """tfun addition: forward-over-forward through remat (as JAX's check_grads(order=2,
+        modes=["fwd"]) in LaxControlFlowTest.testScanJVP with checkpoint)."""
 
         def f(x):
             return torch.cos(torch.sin(x))
