@@ -227,6 +227,16 @@ def scan(
     carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init)
     init = tree_unflatten(carry_def, carry_leaves)
     x_leaves, x_def = xs_leaves(op, xs)
+    if isinstance(length, torch.Tensor) and _hop.is_tracing():
+        # JAX's ConcretizationTypeError: the step count must be known when tracing
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: length must be a concrete int under tfun.jit, but it is a traced tensor "
+                f"({_rules.describe_leaf(length)}).",
+                revise="Pass it as a Python int (a static argument of tfun.jit: static_argnums), or let xs "
+                "determine the length.",
+            )
+        )
     if length is not None:
         length = _rules.check_int(op, "length", length, minimum=0)
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
