@@ -1789,3 +1789,15 @@ class TestLaxControlFlow:
         outs = lax.scan(body_fun, init_vals, xs)[0]
         outs_ref = body_fun(body_fun(init_vals, [x[0] for x in xs])[0], [x[1] for x in xs])[0]
         assert_all_close(outs, outs_ref)
+
+    @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+    def test_fori_loop_returns_init_with_nonpositive_length(self, jitted):
+        """JAX main's test of the same name (not in the stored versions read; written
+        from its name and the issue): lower >= upper returns init_val, eagerly and jitted,
+        with Python and with tensor bounds."""
+        f = lambda lo, hi, x: lax.fori_loop(lo, hi, lambda i, c: c + i, x)
+        g = jit(f) if jitted else f
+        for lo, hi in [(0, 0), (3, 1), (0, -2)]:
+            assert g(T(lo), T(hi), T(1)) == 1
+            h = jit(partial(f, lo, hi)) if jitted else partial(f, lo, hi)
+            assert h(T(1)) == 1
