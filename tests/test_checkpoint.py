@@ -276,3 +276,16 @@ def test_complex_values_through_checkpoint():
     zp = z.clone().requires_grad_()
     loss(f)(zp).backward()
     torch.testing.assert_close(zr.grad, zp.grad)
+
+
+def test_checkpoint_forward_over_forward():
+    # jvp of jvp through checkpoint: the second-order tangent was silently zero
+    x, t = torch.tensor(0.7, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    f = tfun.checkpoint(torch.sin)
+    _, second = tfun.jvp(lambda x: tfun.jvp(f, (x,), (t,))[1], (x,), (t,))
+    assert torch.allclose(second, -torch.sin(x))
+    g = tfun.checkpoint(lambda x: tfun.lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2)[0])
+    g0 = lambda x: tfun.lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2)[0]
+    want = tfun.jvp(lambda x: tfun.jvp(g0, (x,), (t,))[1], (x,), (t,))[1]
+    assert torch.allclose(tfun.jvp(lambda x: tfun.jvp(g, (x,), (t,))[1], (x,), (t,))[1], want)
+    assert torch.allclose(tfun.jacfwd(tfun.grad(f))(x), -torch.sin(x))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tfun
-from tfun.errors import StructureMismatchError, TensorMismatchError, ArgumentValueError
+from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TensorMismatchError
 
 D = torch.float64
 
@@ -435,3 +435,84 @@ def test_jax_complex_custom_vjp_and_custom_jvp(jax):
     plain(zp, wp).backward()
     torch.testing.assert_close(zr.grad, zp.grad)
     torch.testing.assert_close(wr.grad, wp.grad)
+
+
+def test_nondiff_argnames_as_jax():
+    @functools.partial(tfun.custom_vjp, nondiff_argnums=(0,), nondiff_argnames=("g",))
+    def app(f, g, x):
+        return f(x) + g(x)
+
+    app.defvjp(lambda f, g, x: (app(f, g, x), torch.cos(x)), lambda f, g, cos_x, v: (cos_x * v,))
+    f = g = lambda x: 2 * x
+    x = torch.tensor(1.0)
+    assert app(f, g, x).item() == 4.0
+    assert torch.allclose(tfun.grad(lambda x: app(f, g, x))(x), torch.cos(x))
+
+    @functools.partial(tfun.custom_jvp, nondiff_argnames=("f",))
+    def app2(f, x):
+        return f(x)
+
+    app2.defjvp(lambda f, primals, tangents: (app2(f, primals[0]), 3 * tangents[0]))
+    assert tfun.jvp(lambda x: app2(lambda y: 2 * y, x), (x,), (x,))[1].item() == 3.0
+    with pytest.raises(ArgumentValueError, match="nondiff_argnames contains 'h'"):
+        tfun.custom_jvp(lambda f, x: x, nondiff_argnames=("h",))
+
+
+def test_rule_flags_as_jax():
+    @tfun.custom_vjp
+    def f(x):
+        return torch.sin(x)
+
+    f.defvjp(lambda x: (torch.sin(x), (x,)), lambda res, g: (torch.cos(res[0]) * g,), optimize_remat=True)
+    x = torch.tensor(3.2)
+    assert torch.allclose(tfun.grad(f)(x), torch.cos(x))
+    with pytest.raises(ArgumentValueError, match="symbolic_zeros=True is not supported"):
+        f.defvjp(lambda x: (x, None), lambda r, g: (g,), symbolic_zeros=True)
+    h = tfun.custom_jvp(torch.sin)
+    with pytest.raises(ArgumentValueError, match="symbolic_zeros=True is not supported"):
+        h.defjvp(lambda p, t: (p[0], t[0]), symbolic_zeros=True)
+    with pytest.raises(ArgumentTypeError, match="optimize_remat must be a bool"):
+        f.defvjp(lambda x: (x, None), lambda r, g: (g,), optimize_remat="yes")
+
+
+def test_functorch_internal_asserts_become_tfun_errors():
+    # torch.func's "batched == nullptr INTERNAL ASSERT" (a nondiff argument batched by vmap, under jvp)
+    # must reach the user as a tfun error that says what to change, never as torch's internal assert
+    @functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
+    def f(x, y):
+        return x * y
+
+    f.defjvp(lambda x, p, t: (f(x, p[0]), 5 * t[0]))
+    g = tfun.vmap(f)
+    with pytest.raises(ArgumentValueError, match="torch.func cannot apply this function's rule") as info:
+        tfun.jvp(lambda y: g(torch.tensor([2.0]), y), (torch.tensor([3.0]),), (torch.tensor([1.0]),))
+    assert "INTERNAL ASSERT" in str(info.value.__cause__)
+    # transforms still work afterwards
+    assert torch.allclose(tfun.vmap(tfun.grad(torch.sin))(torch.arange(3.0)), torch.cos(torch.arange(3.0)))
+
+
+def test_custom_jvp_rule_primal_out_checked_as_jax():
+    # JAX checks the rule's primal output against the function's output (structure, shape, dtype)
+    @tfun.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: ((p[0], p[0]), (t[0], t[0])))
+    x = torch.tensor(1.0)
+    with pytest.raises(StructureMismatchError, match="primal_out"):
+        tfun.jvp(f, (x,), (x,))
+    f.defjvp(lambda p, t: (torch.zeros(3), t[0]))
+    with pytest.raises(TensorMismatchError, match="primal_out"):
+        tfun.jvp(f, (x,), (x,))
+
+
+def test_custom_jvp_integer_outputs_have_no_tangent():
+    # JAX's float0: a rule's tangent for an integer output is dropped (torch would refuse it)
+    @tfun.custom_jvp
+    def f(x, y):
+        return x, y
+
+    f.defjvp(lambda p, t: ((p[0], p[1]), (2 * t[0], torch.zeros((), dtype=torch.int64))))
+    (px, py), (tx, ty) = tfun.jvp(f, (torch.tensor(2.0), torch.tensor(3)), (torch.tensor(1.0), torch.tensor(0)))
+    assert (px.item(), py.item(), tx.item()) == (2.0, 3, 2.0)
+    assert ty.dtype == torch.int64 and ty.item() == 0

@@ -384,3 +384,16 @@ def test_complex_differentiation_refusals_name_the_leaf():
         assert lines[3].startswith(revise)
     with pytest.raises(ArgumentTypeError):
         tfun.grad(lambda z: z, holomorphic="yes")
+
+
+def test_vjp_of_function_without_differentiable_outputs():
+    # JAX: vjp of a function whose outputs are None / integer / boolean gives zero cotangents;
+    # torch.func.vjp refuses such a function, tfun must not pass that on
+    x = torch.ones(3)
+    out, f_vjp = tfun.vjp(lambda x: None, x)
+    assert out is None and torch.equal(f_vjp(None)[0], torch.zeros(3))
+    out, f_vjp = tfun.vjp(lambda x: (x > 0, x.long()), x)
+    (ct,) = f_vjp((torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)))
+    assert torch.equal(ct, torch.zeros(3))
+    out, f_vjp = tfun.vjp(lambda x: (x * 2, None), x)
+    assert torch.equal(f_vjp((torch.ones(3), None))[0], torch.full((3,), 2.0))

@@ -8,6 +8,7 @@ import re
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,8 +257,15 @@ def test_scan_needs_length_without_xs():
 
 
 def test_scan_unroll_validated():
-    with pytest.raises(ArgumentValueError, match=r"unroll must be >= 1 \(or a bool\), but got 0"):
-        lax.scan(lambda c, x: (c, None), 0.0, torch.zeros(3), unroll=0)
+    # JAX's rule: a bool or a non-negative int; 0 (like True) unrolls fully
+    with pytest.raises(ArgumentValueError, match=r"unroll must be a bool or a non-negative int, but got -1"):
+        lax.scan(lambda c, x: (c, None), 0.0, torch.zeros(3), unroll=-1)
+    with pytest.raises(ArgumentTypeError, match=r"unroll must be a non-negative int or a bool, but got a Python float"):
+        lax.scan(lambda c, x: (c, None), 0.0, torch.zeros(3), unroll=1.5)
+    for unroll in (0, 1, 3, True, False, np.int64(2)):
+        c, _ = lax.scan(lambda c, x: (c + x, None), torch.tensor(0.0), torch.ones(3), unroll=unroll)
+        assert c.item() == 3.0
+        assert lax.fori_loop(0, 3, lambda i, c: c + 1, torch.tensor(0), unroll=unroll).item() == 3
 
 
 def test_scan_rejects_non_tensor_leaves():

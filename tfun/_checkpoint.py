@@ -530,6 +530,11 @@ def checkpoint(
             fun_k = fun
         if policy is checkpoint_policies.everything_saveable:
             return fun_k(*args)
+        if _context.forward_mode_active():
+            # Forward mode saves nothing for a backward pass, so there is nothing to
+            # rematerialize; and the forward rule below would hide `fun`'s ops from an
+            # enclosing jvp (jvp of jvp gave a zero second-order tangent).
+            return fun_k(*args)
         for i in statics:
             if i >= len(args):
                 raise ArgumentValueError(

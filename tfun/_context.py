@@ -14,7 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["is_tracing", "functorch_active", "functorch_level", "in_functorch_transform"]
+__all__ = [
+    "is_tracing",
+    "functorch_active",
+    "forward_mode_active",
+    "functorch_level",
+    "in_functorch_transform",
+]
 
 
 def _detect_is_compiling() -> Callable[[], bool]:
@@ -42,6 +48,17 @@ def functorch_active() -> bool:
     Conservatively True where torch cannot say."""
     probe = getattr(torch._C, "_are_functorch_transforms_active", None)
     return True if probe is None else bool(probe())
+
+
+def forward_mode_active() -> bool:
+    """Whether a forward-mode `torch.func` transform (`tfun.jvp`, `jacfwd`, `hessian`) is live
+    on this thread's interpreter stack."""
+    if not functorch_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def in_functorch_transform() -> bool:

@@ -26,6 +26,7 @@ from ._errors import (
     JitError,
     StructureMismatchError,
     TensorMismatchError,
+    TfunError,
     format_message,
 )
 from ._funcinfo import describe
@@ -131,6 +132,76 @@ def _normalize_nondiff(op: str, nondiff_argnums: Any) -> tuple[int, ...]:
             )
         )
     return tuple(sorted(set(nondiff_argnums)))
+
+
+def _argnames_to_nums(op: str, fun: Callable[..., Any], nondiff_argnames: Any) -> tuple[int, ...]:
+    """JAX's `nondiff_argnames`: parameter names of `fun`, as positions."""
+    if isinstance(nondiff_argnames, str):
+        nondiff_argnames = (nondiff_argnames,)
+    if not isinstance(nondiff_argnames, (tuple, list)) or not all(isinstance(n, str) for n in nondiff_argnames):
+        raise ArgumentTypeError(
+            format_message(f"{op}: nondiff_argnames must be a tuple of strings, got {nondiff_argnames!r}.")
+        )
+    if not nondiff_argnames:
+        return ()
+    params = [
+        p.name
+        for p in inspect.signature(fun).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    nums = []
+    for name in nondiff_argnames:
+        if name not in params:
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: nondiff_argnames contains {name!r}, which is not a positional parameter of the function.",
+                    function=describe(fun),
+                )
+            )
+        nums.append(params.index(name))
+    return tuple(nums)
+
+
+# torch.func assertions that a custom rule can reach when a tensor it closes over (or a
+# nondiff argument) lives at a vmap/grad level the autograd.Function does not see.
+_FUNCTORCH_ASSERTS = ("INTERNAL ASSERT FAILED", "flat_bdims must not be None")
+
+
+def _apply_rule(op: str, fun: Callable[..., Any], fn: Any, spec: Any) -> Any:
+    """`fn.apply(spec, *tensors)`, with torch.func's internal assertions turned into a tfun error."""
+    try:
+        return fn.apply(spec, *spec.tensors)
+    except (RuntimeError, AssertionError) as e:
+        if isinstance(e, TfunError) or not any(m in str(e) for m in _FUNCTORCH_ASSERTS):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArgumentValueError(
+            format_message(
+                f"{op}: torch.func cannot apply this function's rule under the enclosing transforms: a tensor "
+                "that the function or its rules close over (or a nondiff argument) is batched by an enclosing "
+                "vmap or differentiated by an enclosing grad/jvp that the custom function does not see as an "
+                "input.",
+                [f"torch.func: {first}"],
+                function=describe(fun),
+                revise="Pass such tensors to the custom function as positional (differentiable) arguments "
+                "instead of closing over them or listing them in nondiff_argnums, or apply the vmap outside "
+                "the differentiation (docs/porting.md, Differences from JAX).",
+            )
+        ) from e
+
+
+def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False) -> None:
+    for name, v in (("symbolic_zeros", symbolic_zeros), ("optimize_remat", optimize_remat)):
+        if not isinstance(v, bool):
+            raise ArgumentTypeError(format_message(f"{op}: {name} must be a bool, got {describe_value(v)}."))
+    if symbolic_zeros:
+        raise ArgumentValueError(
+            format_message(
+                f"{op}: symbolic_zeros=True is not supported: tfun passes zero tangents/cotangents as "
+                "zero tensors (or None) and plain values to the rules.",
+                revise="Drop symbolic_zeros=True and write the rules for ordinary tensors.",
+            )
+        )
 
 
 class _CallSpec:
@@ -468,6 +539,8 @@ class custom_vjp:
     - `nondiff_argnums`: positions of arguments that are not differentiated (Python
       values, functions; tensors there are constants). `bwd` receives them first, as in
       JAX: `bwd(*nondiff_args, residuals, g)`.
+    - `nondiff_argnames`: the same, by parameter name (JAX's `nondiff_argnames`); joined
+      with `nondiff_argnums`.
 
     **Returns:** a callable with `fun`'s signature; call `.defvjp(fwd, bwd)` on it where
     `fwd(*args) -> (output, residuals)` (residuals: any pytree) and `bwd(residuals, g)`
@@ -475,14 +548,19 @@ class custom_vjp:
     that argument's structure (`None` anywhere marks a zero cotangent).
     """
 
-    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+    def __init__(
+        self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
+    ) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = _normalize_nondiff("tfun.custom_vjp", nondiff_argnums)
+        nums = tuple(_normalize_nondiff("tfun.custom_vjp", nondiff_argnums))
+        self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_vjp", fun, nondiff_argnames))))
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
 
-    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+    def defvjp(
+        self, fwd: Callable[..., Any], bwd: Callable[..., Any], symbolic_zeros: bool = False, optimize_remat: bool = False
+    ) -> None:
         """Define the rule.
 
         **Arguments:**
@@ -490,9 +568,13 @@ class custom_vjp:
         - `fwd`: `fwd(*args) -> (output, residuals)`, with the primal's signature.
         - `bwd`: `bwd(*nondiff_args, residuals, g) -> tuple` of cotangents, one per
           differentiable positional argument.
+        - `symbolic_zeros`: JAX's flag; only `False` (the default) is supported.
+        - `optimize_remat`: accepted for JAX compatibility (a bool); it changes nothing:
+          `fwd` runs only when a gradient is needed, and `tfun.checkpoint` recomputes it.
 
         **Returns:** None.
         """
+        _check_rule_flags("tfun.custom_vjp.defvjp", symbolic_zeros, optimize_remat)
         for name, fn in (("fwd", fwd), ("bwd", bwd)):
             if not callable(fn):
                 raise ArgumentTypeError(
@@ -520,7 +602,7 @@ class custom_vjp:
         if not _needs_rule(spec.tensors):
             return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
-        outs = _CustomVjpFunction.apply(spec, *spec.tensors)
+        outs = _apply_rule(op, self.fun, _CustomVjpFunction, spec)
         return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
 
 
@@ -550,8 +632,19 @@ def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Se
                 revise="Return `(primal_out, tangent_out)`.",
             )
         )
-    _, tan = pair
+    prim, tan = pair
     expected = tree_unflatten(spec.out_td, list(range(spec.n_out)))
+    # the primal output itself comes from `fun`, but as in JAX the rule's must match it
+    _check_cotangents(
+        op,
+        spec.jvp_fn,
+        "primal_out",
+        prim,
+        expected,
+        "the primal output",
+        list(spec.out_meta),
+        "Return a primal_out equal to the function's output (same structure, shapes and dtypes).",
+    )
     flat = _check_cotangents(
         op,
         spec.jvp_fn,
@@ -562,7 +655,9 @@ def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Se
         [m if (m[1].is_floating_point or m[1].is_complex) else None for m in spec.out_meta],
         "Return a tangent_out with the structure, shapes and dtypes of the function's output.",
     )
-    return flat
+    # integer and boolean outputs have no tangent (JAX's float0): whatever the rule gave
+    # there is dropped, rather than handed to autograd, which refuses it
+    return [t if (m[1].is_floating_point or m[1].is_complex) else None for t, m in zip(flat, spec.out_meta)]
 
 
 class _CustomJvpFunction(torch.autograd.Function):
@@ -592,7 +687,11 @@ class _CustomJvpFunction(torch.autograd.Function):
         tans = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
         flat = _call_jvp_rule(spec, primals, tans)
         return tuple(
-            torch.zeros(m[0], dtype=m[1], device=primals[0].device if primals else None) if f is None else f
+            None
+            if not (m[1].is_floating_point or m[1].is_complex)
+            else torch.zeros(m[0], dtype=m[1], device=primals[0].device if primals else None)
+            if f is None
+            else f
             for f, m in zip(flat, spec.out_meta)
         )
 
@@ -705,6 +804,8 @@ class custom_jvp:
       tensors.
     - `nondiff_argnums`: positions of arguments that are not differentiated; the rule
       receives them first: `jvp_fn(*nondiff_args, primals, tangents)`.
+    - `nondiff_argnames`: the same, by parameter name (JAX's `nondiff_argnames`); joined
+      with `nondiff_argnums`.
 
     **Returns:** a callable with `fun`'s signature; define the rule with
     `.defjvp(jvp_fn)` where `jvp_fn(primals, tangents) -> (primal_out, tangent_out)`,
@@ -712,21 +813,26 @@ class custom_jvp:
     `tangent_out` having the output's structure (`None` marks a zero).
     """
 
-    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+    def __init__(
+        self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
+    ) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = _normalize_nondiff("tfun.custom_jvp", nondiff_argnums)
+        nums = tuple(_normalize_nondiff("tfun.custom_jvp", nondiff_argnums))
+        self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_jvp", fun, nondiff_argnames))))
         self.jvp_fn: Callable[..., Any] | None = None
 
-    def defjvp(self, jvp_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def defjvp(self, jvp_fn: Callable[..., Any], symbolic_zeros: bool = False) -> Callable[..., Any]:
         """Define the rule.
 
         **Arguments:**
 
         - `jvp_fn`: `jvp_fn(*nondiff_args, primals, tangents) -> (primal_out, tangent_out)`.
+        - `symbolic_zeros`: JAX's flag; only `False` (the default) is supported.
 
         **Returns:** `jvp_fn`, so `defjvp` can be used as a decorator.
         """
+        _check_rule_flags("tfun.custom_jvp.defjvp", symbolic_zeros)
         if not callable(jvp_fn):
             raise ArgumentTypeError(
                 format_message(f"tfun.custom_jvp.defjvp: the rule must be callable, got {describe_value(jvp_fn)}.")
@@ -803,7 +909,7 @@ class custom_jvp:
                     )
                 )
             fn = _CustomJvpTracedFunction
-        outs = fn.apply(spec, *spec.tensors)
+        outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
 
 

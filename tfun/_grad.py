@@ -110,6 +110,8 @@ def broadcast_prefix(
     if is_prefix_leaf(prefix):
         pl, _ = tree_flatten_with_path(full)
         return [(path + keystr(p), prefix, leaf) for p, leaf in pl]
+    if prefix is None and full is None:
+        return []  # the same empty subtree on both sides
     if full is None or not _is_node(full) or not _is_node(prefix) or prefix is None:
         raise PrefixMismatch(path, prefix, full)
     pspec, pchildren = _one_level(prefix)
@@ -720,6 +722,11 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         box["inexact"] = [isinstance(o, torch.Tensor) and is_inexact(o) for o in ol]
         diff_out = [o for o, d in zip(ol, box["inexact"]) if d]
         rest = [o for o, d in zip(ol, box["inexact"]) if not d]
+        if not diff_out and diff:
+            # torch.func.vjp refuses a function without differentiable outputs; JAX's vjp of
+            # one is fine (every cotangent is zero): a zero output tied to the inputs stands in
+            box["anchor"] = True
+            diff_out = [sum((d.real if d.is_complex() else d).sum() * 0 for d in diff)]
         return diff_out, (rest, list(al))
 
     diff_primals = [leaves[k] for k in diff_idx]
@@ -727,6 +734,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
         (diff_out, (rest, aux_l)), torch_vjp_fn = f_flat(), None
+    anchor = diff_out[0] if box.get("anchor") else None
+    if anchor is not None:
+        diff_out = []
     it_d, it_r = iter(diff_out), iter(rest)
     out_l = [next(it_d) if d else next(it_r) for d in box["inexact"]]
     out = tree_unflatten(box["out_td"], out_l)
@@ -756,6 +766,8 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
                 )
             )
         diff_cts = [conj_ct(c) for c, d in zip(cts, box["inexact"]) if d]
+        if anchor is not None:
+            diff_cts = [torch.zeros_like(anchor)]
         grads = [conj_ct(g) for g in torch_vjp_fn(diff_cts)] if torch_vjp_fn is not None else []
         flat_ct: list[Any] = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         for k, g in zip(diff_idx, grads):

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
+import tfun
 from tfun import lax
 from tfun.tree import tree_map
 
@@ -73,6 +74,15 @@ def test_cond_matches_python_if(pred, x_t, y_t, dtype, seed, swap):
     xt, yt = tree_map(as_tensor, x), tree_map(as_tensor, y)
     want = t_fun(xt, yt) if truth else f_fun(xt, yt)
     assert_tree_allclose(out, want, rtol=0, atol=0)
+
+
+def test_cond_five_argument_form():
+    # JAX's older form cond(pred, true_operand, true_fun, false_operand, false_fun), still accepted by JAX
+    x, y = torch.arange(3.0), torch.tensor(5)
+    assert torch.equal(lax.cond(True, x, lambda a: a * 2, y, lambda b: torch.zeros(3) + b), x * 2)
+    assert torch.equal(lax.cond(torch.tensor(False), x, lambda a: a * 2, y, lambda b: torch.zeros(3) + b), torch.full((3,), 5.0))
+    with pytest.raises(TypeError):
+        lax.cond(True, x, lambda a: a, y, 3)
 
 
 def test_cond_operands_forms():
@@ -309,3 +319,13 @@ def test_cond_python_scalar_outputs_check_as_the_tensors_they_become(jax, pred):
     assert out.dtype == torch.float32 and out.item() == (1.5 if pred else 2.0)
     out = lax.switch(int(pred), [lambda: False, lambda: True])
     assert out.dtype == torch.bool and out.item() is pred
+
+
+def test_switch_static_python_index_under_jit():
+    # a Python index under tfun.jit (a static argument) lowers like a tensor index, clamped
+    branches = [lambda x: -x, lambda x: x * 2]
+    f = tfun.jit(lambda i, x: lax.switch(i, branches, x), static_argnums=0, backend="aot_eager")
+    x = torch.tensor(3.0)
+    assert [f(i, x).item() for i in (-1, 0, 1, 5)] == [-3.0, -3.0, 6.0, 6.0]
+    g = tfun.jit(lambda i, x: lax.switch(i, [lambda x: -x], x), static_argnums=0, backend="aot_eager")
+    assert g(1, x).item() == -3.0

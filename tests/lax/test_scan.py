@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
+import tfun
 from tfun import lax
+from tfun.errors import ArgumentTypeError
 from tfun.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 # ----------------------------------------------------------------------------------------
@@ -274,3 +276,12 @@ def test_scan_closures_with_different_y_structures():
     carry, ys = lax.scan(make(True), torch.tensor(0.0), xs)
     assert carry.item() == 3.0
     assert ys.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_scan_traced_length_is_an_argument_type_error():
+    # JAX's ConcretizationTypeError (a TypeError): under tfun.jit the length must be a Python int
+    f = tfun.jit(lambda n, x: lax.scan(lambda c, z: (c, z), x, None, n), backend="aot_eager")
+    with pytest.raises(ArgumentTypeError, match="length must be a concrete int under tfun.jit"):
+        f(torch.tensor(3), torch.tensor(1.0))
+    g = tfun.jit(lambda n, x: lax.scan(lambda c, z: (c, z), x, None, n)[0], static_argnums=0, backend="aot_eager")
+    assert g(3, torch.tensor(1.0)).item() == 1.0

@@ -201,10 +201,17 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
     - `true_fun`, `false_fun`: functions of `*operands` with matching outputs.
     - `*operands`: pytrees passed to the branch (Python scalars become 0-d tensors).
     - `operand`: the deprecated single-operand keyword form of JAX, accepted for porting.
+      So is JAX's older five-argument form, `cond(pred, true_operand, true_fun,
+      false_operand, false_fun)`.
 
     **Returns:** the output of the branch taken.
     """
     op = "tfun.lax.cond"
+    if not callable(true_fun) and callable(false_fun) and len(operands) == 2 and callable(operands[1]):
+        # JAX's older five-argument form, which JAX still accepts:
+        # cond(pred, true_operand, true_fun, false_operand, false_fun)
+        x_true, f_true, x_false, f_false = true_fun, false_fun, *operands
+        return cond(pred, lambda x, _: f_true(x), lambda _, x: f_false(x), x_true, x_false)
     if operand is not _no_operand:
         if operands:
             raise ArgumentTypeError(f"{op}: pass operands positionally or as `operand=`, not both.")
@@ -281,10 +288,13 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         )
     operands = _normalize_operands(op, operands)
     n = len(branches)
-    if _hop.is_tracing() and isinstance(index, torch.Tensor):
+    if _hop.is_tracing():
         for k, b in enumerate(branches):
             _hop.check_side_effects(op, f"branches[{k}]", b)
-        return _hop.switch(index.clamp(0, n - 1), branches, operands)
+        # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
+        # as cond lowers a Python pred: the eager path's caches are not traceable.
+        idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
+        return _hop.switch(idx.clamp(0, n - 1), branches, operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.

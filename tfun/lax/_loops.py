@@ -200,7 +200,7 @@ def fori_loop(
     - `lower`, `upper`: Python ints or integer tensors of shape `()`.
     - `body_fun`: `(i, val) -> val`.
     - `init_val`: the initial loop value, a pytree.
-    - `unroll`: accepted for JAX compatibility (positive int or bool; static bounds only).
+    - `unroll`: accepted for JAX compatibility (a non-negative int or a bool, as in JAX; static bounds only).
 
     **Returns:** the final loop value.
     """

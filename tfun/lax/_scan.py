@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,12 +24,15 @@ _REVISE_CARRY = (
 
 
 def check_unroll(op: str, unroll: Any) -> None:
+    """JAX's rule: a bool, or a non-negative int (0 and `True` both mean "unroll fully")."""
     if isinstance(unroll, bool):
         return
-    if not isinstance(unroll, int):
-        raise ArgumentTypeError(f"{op}: unroll must be a positive int or a bool, but got {_rules.describe_leaf(unroll)}.")
-    if unroll < 1:
-        raise ArgumentValueError(f"{op}: unroll must be >= 1 (or a bool), but got {unroll}.")
+    if not isinstance(unroll, numbers.Integral):
+        raise ArgumentTypeError(
+            f"{op}: unroll must be a non-negative int or a bool, but got {_rules.describe_leaf(unroll)}."
+        )
+    if unroll < 0:
+        raise ArgumentValueError(f"{op}: unroll must be a bool or a non-negative int, but got {unroll}.")
 
 
 def xs_leaves(op: str, xs: Any, arg: str = "xs") -> tuple[list[torch.Tensor], PyTreeSpec]:
@@ -221,7 +225,7 @@ def scan(
     - `length`: the number of steps; required if `xs` is `None`, checked against `xs`
       otherwise.
     - `reverse`: scan from the end of `xs` to its start (`ys` keep `xs`'s order).
-    - `unroll`: accepted for JAX compatibility (a positive int or bool); it changes
+    - `unroll`: accepted for JAX compatibility (a non-negative int or a bool, as in JAX); it changes
       nothing in eager mode.
 
     **Returns:** `(final_carry, stacked_ys)`.
@@ -233,6 +237,16 @@ def scan(
     carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init)
     init = tree_unflatten(carry_def, carry_leaves)
     x_leaves, x_def = xs_leaves(op, xs)
+    if isinstance(length, torch.Tensor) and _hop.is_tracing():
+        # JAX's ConcretizationTypeError: the step count must be known when tracing
+        raise ArgumentTypeError(
+            format_message(
+                f"{op}: length must be a concrete int under tfun.jit, but it is a traced tensor "
+                f"({_rules.describe_leaf(length)}).",
+                revise="Pass it as a Python int (a static argument of tfun.jit: static_argnums), or let xs "
+                "determine the length.",
+            )
+        )
     if length is not None:
         length = _rules.check_int(op, "length", length, minimum=0)
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
