@@ -30,7 +30,6 @@ from tfun import lax
 from .conftest import T, assert_all_close, check_grads, jit, linearize, rng
 
 D = "docs/porting.md, Differences from JAX: "
-WEAK = "weak types: pending (rules work)"
 
 
 def skip(row: str):
