@@ -12,7 +12,9 @@ import importlib.util
 import warnings
 from typing import Any
 
-__all__ = ["forward_ad_ready", "triton_launcher"]
+import torch
+
+__all__ = ["forward_ad_ready", "grad_leaf", "triton_launcher"]
 
 _FWD_READY = False
 
@@ -58,3 +60,45 @@ def triton_launcher(kernel: Any) -> Any:
     if isinstance(kernel, InterpretedFunction):
         return kernel
     return wrap_triton(kernel)
+
+
+def _grad_leaf_eager(x: torch.Tensor) -> torch.Tensor:
+    # functorch refuses `requires_grad_()` while a transform is active (AOTAutograd re-traces
+    # the graph under functionalization), unless told to allow it, as torch's own tracing of
+    # `requires_grad_()` does.
+    prev = torch._C._functorch.get_inplace_requires_grad_allowed()
+    torch._C._functorch.set_inplace_requires_grad_allowed(True)
+    try:
+        return x.detach().requires_grad_()
+    finally:
+        torch._C._functorch.set_inplace_requires_grad_allowed(prev)
+
+
+def _grad_leaf_in_graph() -> bool:
+    """Let Dynamo write `_grad_leaf_eager` into the graph as it is (idempotent). Run by
+    Dynamo as plain Python at trace time (a constant result), before the call it concerns."""
+    import torch._dynamo
+
+    torch._dynamo.allow_in_graph(_grad_leaf_eager)
+    return True
+
+
+_grad_leaf_in_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def grad_leaf(x: torch.Tensor) -> torch.Tensor:
+    """`x.detach().requires_grad_()`, in eager code and in code that Dynamo traces alike.
+
+    tfun.grad's traced path (under `tfun.jit` / `torch.compile`) differentiates with
+    `torch.autograd.grad` with respect to fresh leaves. Dynamo in torch 2.11 cannot trace
+    `requires_grad_()` on a tensor made inside the graph ("Unsupported Tensor.requires_grad_()
+    call"), nor a factory with `requires_grad=True`; torch 2.13 traces it. So, on every torch,
+    the leaf is made by one small function that Dynamo writes into the graph as it is
+    (`torch._dynamo.allow_in_graph`): it runs on fake tensors at trace time and AOTAutograd
+    traces it like the rest of the graph. Outside Dynamo (eager, non-strict export) it is
+    called directly.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        _grad_leaf_in_graph()
+    return _grad_leaf_eager(x)
+
