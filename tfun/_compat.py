@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["forward_ad_ready", "grad_leaf", "triton_launcher"]
+__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "triton_launcher"]
 
 _FWD_READY = False
 
@@ -101,4 +101,42 @@ def grad_leaf(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_dynamo_compiling():
         _grad_leaf_in_graph()
     return _grad_leaf_eager(x)
+
+
+#: Whether functorch has a batching rule for `Tensor.view(dtype)` (torch 2.13 has, 2.11 has not:
+#: "Batching rule not implemented for aten::view.dtype"). Asked of the dispatcher once.
+VIEW_DTYPE_BATCHES: bool = torch._C._dispatch_has_kernel_for_dispatch_key("aten::view.dtype", "FuncTorchBatched")
+
+
+class _Bitcast(torch.autograd.Function):
+    """`t.view(dtype)` with a batching rule of its own, for a functorch without one."""
+
+    @staticmethod
+    def forward(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        return t.view(dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - the output is not differentiable
+        return None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, t: torch.Tensor, dtype: torch.dtype) -> Any:
+        # same element size: the view reinterprets each element and keeps every dimension
+        return t.view(dtype), in_dims[0]
+
+
+def bitcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.view(dtype)` between dtypes of one element size (reinterpreting the bits), also
+    under `torch.func.vmap` / `tfun.vmap` where functorch has no batching rule for it
+    (`VIEW_DTYPE_BATCHES` False: torch 2.11): there an `autograd.Function` with a `vmap`
+    rule of its own does the view on the batched tensor. Not differentiable (bits)."""
+    if t.dtype.itemsize != dtype.itemsize:
+        raise ValueError(f"bitcast: {t.dtype} and {dtype} differ in element size")  # tfun-internal misuse
+    if VIEW_DTYPE_BATCHES or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return t.view(dtype)
+    return _Bitcast.apply(t, dtype)
 
