@@ -8,13 +8,14 @@ feature-detected in `tfun/lax/_hop.py`, the one module that calls them.)
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "triton_launcher"]
+__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "raised_args", "record_raised", "triton_launcher"]
 
 _FWD_READY = False
 
@@ -140,3 +141,30 @@ def bitcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.view(dtype)
     return _Bitcast.apply(t, dtype)
 
+
+#: (class name, args) of the last TfunErrors constructed; bounded.
+_RAISED: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque(maxlen=16)
+
+
+def record_raised(name: str, args: tuple[Any, ...]) -> bool:
+    """Remember the arguments of a TfunError being constructed (called by its `__init__`).
+
+    Dynamo reports an exception raised in traced code as an `Observed<Name>Error` whose text
+    is `raised exception Name('message')` in torch 2.13, but only
+    `raised exception UserDefinedExceptionObjectVariable(Name)` in torch 2.11: the message is
+    lost there. Dynamo runs this function as plain Python (a constant result), so the
+    arguments are kept here for `raised_args`, which `tfun.jit` asks when the text lacks them.
+    """
+    _RAISED.append((name, tuple(args)))
+    return True
+
+
+record_raised._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def raised_args(name: str) -> tuple[Any, ...] | None:
+    """The arguments of the last recorded TfunError of class `name`, or None."""
+    for n, args in reversed(_RAISED):
+        if n == name:
+            return args
+    return None

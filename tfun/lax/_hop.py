@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from .. import _funcinfo
+from .. import _compat, _funcinfo
 from .._errors import ArgumentTypeError, JitError, StructureMismatchError, TensorMismatchError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 
@@ -1053,6 +1053,12 @@ def _parse_observed_args(e: BaseException, name: str) -> tuple[Any, ...]:
     prefix = "raised exception "
     if text.startswith(prefix):
         text = text[len(prefix) :]
+    if text == f"UserDefinedExceptionObjectVariable({name})":
+        # torch 2.11's Dynamo drops the arguments from the text: they were recorded when
+        # the error was constructed (`_compat.record_raised`)
+        recorded = _compat.raised_args(name)
+        if recorded is not None:
+            return recorded
     if text.startswith(name + "(") and text.endswith(")"):
         try:
             value = ast.literal_eval(text[len(name) :])
