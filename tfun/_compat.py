@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "raised_args", "record_raised", "triton_launcher"]
+__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "is_hashable", "raised_args", "record_raised", "triton_launcher"]
 
 _FWD_READY = False
 
@@ -168,3 +168,17 @@ def raised_args(name: str) -> tuple[Any, ...] | None:
         if n == name:
             return args
     return None
+
+
+def is_hashable(value: Any) -> bool:
+    """Whether `hash(value)` succeeds. Dynamo in torch 2.11 cannot trace the builtin `hash`
+    ("Failed to trace builtin operator"), so where Dynamo traces a call of this function it
+    runs it as plain Python on the (constant) value."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+is_hashable._dynamo_marked_constant = True  # type: ignore[attr-defined]
