@@ -20,6 +20,7 @@ import torch
 import torch.func
 
 from . import _context
+from ._compat import grad_leaf
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -763,7 +764,7 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
             return (None, *result)
         higher = torch.is_grad_enabled()  # backward with create_graph: keep the graph
         with torch.enable_grad():
-            t_diff = [torch.zeros_like(primals[k]).requires_grad_() for k in diff_in]
+            t_diff = [grad_leaf(torch.zeros_like(primals[k])) for k in diff_in]
             tans = [torch.zeros_like(p) for p in primals]
             for k, t in zip(diff_in, t_diff):
                 tans[k] = t

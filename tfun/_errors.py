@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ._compat import record_raised
+
 __all__ = [
     "TfunError",
     "StructureMismatchError",
@@ -30,6 +32,12 @@ __all__ = [
 
 class TfunError(Exception):
     """Base class of every error tfun raises for a program that breaks its rules."""
+
+    def __init__(self, *args: object) -> None:
+        # `BaseException.__new__` has set `self.args`. Under Dynamo, which runs this as
+        # traced code, the arguments are also recorded where tfun.jit finds them should the
+        # installed Dynamo drop them from the error it reports (see `_compat.record_raised`).
+        record_raised(type(self).__name__, args)
 
 
 class StructureMismatchError(TfunError, TypeError):

@@ -28,7 +28,7 @@ import optree
 import torch
 import torch.func
 
-from ._compat import forward_ad_ready
+from ._compat import forward_ad_ready, grad_leaf
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -414,7 +414,7 @@ def _value_and_grad_call(
         # of the gradient is kept. Detaching them would drop those derivatives without an error.
         outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
         with torch.enable_grad():
-            leaves = [x.view_as(x) if outer and x.requires_grad else x.detach().requires_grad_() for x in fl.leaves]
+            leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in fl.leaves]
             lowered = _hop.lowerings()
             value, aux_leaves = f_flat(*leaves)
             if outer and _hop.lowerings() != lowered:

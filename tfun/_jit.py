@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import _context, _funcinfo
+from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from .lax import _hop
 
@@ -304,6 +305,15 @@ class Jitted:
                 )
             ) from e
 
+    def _check_static_traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The argument checks of `_static_key`, in code that Dynamo traces (a nested call)."""
+        for j in self._static_nums:
+            if j < len(args):
+                _check_static(args[j], f"argument {j}", self._fn_text)
+        for name in sorted(self._static_names):
+            if name in kwargs:
+                _check_static(kwargs[name], f"argument {name!r}", self._fn_text)
+
     def _static_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         key = []
         # keyed by parameter name where there is one, so f(x, 3) and f(x, n=3) share an entry
@@ -356,7 +366,7 @@ class Jitted:
             # inside another tfun.jit (or torch.export): inlined into the outer graph, as
             # jax.jit inlines a nested jit
             if self._static_nums or self._static_names:
-                self._static_key(args, kwargs)  # same argument checks as the compiled path
+                self._check_static_traced(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
         if _context.in_functorch_transform():
             # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
@@ -472,7 +482,8 @@ class _WeakKey:
         return isinstance(other, _WeakKey) and self.ref() is not None and self.ref() is other.ref()
 
 
-def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
+def _check_static(value: Any, what: str, fn_text: str) -> None:
+    """Raise the error of a static argument that is a tensor or is not hashable."""
     if isinstance(value, torch.Tensor):
         raise ArgumentTypeError(
             format_message(
@@ -481,16 +492,18 @@ def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
                 "(ints, strings, tuples, functions) static.",
             )
         )
-    try:
-        hash(value)
-    except TypeError:
+    if not is_hashable(value):
         raise ArgumentTypeError(
             format_message(
                 f"tfun.jit: {what} of `{fn_text}` is static, so it must be hashable, but it is a "
                 f"{type(value).__qualname__}.",
                 revise="Pass a hashable value (e.g. a tuple instead of a list), or do not mark it static.",
             )
-        ) from None
+        )
+
+
+def _hashable_static(value: Any, what: str, fn_text: str) -> Any:
+    _check_static(value, what, fn_text)
     if type(value).__hash__ is object.__hash__:
         try:
             return _WeakKey(value)

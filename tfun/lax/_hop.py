@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from .. import _context, _funcinfo, _rules
+from .. import _compat, _context, _funcinfo, _rules
 from .._errors import (
     ArgumentTypeError,
     JitError,
@@ -1132,6 +1132,12 @@ def _parse_observed_args(e: BaseException, name: str) -> tuple[Any, ...]:
     prefix = "raised exception "
     if text.startswith(prefix):
         text = text[len(prefix) :]
+    if text == f"UserDefinedExceptionObjectVariable({name})":
+        # torch 2.11's Dynamo drops the arguments from the text: they were recorded when
+        # the error was constructed (`_compat.record_raised`)
+        recorded = _compat.raised_args(name)
+        if recorded is not None:
+            return recorded
     if text.startswith(name + "(") and text.endswith(")"):
         try:
             value = ast.literal_eval(text[len(name) :])

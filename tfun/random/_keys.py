@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .._compat import bitcast
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from . import _threefry as tf
 
@@ -231,7 +232,7 @@ def bits(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None
         )
     width = _UINTS[dtype]
     if width == 64:
-        return tf.bits64(key, shape).view(torch.uint64)
+        return bitcast(tf.bits64(key, shape), torch.uint64)
     v = tf.bits32(key, shape)
     if width < 32:
         v = v & ((1 << width) - 1)

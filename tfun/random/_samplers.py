@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._compat import bitcast
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from . import _threefry as tf
 from ._keys import check_key, check_shape, split
@@ -67,16 +68,16 @@ def _unit_floats(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) 
     if dtype == torch.float64:
         b = tf.bits64(key, shape)
         f = ((b >> 12) & ((1 << 52) - 1)) | 0x3FF0000000000000
-        one = f.view(torch.float64)
+        one = bitcast(f, torch.float64)
     elif dtype == torch.float32:
         f = (tf.bits32(key, shape) >> 9) | 0x3F800000
-        one = f.to(torch.int32).view(torch.float32)
+        one = bitcast(f.to(torch.int32), torch.float32)
     elif dtype == torch.float16:
         f = ((tf.bits32(key, shape) & 0xFFFF) >> 6) | 0x3C00
-        one = f.to(torch.int16).view(torch.float16)
+        one = bitcast(f.to(torch.int16), torch.float16)
     else:  # bfloat16: 7 mantissa bits, drawn from 8 random bits as JAX does
         f = ((tf.bits32(key, shape) & 0xFF) >> 1) | 0x3F80
-        one = f.to(torch.int16).view(torch.bfloat16)
+        one = bitcast(f.to(torch.int16), torch.bfloat16)
     return one - 1
 
 
@@ -167,9 +168,9 @@ def log_f32(x: torch.Tensor) -> torch.Tensor:
     """XLA's CPU float32 `log`, op for op (including which multiply-adds are fused)."""
     tiny = torch.tensor(torch.finfo(torch.float32).tiny, dtype=torch.float32, device=x.device)
     xc = torch.where(x > tiny, x, tiny)
-    bits = xc.view(torch.int32)
+    bits = bitcast(xc, torch.int32)
     e = ((bits >> 23) - 127).to(torch.float32) + 1.0
-    m = ((bits & -2139095041) | 0x3F000000).view(torch.float32)  # mantissa in [0.5, 1)
+    m = bitcast((bits & -2139095041) | 0x3F000000, torch.float32)  # mantissa in [0.5, 1)
     low = m < _f32(0.70710678118654752)
     y = (m - 1.0) + torch.where(low, m, torch.zeros_like(m))
     e = e - low.to(torch.float32)
@@ -307,7 +308,7 @@ def _normal(key, shape, dtype):
 def _nextafter_toward_zero_small(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # -1 is 0xBF80 (bf16) / 0xBC00 (f16); the next value toward zero decrements the magnitude bits.
     bits = 0xBF80 - 1 if dtype == torch.bfloat16 else 0xBC00 - 1
-    return torch.tensor(bits - (1 << 16), dtype=torch.int16, device=device).view(dtype)
+    return bitcast(torch.tensor(bits - (1 << 16), dtype=torch.int16, device=device), dtype)
 
 
 def truncated_normal(
