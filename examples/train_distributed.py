@@ -13,6 +13,7 @@ graph. The task: predict the running mean of a noisy signal with an LSTM and a l
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import subprocess
 import sys
@@ -47,9 +48,14 @@ def main() -> None:
     args = ap.parse_args()
     if "RANK" not in os.environ:  # not under torchrun: launch two processes of this script
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *sys.argv]
-        raise SystemExit(subprocess.call(cmd))
+        # one machine: gloo talks over the loopback interface (the hostname's address may be
+        # unreachable in a sandbox without network, and gloo would wait 30 minutes for it)
+        env = dict(os.environ)
+        if os.path.exists("/sys/class/net/lo"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        raise SystemExit(subprocess.call(cmd, env=env))
     steps = 10 if args.smoke else args.steps
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial parameters on every rank

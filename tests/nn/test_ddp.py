@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tfun
+
+from . import _dist
 
 STEPS, BATCH, T, IN = 2, 4, 6, 3
 
@@ -43,10 +43,7 @@ def _train(model, x, y, wrap=lambda m: m):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _dist.init(rank, world, port)
     try:
         torch.manual_seed(0)
         model = Net()
@@ -59,16 +56,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_gloo_matches_single_process(tmp_path):
     torch.manual_seed(0)
     ref_grads, ref_params = _train(Net(), *_data())
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    _dist.spawn(_worker, (2, _dist.free_port(), str(tmp_path)))
     for rank in range(2):
         grads, params = torch.load(tmp_path / f"rank{rank}.pt")
         for step_ref, step in zip(ref_grads, grads):

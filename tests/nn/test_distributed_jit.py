@@ -9,14 +9,14 @@ training on the whole batch, eagerly, in float64.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tfun
+
+from . import _dist
 
 STEPS, BATCH, T, IN = 2, 4, 5, 3
 
@@ -52,10 +52,7 @@ def _train(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor, y: tor
 
 
 def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _dist.init(rank, world, port)
     try:
         torch.manual_seed(0)
         model = Net()
@@ -80,12 +77,6 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_jitted_layers_train_under_ddp_and_fsdp2_like_one_process(mode: str, tmp_path) -> None:
     if mode == "fsdp2":
@@ -93,7 +84,7 @@ def test_jitted_layers_train_under_ddp_and_fsdp2_like_one_process(mode: str, tmp
     torch.manual_seed(0)
     ref = Net()
     ref_grads, ref_params = _train(ref, ref, *_data())
-    mp.spawn(_worker, args=(2, _free_port(), mode, str(tmp_path)), nprocs=2, join=True)
+    _dist.spawn(_worker, (2, _dist.free_port(), mode, str(tmp_path)))
     for rank in range(2):
         grads, params, graphs = torch.load(tmp_path / f"rank{rank}.pt")
         assert graphs >= 1, "the jitted layer ran without compiling"

@@ -1024,7 +1024,9 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, a
     if torch.is_grad_enabled() and not _is_exporting() and any(x.is_complex() for x in leaves):
         # Inductor (torch 2.13) computes wrong gradients through a complex associative_scan
         # (S4D/S5/LRU, length >= 4; the outputs are right): refuse rather than return them.
-        msg = _escape_complex_scan_refusal(_describe(td, leaves, _dynamo_outside()), _code_of(fn))
+        # without sizes: under Dynamo a symbolic size (automatic dynamic shapes) cannot be told
+        # from a concrete one, and cannot be passed to an escape hatch (see cond)
+        msg = _escape_complex_scan_refusal(_describe(td, leaves, False), _code_of(fn))
         if msg is not None:
             raise JitError(msg)
 
@@ -1077,7 +1079,7 @@ def _escape_complex_scan_refusal(desc: Any, code: Any) -> str | None:
         return None
     sk, leaf_descs = desc
     bullets = [
-        f"elems{p}: {_leaf_text(d)}"
+        f"elems{p}: a {_dtype_text(d[0])} tensor on {d[2]}"
         for p, d in zip(_leaf_paths(sk), leaf_descs)
         if len(d) == 3 and d[0].is_complex
     ]
