@@ -1547,13 +1547,7 @@ class TestLaxControlFlow:
         assert carry.dtype == dtype and carry == x.sum(dtype=dtype)
         assert torch.equal(result, x)
 
-    @pytest.mark.parametrize(
-        "dtype",
-        [
-            pytest.param(d, marks=pytest.mark.xfail(reason=WEAK_INIT, strict=True)) if d != torch.int64 else d
-            for d in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-        ],
-    )
+    @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8])
     def test_while_loop_init_weak_type(self, dtype):
         increment = torch.tensor(1, dtype=dtype)
         result = lax.while_loop(lambda v: v < 2, lambda v: v + increment, 0)
