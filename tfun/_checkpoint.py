@@ -1,5 +1,9 @@
 """`tfun.checkpoint` (alias `remat`): rematerialization that works under `torch.func`.
 
+Traced (`tfun.jit`, `torch.compile`) it lowers to `torch.utils.checkpoint` instead (see
+`_traced_checkpoint`): Dynamo captures that as a higher-order op, while the eager
+machinery below (a `TorchFunctionMode`, saved RNG states) cannot be traced.
+
 `torch.utils.checkpoint` relies on saved-tensor hooks, which `torch.func` transforms
 refuse. tfun's checkpoint is an `autograd.Function` instead: forward runs the function
 without recording a graph and saves only its inputs (plus, per `policy`, some op
@@ -64,6 +68,12 @@ class _Policies:
     the product, and its gradient uses a closed-form VJP that needs only the operands.
     Every other op is recomputed whatever the policy answers (eager PyTorch cannot skip
     the producers of a saved value, so saving it would cost memory for nothing).
+
+    Under `tfun.jit` the policy becomes torch's selective activation checkpointing and is
+    asked about the ATen matrix products the traced function runs, shown as `torch.mm`,
+    `torch.bmm`, `torch.addmm`, `torch.baddbmm`, `torch.addbmm`, `torch.mv`, `torch.addmv`
+    or `torch.dot` (`torch.matmul`, `@`, `F.linear` and `einsum` decompose into these);
+    the named policies give the same answers there.
     """
 
     @staticmethod
@@ -582,18 +592,29 @@ def checkpoint(
     the forward started from, so gradients equal those of the un-checkpointed function
     under the same seed.
 
+    Under `tfun.jit` (and `torch.compile`) it lowers to
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which Dynamo captures
+    as one `tag_activation_checkpoint` op, with `policy` as torch's selective activation
+    checkpointing; values and gradients are those of eager mode. There, `fun` may not
+    contain `tfun.lax` control flow (checkpoint a loop's body instead), and with
+    `tfun.grad` inside `tfun.jit` it may not draw torch random numbers (use
+    `tfun.random`): both are `JitError`s. See "`tfun.checkpoint` under `tfun.jit`" in
+    docs/concepts/tracing.md.
+
     **Arguments:**
 
     - `fun`: a function of pytree arguments returning a pytree (tensor leaves are
       differentiable). Used as `@checkpoint` or `checkpoint(policy=...)(fun)`.
     - `prevent_cse`: accepted for JAX compatibility; eager PyTorch performs no common
-      subexpression elimination, so it has no effect.
+      subexpression elimination, and under `tfun.jit` torch's partitioner decides what is
+      recomputed, so it has no effect.
     - `policy`: which op outputs to save rather than recompute: `None` (save nothing but
       the inputs, like `checkpoint_policies.nothing_saveable`), or one of
       `tfun.checkpoint_policies` (`everything_saveable`, `dots_saveable`,
       `dots_with_no_batch_dims_saveable`), or any callable
       `policy(func, *args, **kwargs) -> bool`. Only matrix products can be saved
-      (see `checkpoint_policies`); everything else is recomputed.
+      (see `checkpoint_policies`, also for what a policy is asked under `tfun.jit`);
+      everything else is recomputed.
     - `static_argnums`: positions of arguments passed through untouched (not flattened,
       not differentiated): Python values, functions, configuration.
     - `preserve_rng_state`: save the CPU random generator state and the CUDA generator
