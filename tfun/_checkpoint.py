@@ -1,5 +1,9 @@
 """`tfun.checkpoint` (alias `remat`): rematerialization that works under `torch.func`.
 
+Traced (`tfun.jit`, `torch.compile`) it lowers to `torch.utils.checkpoint` instead (see
+`_traced_checkpoint`): Dynamo captures that as a higher-order op, while the eager
+machinery below (a `TorchFunctionMode`, saved RNG states) cannot be traced.
+
 `torch.utils.checkpoint` relies on saved-tensor hooks, which `torch.func` transforms
 refuse. tfun's checkpoint is an `autograd.Function` instead: forward runs the function
 without recording a graph and saves only its inputs (plus, per `policy`, some op
@@ -27,10 +31,11 @@ import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
 from . import _context
-from ._errors import ArgumentTypeError, ArgumentValueError, format_message
+from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from ._funcinfo import describe
 from ._grad import describe_value, is_inexact
 from ._tree import tree_flatten, tree_unflatten
+from .lax import _hop
 
 __all__ = ["checkpoint", "remat", "checkpoint_policies"]
 
@@ -63,6 +68,12 @@ class _Policies:
     the product, and its gradient uses a closed-form VJP that needs only the operands.
     Every other op is recomputed whatever the policy answers (eager PyTorch cannot skip
     the producers of a saved value, so saving it would cost memory for nothing).
+
+    Under `tfun.jit` the policy becomes torch's selective activation checkpointing and is
+    asked about the ATen matrix products the traced function runs, shown as `torch.mm`,
+    `torch.bmm`, `torch.addmm`, `torch.baddbmm`, `torch.addbmm`, `torch.mv`, `torch.addmv`
+    or `torch.dot` (`torch.matmul`, `@`, `F.linear` and `einsum` decompose into these);
+    the named policies give the same answers there.
     """
 
     @staticmethod
@@ -296,6 +307,106 @@ def _replaying(rng: _RngState | None) -> Any:
 
 
 # --------------------------------------------------------------------------------------
+# under tracing (tfun.jit, torch.export): torch.utils.checkpoint, which Dynamo captures
+# --------------------------------------------------------------------------------------
+
+#: The ATen matrix products a policy is asked about under tracing, and the torch function
+#: each is shown to the policy as (`torch.matmul`, `@`, `F.linear` and `einsum` decompose
+#: into these before torch's selective checkpointing sees an op).
+_ATEN_DOTS: dict[Any, Any] = {
+    torch.ops.aten.mm: torch.mm,
+    torch.ops.aten.bmm: torch.bmm,
+    torch.ops.aten.addmm: torch.addmm,
+    torch.ops.aten.baddbmm: torch.baddbmm,
+    torch.ops.aten.addbmm: torch.addbmm,
+    torch.ops.aten.mv: torch.mv,
+    torch.ops.aten.addmv: torch.addmv,
+    torch.ops.aten.dot: torch.dot,
+}
+
+
+def _selective_policy(policy: Callable[..., bool], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A `torch.utils.checkpoint` selective-checkpointing policy from a tfun policy: a
+    matrix product the tfun policy selects is saved, every other op is recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    func = _ATEN_DOTS.get(getattr(op, "overloadpacket", None))
+    if func is not None and policy(func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts(policy: Callable[..., bool]) -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(functools.partial(_selective_policy, policy))
+
+
+def _refuse_control_flow(fun: Callable[..., Any]) -> None:
+    raise JitError(
+        format_message(
+            "tfun.checkpoint: under tfun.jit, a checkpointed function cannot contain tfun.lax control flow "
+            f"(scan, cond, switch, while_loop, fori_loop, map): torch {torch.__version__}'s checkpoint op "
+            "refuses control-flow ops inside it.",
+            function=describe(fun),
+            revise="Checkpoint the loop body instead (`lax.scan(tfun.checkpoint(step), init, xs)` recomputes "
+            "each step's intermediates in backward), checkpoint the code around the control flow, or call "
+            "this function outside tfun.jit.",
+        )
+    )
+
+
+@_hop._assume_constant
+def _reverse_transform_traced() -> bool:
+    """Trace time: whether `torch.func` reverse mode encloses the call being traced."""
+    return _context.reverse_mode_active()
+
+
+def _traced_checkpoint(
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    static: dict[int, Any],
+    policy: Callable[..., bool] | None,
+    preserve_rng_state: bool,
+) -> Any:
+    """`checkpoint` in traced code: `torch.utils.checkpoint.checkpoint(use_reentrant=False)`,
+    which Dynamo captures as a higher-order op (`tag_activation_checkpoint`), with the policy
+    as torch's selective activation checkpointing. Tensor leaves of the non-static arguments
+    are its inputs; closed-over tensors are lifted by Dynamo.
+
+    Inside a `torch.func` reverse-mode transform that Dynamo traces (`tfun.grad` of a function
+    that closes over tensors requiring grad, `tfun.vjp`, `jacrev`), torch refuses the
+    saved-tensor hooks `torch.utils.checkpoint` is made of; the value and its gradient are
+    then computed in one graph, with no autograd boundary for activations to cross, and `fun`
+    is called as it is (same values and gradients, no rematerialization)."""
+    if _reverse_transform_traced():
+        return fun(*args)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    dyn = tuple(a for i, a in enumerate(args) if i not in static)
+    leaves, treedef = tree_flatten(dyn)
+    pos = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def tfun_checkpoint_body(*tensors: torch.Tensor) -> Any:
+        cur = list(leaves)
+        for k, t in zip(pos, tensors):
+            cur[k] = t
+        call = list(tree_unflatten(treedef, cur))
+        for i in sorted(static):
+            call.insert(i, static[i])
+        lowered = _hop.lowerings()
+        out = fun(*call)
+        if _hop.lowerings() != lowered:
+            _refuse_control_flow(fun)
+        return out
+
+    options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
+    if policy is not None:
+        options["context_fn"] = functools.partial(_selective_contexts, policy)
+    return torch_checkpoint(tfun_checkpoint_body, *[leaves[k] for k in pos], **options)
+
+
+# --------------------------------------------------------------------------------------
 # checkpoint
 # --------------------------------------------------------------------------------------
 
@@ -444,6 +555,18 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, *result)
 
 
+def _check_static_argnums(statics: tuple[int, ...], args: tuple[Any, ...], fun: Callable[..., Any]) -> None:
+    for i in statics:
+        if i >= len(args):
+            raise ArgumentValueError(
+                format_message(
+                    f"tfun.checkpoint: static_argnums contains {i}, but the function was called with "
+                    f"{len(args)} positional arguments.",
+                    function=describe(fun),
+                )
+            )
+
+
 def checkpoint(
     fun: Callable[..., Any] | None = None,
     *,
@@ -469,18 +592,29 @@ def checkpoint(
     the forward started from, so gradients equal those of the un-checkpointed function
     under the same seed.
 
+    Under `tfun.jit` (and `torch.compile`) it lowers to
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which Dynamo captures
+    as one `tag_activation_checkpoint` op, with `policy` as torch's selective activation
+    checkpointing; values and gradients are those of eager mode. There, `fun` may not
+    contain `tfun.lax` control flow (checkpoint a loop's body instead), and with
+    `tfun.grad` inside `tfun.jit` it may not draw torch random numbers (use
+    `tfun.random`): both are `JitError`s. See "`tfun.checkpoint` under `tfun.jit`" in
+    docs/concepts/tracing.md.
+
     **Arguments:**
 
     - `fun`: a function of pytree arguments returning a pytree (tensor leaves are
       differentiable). Used as `@checkpoint` or `checkpoint(policy=...)(fun)`.
     - `prevent_cse`: accepted for JAX compatibility; eager PyTorch performs no common
-      subexpression elimination, so it has no effect.
+      subexpression elimination, and under `tfun.jit` torch's partitioner decides what is
+      recomputed, so it has no effect.
     - `policy`: which op outputs to save rather than recompute: `None` (save nothing but
       the inputs, like `checkpoint_policies.nothing_saveable`), or one of
       `tfun.checkpoint_policies` (`everything_saveable`, `dots_saveable`,
       `dots_with_no_batch_dims_saveable`), or any callable
       `policy(func, *args, **kwargs) -> bool`. Only matrix products can be saved
-      (see `checkpoint_policies`); everything else is recomputed.
+      (see `checkpoint_policies`, also for what a policy is asked under `tfun.jit`);
+      everything else is recomputed.
     - `static_argnums`: positions of arguments passed through untouched (not flattened,
       not differentiated): Python values, functions, configuration.
     - `preserve_rng_state`: save the CPU random generator state and the CUDA generator
@@ -530,20 +664,14 @@ def checkpoint(
             fun_k = fun
         if policy is checkpoint_policies.everything_saveable:
             return fun_k(*args)
+        _check_static_argnums(statics, args, fun)
+        if _context.is_tracing():
+            return _traced_checkpoint(fun_k, args, {i: args[i] for i in statics}, policy, preserve_rng_state)
         if _context.forward_mode_active():
             # Forward mode saves nothing for a backward pass, so there is nothing to
             # rematerialize; and the forward rule below would hide `fun`'s ops from an
             # enclosing jvp (jvp of jvp gave a zero second-order tangent).
             return fun_k(*args)
-        for i in statics:
-            if i >= len(args):
-                raise ArgumentValueError(
-                    format_message(
-                        f"tfun.checkpoint: static_argnums contains {i}, but the function was called with "
-                        f"{len(args)} positional arguments.",
-                        function=describe(fun),
-                    )
-                )
         spec = _Spec()
         spec.fun = fun_k
         spec.policy = policy

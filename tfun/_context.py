@@ -18,6 +18,7 @@ __all__ = [
     "is_tracing",
     "functorch_active",
     "forward_mode_active",
+    "reverse_mode_active",
     "functorch_level",
     "in_functorch_transform",
 ]
@@ -59,6 +60,19 @@ def forward_mode_active() -> bool:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def reverse_mode_active() -> bool:
+    """Whether a reverse-mode `torch.func` transform (`grad`, `vjp`, `jacrev`, and `tfun.grad`
+    where it uses them) is live on this thread's interpreter stack. Traced code must call it
+    through a Dynamo escape hatch (plain Python at trace time, where Dynamo pushes the real
+    interpreters of the transforms it traces)."""
+    if not functorch_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
 
 
 def in_functorch_transform() -> bool:

@@ -683,6 +683,24 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "compute it inside the body from a tensor it receives (`x.shape[0] // 4`, or `chunk`), or "
             "pass dynamic=False to tfun.jit to compile each shape on its own."
         )
+    if "does not support RNG ops in recompute regions" in str(e):
+        # torch.utils.checkpoint (tfun.checkpoint when traced) whose backward is computed in
+        # the same graph (tfun.grad inside tfun.jit): torch cannot replay its random draws
+        revise = (
+            "A tfun.checkpoint function draws torch random numbers (dropout, torch.rand, ...) and its "
+            "gradient is computed inside tfun.jit (tfun.grad), where torch 2.13 cannot recompute random "
+            "draws. Draw them with tfun.random and an explicit key (pure ops, recomputed exactly), draw "
+            "them outside the checkpointed function and pass them in, or jit only the forward pass and "
+            "call .backward() on its result."
+        )
+    elif "disjoint backward regions that require recomputation" in str(e):
+        # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
+        revise = (
+            "The graph computes two gradients through tfun.checkpoint functions (tfun.grad of tfun.grad, "
+            "or two tfun.grad calls), and torch 2.13 rematerializes for only one gradient per graph. Jit "
+            "each gradient on its own, take the outer derivative outside tfun.jit, or drop tfun.checkpoint "
+            "where its gradient is differentiated again."
+        )
     err = JitError(
         format_message(
             f"tfun.jit: could not compile `{fn_text}` as one graph:",

@@ -94,9 +94,11 @@ COND_IMPLS = [
     pytest.param(cond_via_switch, id="switch"),
     pytest.param(cond_with_new_checkpoint, id="new_checkpoint"),
 ]
-# for tests that jit the cond: tfun.checkpoint does not trace under tfun.jit
+# for tests that jit the cond: under tfun.jit, tfun.checkpoint may not contain control flow
 COND_IMPLS_JIT = COND_IMPLS[:2] + [
-    pytest.param(cond_with_new_checkpoint, id="new_checkpoint", marks=pytest.mark.skip(reason=D + "jit-checkpoint")),
+    pytest.param(
+        cond_with_new_checkpoint, id="new_checkpoint", marks=pytest.mark.skip(reason=D + "jit-checkpoint-control-flow")
+    ),
 ]
 
 
@@ -1328,7 +1330,7 @@ class TestLaxControlFlow:
         cond = lambda x: x[0, 2] <= 8
         body = lambda x: x * x
         if jit_loop and while_loop is while_loop_new_checkpoint:
-            pytest.skip(D + "jit-checkpoint")
+            pytest.skip(D + "jit-checkpoint-control-flow")
         loop = partial(while_loop, cond, body)
         if jit_loop:
             loop = jit(loop)

@@ -89,7 +89,6 @@ class TestRemat:
         assert_all_close(f_(T(2.0)), np.sin(np.sin(2.0)))
         assert_all_close(tfun.grad(f_)(T(2.0)), np.cos(np.sin(2.0)) * np.cos(2.0))
 
-    @skip("jit-checkpoint")
     def test_remat_jit_compiled(self):
         """The jitted lines of test_remat_jit: jit(f), grad(jit(f)), jit(grad(f))."""
 
@@ -209,7 +208,6 @@ class TestRemat:
 
         assert_all_close(f(T(3)), 6)
 
-    @skip("jit-checkpoint")
     def test_remat_jit2_compiled(self):
         @jit
         def f(x):

@@ -1,0 +1,262 @@
+"""tfun.checkpoint inside tfun.jit: values and gradients against eager float64.
+
+Traced, `tfun.checkpoint` lowers to `torch.utils.checkpoint.checkpoint(use_reentrant=False)`
+(Dynamo's `tag_activation_checkpoint` op) with the policy as torch's selective activation
+checkpointing. Rematerialization changes memory only, so every jitted result here must equal
+the eager, un-checkpointed float64 result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import tfun
+from tfun import lax
+from tfun.errors import ArgumentValueError, JitError
+
+D = torch.float64
+P = tfun.checkpoint_policies
+
+
+def t(*shape, seed=0, grad=False):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+    return x.requires_grad_(grad)
+
+
+def mm_only(func, *args, **kwargs):
+    """A user policy: save the outputs of `torch.mm` only."""
+    return func is torch.mm
+
+
+POLICIES = [
+    pytest.param(None, id="default"),
+    pytest.param(P.nothing_saveable, id="nothing_saveable"),
+    pytest.param(P.everything_saveable, id="everything_saveable"),
+    pytest.param(P.dots_saveable, id="dots_saveable"),
+    pytest.param(P.dots_with_no_batch_dims_saveable, id="dots_with_no_batch_dims_saveable"),
+    pytest.param(mm_only, id="custom"),
+]
+# Inductor compiles take seconds each on CPU: the default policy and a selective one
+BACKEND_POLICY = [pytest.param("aot_eager", p.values[0], id=f"aot_eager-{p.id}") for p in POLICIES] + [
+    pytest.param("inductor", None, id="inductor-default"),
+    pytest.param("inductor", P.dots_saveable, id="inductor-dots_saveable"),
+]
+
+
+def two_layers(x, w):
+    return (torch.sin(torch.sin(x @ w) @ w) * torch.cos(x)).sum()
+
+
+def grads_of(f, *args):
+    """Value and gradients of `f` by eager autograd, for float64 leaves."""
+    args = [a.detach().requires_grad_(True) for a in args]
+    y = f(*args)
+    return y.detach(), torch.autograd.grad(y, args)
+
+
+@pytest.mark.parametrize("backend, policy", BACKEND_POLICY)
+def test_backward_after_jitted_forward(backend, policy):
+    w = t(4, 4, seed=1, grad=True)  # closed over: a parameter
+    x = t(3, 4, grad=True)
+    want_y, (want_x, want_w) = grads_of(two_layers, x, w)
+
+    f = tfun.jit(tfun.checkpoint(lambda x: two_layers(x, w), policy=policy), backend=backend)
+    y = f(x)
+    y.backward()
+    assert_close(y.detach(), want_y)
+    assert_close(x.grad, want_x)
+    assert_close(w.grad, want_w)
+
+
+@pytest.mark.parametrize("backend, policy", BACKEND_POLICY)
+def test_tfun_grad_inside_jit(backend, policy):
+    x, w = t(3, 4), t(4, 4, seed=1)
+    _, want = grads_of(two_layers, x, w)
+    got = tfun.jit(tfun.grad(tfun.checkpoint(two_layers, policy=policy), argnums=(0, 1)), backend=backend)(x, w)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tfun_grad_inside_jit_closing_over_a_parameter(backend):
+    # tfun.grad of a function closing over a tensor that requires grad differentiates with
+    # torch.func when traced, where torch refuses checkpoint's saved-tensor hooks: the
+    # function runs un-checkpointed in that one graph (same values)
+    w = t(4, 4, seed=1, grad=True)
+    x = t(3, 4)
+    _, (want_x, _) = grads_of(two_layers, x, w)
+    got = tfun.jit(tfun.grad(tfun.checkpoint(lambda x: two_layers(x, w), policy=P.dots_saveable)), backend=backend)(x)
+    assert_close(got, want_x)
+
+
+def scan_loss(p, c0, xs, policy=None):
+    def step(c, x):
+        h = torch.tanh(c @ p + x)
+        return h, (h * h).sum()
+
+    body = step if policy == "none" else tfun.checkpoint(step, policy=policy)
+    c, ys = lax.scan(body, c0, xs)
+    return (c * c).sum() + ys.sum()
+
+
+@pytest.mark.parametrize("backend, policy", BACKEND_POLICY)
+def test_scan_body(backend, policy):
+    p, c0, xs = t(4, 4, seed=1) * 0.5, t(2, 4, seed=2), t(5, 2, 4, seed=3)
+    want_y, want = grads_of(lambda *a: scan_loss(*a, policy="none"), p, c0, xs)
+
+    # jitted forward, .backward() outside
+    args = [a.clone().requires_grad_(True) for a in (p, c0, xs)]
+    y = tfun.jit(lambda p, c0, xs: scan_loss(p, c0, xs, policy), backend=backend)(*args)
+    y.backward()
+    assert_close(y.detach(), want_y)
+    assert_close([a.grad for a in args], list(want))
+
+    # tfun.grad inside tfun.jit
+    got = tfun.jit(tfun.grad(lambda p, c0, xs: scan_loss(p, c0, xs, policy), argnums=(0, 1, 2)), backend=backend)(
+        p, c0, xs
+    )
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_closed_over_module_parameters(backend):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    ref = torch.nn.Linear(4, 4).double()
+    ref.load_state_dict(lin.state_dict())
+    x = t(3, 4)
+
+    def block(m, x):
+        return torch.tanh(m(torch.tanh(m(x)))).pow(2).sum()
+
+    block(ref, x).backward()
+    y = tfun.jit(tfun.checkpoint(lambda x: block(lin, x)), backend=backend)(x)
+    y.backward()
+    assert_close(y.detach(), block(ref, x).detach())
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad)
+
+
+def test_pytrees_and_static_argnums():
+    def f(d, n, act):
+        h = act(d["a"] @ d["b"]) * n
+        return {"h": h, "n": n, "pair": (h.sum(), d["a"] * 2)}
+
+    a, b = t(3, 4), t(4, 2, seed=1)
+    g = tfun.checkpoint(f, static_argnums=(1, 2))
+
+    def loss(a, b):
+        out = g({"a": a, "b": b}, 3, torch.tanh)
+        assert out["n"] == 3
+        return out["h"].pow(2).sum() + out["pair"][0] + out["pair"][1].sum()
+
+    want_y, want = grads_of(lambda a, b: (f({"a": a, "b": b}, 3, torch.tanh)["h"].pow(2).sum()
+                                          + f({"a": a, "b": b}, 3, torch.tanh)["pair"][0]
+                                          + (a * 2).sum()), a, b)
+    args = [a.clone().requires_grad_(True), b.clone().requires_grad_(True)]
+    y = tfun.jit(loss, backend="aot_eager")(*args)
+    y.backward()
+    assert_close(y.detach(), want_y)
+    assert_close([x.grad for x in args], list(want))
+    assert_close(tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend="aot_eager")(a, b), want)
+
+
+def test_no_tensor_arguments_and_prevent_cse():
+    x = t(3)
+    f = tfun.jit(lambda x: tfun.remat(lambda: torch.sin(x) * 2, prevent_cse=False)(), backend="aot_eager")
+    assert_close(f(x), torch.sin(x) * 2)
+
+
+def test_jvp_and_vmap_inside_jit():
+    g = tfun.checkpoint(lambda x: torch.sin(torch.sin(x)))
+    x, v = t(5), t(5, seed=1)
+    want = tfun.jvp(lambda x: torch.sin(torch.sin(x)), (x,), (v,))
+    assert_close(tfun.jit(lambda x, v: tfun.jvp(g, (x,), (v,)), backend="aot_eager")(x, v), want)
+
+    xb = t(3, 5, grad=True)
+    y = tfun.jit(tfun.vmap(g), backend="aot_eager")(xb)
+    y.sum().backward()
+    assert_close(y.detach(), torch.sin(torch.sin(xb.detach())))
+    assert_close(xb.grad, torch.cos(torch.sin(xb.detach())) * torch.cos(xb.detach()))
+
+
+def _recording_backend(graphs):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+
+@pytest.mark.parametrize(
+    "policy, recomputed",
+    [(None, 2), (P.dots_saveable, 0), (P.dots_with_no_batch_dims_saveable, 0), (mm_only, 0), (P.everything_saveable, 0)],
+    ids=["default", "dots_saveable", "dots_with_no_batch_dims_saveable", "custom", "everything_saveable"],
+)
+def test_policy_decides_what_backward_recomputes(policy, recomputed):
+    # backward's graph runs 4 products for the gradients plus the forward products it recomputes
+    w = t(4, 4, seed=1, grad=True)
+    graphs = {}
+    f = tfun.jit(tfun.checkpoint(lambda x: two_layers(x, w), policy=policy), backend=_recording_backend(graphs))
+    f(t(3, 4, grad=True)).backward()
+    mms = sum(1 for n in graphs["bw"].graph.nodes if n.op == "call_function" and "aten.mm" in str(n.target))
+    assert mms == 4 + recomputed
+
+
+def test_batched_products_are_not_dots_with_no_batch_dims():
+    w = t(2, 4, 4, seed=1, grad=True)
+    graphs = {}
+
+    def f(x):
+        return torch.sin(torch.sin(x @ w) @ w).sum()
+
+    x = t(2, 3, 4, grad=True)
+    for policy, recomputed in ((P.dots_with_no_batch_dims_saveable, 2), (P.dots_saveable, 0)):
+        tfun.jit(tfun.checkpoint(f, policy=policy), backend=_recording_backend(graphs))(x).backward()
+        bmms = sum(1 for n in graphs["bw"].graph.nodes if n.op == "call_function" and "aten.bmm" in str(n.target))
+        assert bmms == 4 + recomputed
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dropout_mask_is_replayed_in_backward(backend):
+    x = torch.ones(2000, dtype=D, requires_grad=True)
+    y = tfun.jit(tfun.checkpoint(lambda x: torch.nn.functional.dropout(x * 3, 0.5)), backend=backend)(x)
+    y.sum().backward()
+    kept = (y != 0).to(D)
+    assert 500 < kept.sum() < 1500
+    assert_close(x.grad, kept * 6)
+
+
+def test_random_draws_under_tfun_grad_inside_jit_are_a_jit_error():
+    g = tfun.checkpoint(lambda x: torch.nn.functional.dropout(torch.sin(x), 0.5).sum())
+    with pytest.raises(JitError, match="tfun.random"):
+        tfun.jit(tfun.grad(g), backend="aot_eager")(t(5))
+
+
+def test_grad_of_grad_inside_jit_is_a_jit_error():
+    g = tfun.checkpoint(lambda x: torch.sin(torch.sin(x)).sum())
+    with pytest.raises(JitError, match="Jit each gradient on its own"):
+        tfun.jit(tfun.grad(tfun.grad(g)), backend="aot_eager")(t(()))
+
+
+def test_static_argnums_out_of_range_under_jit():
+    g = tfun.checkpoint(lambda x, n=2: x * n, static_argnums=1)
+    with pytest.raises(ArgumentValueError, match="static_argnums contains 1"):
+        tfun.jit(g, backend="aot_eager")(t(3))
+
+
+def test_control_flow_inside_a_traced_checkpoint_is_a_jit_error():
+    def loop(p, xs):  # checkpoint of a whole scan: torch's checkpoint op refuses control flow inside
+        c, _ = lax.scan(lambda c, x: (torch.tanh(c @ p + x), None), torch.zeros(4, dtype=D), xs)
+        return c.sum()
+
+    with pytest.raises(JitError, match="cannot contain tfun.lax control flow") as info:
+        tfun.jit(tfun.checkpoint(loop), backend="aot_eager")(t(4, 4), t(5, 4))
+    assert "test_checkpoint_jit.py" in str(info.value)
