@@ -138,3 +138,98 @@ def test_jax_vmap_differential():
     r1 = tfun.vmap(lambda c: c * 2, in_axes=None, axis_size=2)(torch.ones(3, dtype=D))
     r2 = jax.vmap(lambda c: c * 2, in_axes=None, axis_size=2)(jnp.ones(3))
     np.testing.assert_allclose(r1.numpy(), np.asarray(r2))
+
+
+# --------------------------------------------------------------------------------------
+# in_axes / out_axes trees inside tfun.jit (porting-guide row jit-vmap-in-axes-tuple, gone)
+# --------------------------------------------------------------------------------------
+
+
+_AXES_CASES = [
+    pytest.param((0, {"w": None, "s": 0}), ({"sum": 0, "vec": 0}, (0,)), id="tuple-dict"),
+    pytest.param((0, {"s": 0, "w": None}), 0, id="dict-key-order"),
+    pytest.param([0, {"w": None, "s": 0}], ({"sum": 0, "vec": 1}, 0), id="list-nested-out1"),
+]
+
+
+def _axes_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=g, dtype=dtype)
+    d = {"w": torch.randn(3, generator=g, dtype=dtype), "s": torch.randn(4, generator=g, dtype=dtype)}
+    return x, d
+
+
+@pytest.mark.parametrize(("in_axes", "out_axes"), _AXES_CASES)
+def test_vmap_axes_trees_under_jit_match_eager_float64(in_axes, out_axes):
+    def fn(x, d):
+        y = torch.tanh(x * d["w"]) * d["s"]
+        return {"sum": y.sum(), "vec": y}, (y.max(),)
+
+    def run(x, d):
+        return tfun.vmap(fn, in_axes=in_axes, out_axes=out_axes)(x, d)
+
+    x64, d64 = _axes_inputs(torch.float64)
+    x32, d32 = _axes_inputs(torch.float32)
+    try:
+        want = run(x64, d64)
+    except StructureMismatchError as eager:
+        # out_axes None for a mapped output: the same tfun error under tfun.jit
+        with pytest.raises(StructureMismatchError) as got:
+            tfun.jit(run, backend="aot_eager")(x32, d32)
+        assert str(got.value) == str(eager)
+        return
+    got = tfun.jit(run, backend="aot_eager")(x32, d32)
+    assert tfun.tree.tree_structure(got) == tfun.tree.tree_structure(want)
+    assert_tree_allclose(got, tfun.tree.tree_map(lambda t: t.to(torch.float32), want), rtol=1e-5, atol=1e-5)
+
+    def loss(x, d):
+        out, (m,) = run(x, d)
+        return out["vec"].square().sum() + out["sum"].sum() + m.sum()
+
+    gwant = tfun.grad(loss, argnums=(0, 1))(x64, d64)
+    ggot = tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend="aot_eager")(x32, d32)
+    assert_tree_allclose(ggot, tfun.tree.tree_map(lambda t: t.to(torch.float32), gwant), rtol=1e-4, atol=1e-5)
+
+
+def test_jit_of_vmap_with_tuple_in_axes_built_inside():
+    # jax's test_issue2511: the vmap is built inside the jitted function
+    arr = torch.randn(5, 2, 2, dtype=torch.float64)
+    got = tfun.jit(lambda x: tfun.vmap(torch.linalg.det, (0,))(x), backend="aot_eager")(arr)
+    torch.testing.assert_close(got, torch.linalg.det(arr))
+
+
+@pytest.mark.parametrize(
+    ("in_axes", "args"),
+    [
+        pytest.param(({"a": 0},), "tensor", id="dict-vs-tensor"),
+        pytest.param(([0, 0],), "tuple", id="list-vs-tuple"),
+        pytest.param(({"a": 0, "b": 0},), "dict", id="dict-keys"),
+        pytest.param((0, (0, 0)), "two", id="nested-arity"),
+    ],
+)
+def test_bad_in_axes_prefix_same_error_under_jit(in_axes, args):
+    x = torch.ones(3, 2)
+    call_args = {
+        "tensor": (x,),
+        "tuple": ((x, x),),
+        "dict": ({"a": x, "c": x},),
+        "two": (x, (x, x, x)),
+    }[args]
+    f = tfun.vmap(lambda *a: a[0], in_axes=in_axes)
+    with pytest.raises(StructureMismatchError) as eager:
+        f(*call_args)
+    assert "in_axes must be a tree prefix" in str(eager.value)
+    with pytest.raises(StructureMismatchError) as jitted:
+        tfun.jit(f, backend="aot_eager")(*call_args)
+    assert str(jitted.value) == str(eager.value)
+
+
+def test_bad_out_axes_prefix_same_error_under_jit():
+    f = tfun.vmap(lambda x: {"a": x, "b": (x, x)}, out_axes={"a": 0, "b": [0, 0]})
+    x = torch.ones(3, 2)
+    with pytest.raises(StructureMismatchError) as eager:
+        f(x)
+    assert "out_axes must be a tree prefix" in str(eager.value)
+    with pytest.raises(StructureMismatchError) as jitted:
+        tfun.jit(f, backend="aot_eager")(x)
+    assert str(jitted.value) == str(eager.value)

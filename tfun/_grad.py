@@ -20,6 +20,7 @@ complex inputs only with `holomorphic=True`.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,25 +79,57 @@ def describe_value(x: Any) -> str:
 def _is_node(x: Any) -> bool:
     if x is None:
         return True
-    return not optree.tree_structure(x, none_is_leaf=True, namespace=NAMESPACE).is_leaf()
+    # tree_is_leaf consults the registry only; Dynamo traces it for constants too, where
+    # flattening a constant dict (a dict in_axes) constant-folds to optree metadata that
+    # Dynamo cannot represent.
+    return not optree.tree_is_leaf(x, none_is_leaf=True, namespace=NAMESPACE)
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[str, Any]]]:
-    """(one-level spec, [(accessor string, child), ...]) of a pytree node."""
-    accessors, children, spec = optree.tree_flatten_with_accessor(
-        x, is_leaf=lambda c: c is not x, none_is_leaf=True, namespace=NAMESPACE
-    )
-    return spec, [(a.codify(""), c) for a, c in zip(accessors, children)]
+    """(one-level key, [(accessor string, child), ...]) of a pytree node.
+
+    Two nodes have the same one-level structure when their keys compare equal: the node
+    type, its metadata (the sorted keys of a dict, a namedtuple class, a custom node's aux
+    data) and the number of children. Traceable by Dynamo, including on constants such as
+    `in_axes=(0,)` or `in_axes={"a": 0}` inside `tfun.jit`: no `is_leaf` callback (one that
+    tells the root from its children, `c is not x`, misjudges a constant tuple under Dynamo)
+    and no optree flattening of dicts (Dynamo's stand-in returns other metadata than
+    optree's, and fails on a constant dict). Accessor strings (`[0]`, `['a']`, `.field`) come
+    from the node type's registered path entry type, as in `tree_flatten_with_accessor`.
+    """
+    node_type = type(x)
+    handler = optree.register_pytree_node.get(node_type, namespace=NAMESPACE)
+    if node_type is dict or node_type is collections.defaultdict:
+        # optree's order for dict children: the keys sorted (by a total order for mixed key types)
+        keys = optree.utils.total_order_sorted(x)
+        children: list[Any] = [x[k] for k in keys]
+        metadata: Any = (getattr(x, "default_factory", None), tuple(keys))
+        entries: Sequence[Any] = keys
+    else:
+        children, metadata, entries, _ = optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=NAMESPACE)
+    accessors = [handler.path_entry_type(e, node_type, handler.kind).codify("") for e in entries]
+    return (node_type, metadata, len(children)), list(zip(accessors, children))
 
 
 class PrefixMismatch(Exception):
-    """Internal: `prefix` is not a tree prefix of `full` at `path`."""
+    """Internal: `prefix` is not a tree prefix of `full` at `path`.
 
-    def __init__(self, path: str, prefix_node: Any, full_node: Any) -> None:
-        super().__init__(path)
-        self.path = path
-        self.prefix_node = prefix_node
-        self.full_node = full_node
+    Raised as `PrefixMismatch(path, prefix_node, full_node)`. No `__init__` of its own:
+    Dynamo (inside `tfun.jit`) cannot trace an exception's `super().__init__`, so the fields
+    are read back from `args`.
+    """
+
+    @property
+    def path(self) -> str:
+        return self.args[0]
+
+    @property
+    def prefix_node(self) -> Any:
+        return self.args[1]
+
+    @property
+    def full_node(self) -> Any:
+        return self.args[2]
 
 
 def broadcast_prefix(

@@ -13,8 +13,8 @@ import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, format_message
 from ._funcinfo import describe
-from ._grad import PrefixMismatch, broadcast_prefix, describe_value
-from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
+from ._grad import PrefixMismatch, _is_node, _one_level, broadcast_prefix, describe_value
+from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["vmap"]
 
@@ -23,9 +23,20 @@ def _is_axis(x: Any) -> bool:
     return x is None or (isinstance(x, int) and not isinstance(x, bool))
 
 
+def _bad_axes_leaves(name: str, axes: Any, path: str = "") -> list[str]:
+    """One bullet per leaf of `axes` (None a leaf) that is not an int or None, in optree's
+    flattening order. Walked with `_one_level`, which Dynamo traces inside `tfun.jit`
+    (optree cannot flatten a constant dict there)."""
+    if axes is None or not _is_node(axes):
+        return [] if _is_axis(axes) else [f"{name}{path}: {describe_value(axes)}"]
+    bad: list[str] = []
+    for acc, child in _one_level(axes)[1]:
+        bad.extend(_bad_axes_leaves(name, child, path + acc))
+    return bad
+
+
 def _check_axes_leaves(name: str, axes: Any) -> None:
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(axes, none_is_leaf=True, namespace=NAMESPACE)
-    bad = [f"{name}{a.codify('')}: {describe_value(x)}" for a, x in zip(accessors, leaves) if not _is_axis(x)]
+    bad = _bad_axes_leaves(name, axes)
     if bad:
         raise ArgumentTypeError(
             format_message(
@@ -98,8 +109,8 @@ def vmap(
                     [
                         f"{e.path}: in_axes has {describe_value(e.prefix_node)}, "
                         f"the arguments have {describe_value(e.full_node)}",
-                        f"in_axes structure: {tree_structure(in_axes, none_is_leaf=True)}",
-                        f"arguments structure: {tree_structure(tuple(args))}",
+                        f"in_axes structure: {_structure_text(in_axes, True)}",
+                        f"arguments structure: {_structure_text(_skeleton(tuple(args)), False)}",
                     ],
                     function=fn_desc,
                     revise="Revise in_axes to mirror the arguments' structure (an int or None may stand for a "
@@ -196,8 +207,8 @@ def vmap(
                         [
                             f"{e.path}: out_axes has {describe_value(e.prefix_node)}, "
                             f"the output has {describe_value(e.full_node)}",
-                            f"out_axes structure: {tree_structure(out_axes, none_is_leaf=True)}",
-                            f"output structure: {tree_structure(out)}",
+                            f"out_axes structure: {_structure_text(out_axes, True)}",
+                            f"output structure: {_structure_text(_skeleton(out), False)}",
                         ],
                         function=fn_desc,
                         revise="Revise out_axes to mirror the output's structure.",
@@ -242,3 +253,23 @@ def vmap(
         return tree_unflatten(box["out_td"], out_leaves)
 
     return vmapped
+
+
+def _skeleton(tree: Any) -> Any:
+    """`tree` with every leaf replaced by 0: the same structure, made of Python constants, so
+    that `_structure_text` runs as plain Python when Dynamo traces it (leaves may be tensors)."""
+    return tree_map(lambda _: 0, tree)
+
+
+def _structure_text(tree: Any, none_is_leaf: bool) -> str:
+    """`str(tree_structure(tree))`, for error messages.
+
+    Inside `tfun.jit` Dynamo can neither `str` a treespec nor flatten a constant dict (it
+    constant-folds to optree metadata it cannot represent). Marked constant, this function
+    runs as plain Python on constant arguments (an axes spec, or a `_skeleton`), so an error
+    message inside `tfun.jit` reads as it does eagerly.
+    """
+    return str(tree_structure(tree, none_is_leaf=none_is_leaf))
+
+
+_structure_text._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -983,7 +983,6 @@ class TestCustomVJP:
         with pytest.raises(TypeError):
             tfun.grad(lambda x: scan_apply(f, x))(torch.tensor(1.0, dtype=torch.float32))
 
-    @skip("jit-vmap-in-axes-tuple")
     def test_issue2511(self):
         arr = torch.ones((5, 2, 2))
         jit(lambda x: tfun.vmap(torch.linalg.det, (0,))(x))(arr)
