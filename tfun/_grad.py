@@ -59,9 +59,14 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
-def describe_value(x: Any) -> str:
-    """A short description of a pytree node or leaf for error bullets."""
+def describe_value(x: Any, shapes: bool = True) -> str:
+    """A short description of a pytree node or leaf for error bullets. `shapes=False` in
+    messages built in traced code too: under Dynamo a size may be symbolic (automatic dynamic
+    shapes), which cannot be told from a concrete one, and the message must read the same
+    eagerly and under tfun.jit."""
     if isinstance(x, torch.Tensor):
+        if not shapes:
+            return f"a tensor of dtype {x.dtype}"
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     if x is None:
         return "None"

@@ -108,7 +108,7 @@ def vmap(
                     "tfun.vmap: in_axes must be a tree prefix of the positional arguments.",
                     [
                         f"{e.path}: in_axes has {describe_value(e.prefix_node)}, "
-                        f"the arguments have {describe_value(e.full_node)}",
+                        f"the arguments have {describe_value(e.full_node, shapes=False)}",
                         f"in_axes structure: {_structure_text(in_axes, True)}",
                         f"arguments structure: {_structure_text(_skeleton(tuple(args)), False)}",
                     ],
@@ -206,7 +206,7 @@ def vmap(
                         "tfun.vmap: out_axes must be a tree prefix of the function's output.",
                         [
                             f"{e.path}: out_axes has {describe_value(e.prefix_node)}, "
-                            f"the output has {describe_value(e.full_node)}",
+                            f"the output has {describe_value(e.full_node, shapes=False)}",
                             f"out_axes structure: {_structure_text(out_axes, True)}",
                             f"output structure: {_structure_text(_skeleton(out), False)}",
                         ],
