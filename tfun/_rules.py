@@ -274,13 +274,19 @@ def check_tensors(
 # ----------------------------------------------------------------------------------------
 
 
-def as_tensor_leaves(op: str, arg: str, tree: Any) -> tuple[list[torch.Tensor], PyTreeSpec]:
-    """Flatten `tree`; Python scalars become 0-d tensors; anything else non-tensor is an error."""
+def as_tensor_leaves(
+    op: str, arg: str, tree: Any, weak: dict[int, Any] | None = None
+) -> tuple[list[torch.Tensor], PyTreeSpec]:
+    """Flatten `tree`; Python scalars become 0-d tensors; anything else non-tensor is an error.
+    With `weak`, the Python scalars (weakly typed values, whose dtype a loop may take from
+    the body's output, as JAX promotes a weak `init`) are recorded there by flat index."""
     leaves, treedef = tree_flatten(tree)
     for i, leaf in enumerate(leaves):
         if type(leaf) is torch.Tensor or isinstance(leaf, torch.Tensor):
             continue
         if isinstance(leaf, _SCALAR_TYPES):
+            if weak is not None and _is_weak(leaf):
+                weak[i] = leaf
             leaves[i] = torch.tensor(leaf)
             continue
         if type(leaf).__module__ == "numpy":
@@ -312,12 +318,6 @@ def scalar_dtype(x: Any) -> torch.dtype:
     if isinstance(x, float):
         return torch.get_default_dtype()
     return torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
-
-
-def weak_scalars(tree: Any) -> dict[int, Any]:
-    """The leaves of `tree` (by flat index) that are Python scalars: weakly typed values
-    whose dtype a loop may take from the body's output, as JAX promotes a weak `init`."""
-    return {i: x for i, x in enumerate(tree_flatten(tree)[0]) if _is_weak(x)}
 
 
 def weak_output_dtype_ok(x: Any, ref: Any) -> bool:
@@ -638,6 +638,17 @@ def static_code_side_effects(code: types.CodeType) -> list[str]:
     return list(cached)
 
 
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names `code` and the code objects nested in it use."""
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names
+
+
 def _helper_violations(fn: types.FunctionType, depth: int, seen_codes: set[int]) -> list[str]:
     """What the user functions `fn` names as globals or closes over (helpers it calls) do
     that `fn` may not: rebinding a global or nonlocal, setting an outer attribute."""
@@ -645,12 +656,7 @@ def _helper_violations(fn: types.FunctionType, depth: int, seen_codes: set[int])
     if depth >= _MAX_DEPTH:
         return out
     code = fn.__code__
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    names = _global_names(code)
     helpers = [fn.__globals__.get(n) for n in sorted(names)]
     for cell in fn.__closure__ or ():
         try:
@@ -944,12 +950,7 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
             except ValueError:
                 continue
             roots.append((f"nonlocal `{name}`", value))
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    names = _global_names(code)
     g = fn.__globals__
     for name in sorted(names):
         if name in g:

@@ -54,8 +54,8 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     op = "tfun.lax.while_loop"
     _rules.check_callable(op, "cond_fun", cond_fun)
     _rules.check_callable(op, "body_fun", body_fun)
-    weak = _rules.weak_scalars(init_val)
-    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
+    weak: dict[int, Any] = {}
+    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     val: Any = tree_unflatten(treedef, leaves)
     if _hop.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
@@ -216,8 +216,8 @@ def fori_loop(
     if tensors:
         dtype = tensors[0].dtype if len(tensors) == 1 else torch.promote_types(tensors[0].dtype, tensors[1].dtype)
         device = tensors[0].device
-    weak = _rules.weak_scalars(init_val)
-    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val)
+    weak: dict[int, Any] = {}
+    leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     val: Any = tree_unflatten(treedef, leaves)
 
     if _hop.is_tracing() or any(_batching.is_batched(t) for t in tensors):

@@ -233,8 +233,8 @@ def scan(
     op = "tfun.lax.scan"
     _rules.check_callable(op, "f", f)
     check_unroll(op, unroll)
-    weak = _rules.weak_scalars(init)
-    carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init)
+    weak: dict[int, Any] = {}
+    carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init, weak)
     init = tree_unflatten(carry_def, carry_leaves)
     x_leaves, x_def = xs_leaves(op, xs)
     if isinstance(length, torch.Tensor) and _hop.is_tracing():
