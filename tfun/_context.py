@@ -51,15 +51,22 @@ def functorch_active() -> bool:
     return True if probe is None else bool(probe())
 
 
-def forward_mode_active() -> bool:
-    """Whether a forward-mode `torch.func` transform (`tfun.jvp`, `jacfwd`, `hessian`) is live
-    on this thread's interpreter stack."""
+def _transform_on_stack(kind: str) -> bool:
+    """Whether a `torch.func` interpreter of `kind` ("Jvp", "Grad", ...) is on this thread's
+    interpreter stack."""
     if not functorch_active():
         return False
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    wanted = getattr(TransformType, kind)
+    return any(i.key() == wanted for i in retrieve_all_functorch_interpreters())
+
+
+def forward_mode_active() -> bool:
+    """Whether a forward-mode `torch.func` transform (`tfun.jvp`, `jacfwd`, `hessian`) is live
+    on this thread's interpreter stack."""
+    return _transform_on_stack("Jvp")
 
 
 def reverse_mode_active() -> bool:
@@ -67,12 +74,7 @@ def reverse_mode_active() -> bool:
     where it uses them) is live on this thread's interpreter stack. Traced code must call it
     through a Dynamo escape hatch (plain Python at trace time, where Dynamo pushes the real
     interpreters of the transforms it traces)."""
-    if not functorch_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
+    return _transform_on_stack("Grad")
 
 
 def in_functorch_transform() -> bool:
