@@ -1,7 +1,7 @@
 """Two-process gloo runs on one CPU machine, bounded in time.
 
-`spawn` starts `nprocs` processes of `fn(rank, *args)`; each calls `init(rank, world, port)`
-first. Both pin everything to the loopback interface: gloo otherwise connects the ranks through
+`spawn` starts `nprocs` processes of `fn(rank, *args)`; each calls `init(rank, world, store)`
+first, with a file rendezvous (`rendezvous(tmp_path)`), on the loopback interface: gloo otherwise connects the ranks through
 the address the machine's hostname resolves to, which in a sandbox without network (CI) may be
 unreachable, and then a rank waits out gloo's default timeout of 30 minutes. Here a rank that
 cannot reach the other fails within `TIMEOUT_S`, and a run that overruns is killed and fails.
@@ -10,8 +10,8 @@ cannot reach the other fails within `TIMEOUT_S`, and a run that overruns is kill
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,24 +24,33 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _loopback_env() -> dict[str, str]:
-    env = {"MASTER_ADDR": "127.0.0.1"}
-    if os.path.exists("/sys/class/net/lo"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
+    return {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}
 
 
-def init(rank: int, world: int, port: int) -> None:
-    """In a spawned process: join the gloo group on the loopback interface."""
-    os.environ.update(_loopback_env(), MASTER_PORT=str(port))
+def rendezvous(tmp_path: Any) -> str:
+    """A fresh rendezvous file for one run (`init`'s `store`)."""
+    return os.path.join(str(tmp_path), "rendezvous")
+
+
+def init(rank: int, world: int, store: str) -> None:
+    """In a spawned process: join the gloo group through the file `store`, on the loopback
+    interface. A file rendezvous needs no port chosen in advance: a port picked free and
+    released before the ranks bind it can be taken meanwhile by another test's gloo
+    connections (two xdist workers run these tests side by side), and the ranks then wait on
+    the wrong listener."""
+    # a rank still running after TIMEOUT_S prints every thread's stack (to the test's
+    # captured stderr) and exits, so a hang shows where it waits
+    faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
+    os.environ.update(_loopback_env())
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
 
 
 def spawn(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2) -> None:

@@ -42,8 +42,8 @@ def _train(model, x, y, wrap=lambda m: m):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    _dist.init(rank, world, port)
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    _dist.init(rank, world, store)
     try:
         torch.manual_seed(0)
         model = Net()
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_ddp_gloo_matches_single_process(tmp_path):
     torch.manual_seed(0)
     ref_grads, ref_params = _train(Net(), *_data())
-    _dist.spawn(_worker, (2, _dist.free_port(), str(tmp_path)))
+    _dist.spawn(_worker, (2, _dist.rendezvous(tmp_path), str(tmp_path)))
     for rank in range(2):
         grads, params = torch.load(tmp_path / f"rank{rank}.pt")
         for step_ref, step in zip(ref_grads, grads):

@@ -51,8 +51,8 @@ def _train(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor, y: tor
     return grads, [_full(p).detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
-    _dist.init(rank, world, port)
+def _worker(rank: int, world: int, store: str, mode: str, out_dir: str) -> None:
+    _dist.init(rank, world, store)
     try:
         torch.manual_seed(0)
         model = Net()
@@ -84,7 +84,7 @@ def test_jitted_layers_train_under_ddp_and_fsdp2_like_one_process(mode: str, tmp
     torch.manual_seed(0)
     ref = Net()
     ref_grads, ref_params = _train(ref, ref, *_data())
-    _dist.spawn(_worker, (2, _dist.free_port(), mode, str(tmp_path)))
+    _dist.spawn(_worker, (2, _dist.rendezvous(tmp_path), mode, str(tmp_path)))
     for rank in range(2):
         grads, params, graphs = torch.load(tmp_path / f"rank{rank}.pt")
         assert graphs >= 1, "the jitted layer ran without compiling"
