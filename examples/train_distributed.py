@@ -47,9 +47,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a few steps, and launch torchrun if not under it")
     args = ap.parse_args()
     if "RANK" not in os.environ:  # not under torchrun: launch two processes of this script
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *sys.argv]
-        # one machine: gloo talks over the loopback interface (the hostname's address may be
-        # unreachable in a sandbox without network, and gloo would wait 30 minutes for it)
+        # One machine, so everything goes over the loopback interface: the ranks meet at
+        # 127.0.0.1 (--local-addr; torchrun otherwise publishes the address the hostname
+        # resolves to, which in a sandbox without network may be unreachable, and every rank
+        # then waits out the process-group timeout), and gloo's own connections use `lo`.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+               "--nproc_per_node", "2", *sys.argv]
         env = dict(os.environ)
         if os.path.exists("/sys/class/net/lo"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
