@@ -806,7 +806,7 @@ def static_code_side_effects(code: types.CodeType) -> list[str]:
     return list(cached)
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def global_names(code: types.CodeType) -> set[str]:
     """The global and attribute names `code` and the code objects nested in it use."""
     names: set[str] = set()
     stack = [code]
@@ -824,7 +824,7 @@ def _helper_violations(fn: types.FunctionType, depth: int, seen_codes: set[int])
     if depth >= _MAX_DEPTH:
         return out
     code = fn.__code__
-    names = _global_names(code)
+    names = global_names(code)
     helpers = [fn.__globals__.get(n) for n in sorted(names)]
     for cell in fn.__closure__ or ():
         try:
@@ -1118,7 +1118,7 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
             except ValueError:
                 continue
             roots.append((f"nonlocal `{name}`", value))
-    names = _global_names(code)
+    names = global_names(code)
     g = fn.__globals__
     for name in sorted(names):
         if name in g:
@@ -1504,7 +1504,6 @@ __all__ = [
     "check_tensors",
     "as_tensor_leaves",
     "as_tensor_tree",
-    "weak_scalars",
     "scalar_dtype",
     "normalize_weak_outputs",
     "promote_weak_init",
@@ -1524,6 +1523,7 @@ __all__ = [
     "static_side_effects",
     "check_static_side_effects",
     "static_code_side_effects",
+    "global_names",
     "checked_call",
     "side_effect_message",
     "Snapshot",

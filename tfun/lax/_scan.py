@@ -394,7 +394,7 @@ def _lower_scan(
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
 
     `weak`: the flat indices of `init`'s leaves that were Python scalars (see
-    `_rules.weak_scalars`); the body is traced once outside the HOP to learn their dtypes
+    `_rules.as_tensor_leaves`); the body is traced once outside the HOP to learn their dtypes
     (its ops are dead code), as JAX traces a loop body twice to promote a weak `init`."""
     _hop.begin_lowering()
     op = "tfun.lax.scan"
@@ -516,7 +516,7 @@ def _refuse_real_constants(op: str, f: Any) -> None:
                 values.append((label, cell.cell_contents))
             except ValueError:
                 continue
-        values += [(f"global `{n}`", fn.__globals__[n]) for n in sorted(_global_names(fn.__code__)) if n in fn.__globals__]
+        values += [(f"global `{n}`", fn.__globals__[n]) for n in sorted(_rules.global_names(fn.__code__)) if n in fn.__globals__]
         for label, v in values:
             if isinstance(v, torch.Tensor) and not is_fake(v):
                 found.append(f"{label} of `{fn.__name__}`{where}: {_rules.dtype_name(v.dtype)}{list(v.shape)}")
@@ -536,14 +536,6 @@ def _refuse_real_constants(op: str, f: Any) -> None:
                 "as an argument, or export with strict=True.",
             )
         )
-
-
-def _global_names(code: Any) -> set[str]:
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _global_names(c)
-    return names
 
 
 # Integer and bool leaves cross torch's scan as float64 tensors holding int64 bits (see `_lower_scan`).
