@@ -261,6 +261,27 @@ def bad_grad_of_non_scalar(x):
     return tfun.grad(lambda y: y * 2)(x)
 
 
+def bad_switch_branches(x):
+    return lax.switch(1, [lambda y: y, lambda y: (y, y), lambda y: y], x)
+
+
+def bad_combine_structure(x):
+    return lax.associative_scan(lambda a, b: (a + b, a), x)
+
+
+def bad_fori_tensor_bounds_carry_dtype(x):
+    # tensor bounds: traced, this runs on while_loop, whose body must not be the one named
+    return lax.fori_loop(0, torch.tensor(3), lambda i, c: c.double(), x)
+
+
+def bad_fori_state_change(x):
+    def body(i, c):
+        torch.set_grad_enabled(False)
+        return c + 1
+
+    return lax.fori_loop(0, 3, body, x)
+
+
 CORPUS = {
     "carry structure": (bad_carry_structure, StructureMismatchError),
     "carry dtype": (bad_carry_dtype, TensorMismatchError),
@@ -272,6 +293,10 @@ CORPUS = {
     "side effect (map)": (bad_map_side_effect, SideEffectError),
     "side effect (in-place write)": (bad_in_place_write, SideEffectError),
     "grad of non-scalar": (bad_grad_of_non_scalar, ArgumentTypeError),
+    "switch branches differ": (bad_switch_branches, StructureMismatchError),
+    "associative_scan combine structure": (bad_combine_structure, StructureMismatchError),
+    "fori_loop tensor bounds carry dtype": (bad_fori_tensor_bounds_carry_dtype, TensorMismatchError),
+    "fori_loop state change": (bad_fori_state_change, SideEffectError),
 }
 
 
@@ -303,6 +328,26 @@ def test_error_corpus_same_error_eagerly_and_under_jit(case, backend):
     assert _mask_side_effect_counts(str(jitted)) == _mask_side_effect_counts(str(eager))
     # the message names the user's own function with its file:line
     assert re.search(r"tests/test_jit_matrix\.py:\d+`", str(jitted)), str(jitted)
+
+
+def test_combine_dtype_refused_eagerly_and_under_jit():
+    """The combine function's dtype rule holds under tfun.jit too (it used to check only the
+    structure there). Traced, the sizes of the slices torch hands the combine function are
+    not known (they may be symbolic), so the messages agree up to the sizes."""
+
+    def f(x):
+        return lax.associative_scan(lambda a, b: (a + b).double(), x)
+
+    eager = _message(f, "eager")
+    jitted = _message(f, "aot_eager")
+    assert type(eager) is TensorMismatchError
+    assert type(jitted) is TensorMismatchError
+
+    def unsized(msg):
+        return re.sub(r"\[[0-9?,]*\]", "[...]", msg)
+
+    assert unsized(str(jitted)) == unsized(str(eager))
+    assert "elems: input is float32[" in str(jitted) and "output is float64[" in str(jitted)
 
 
 def test_graph_break_is_jit_error_with_user_line_and_cause():

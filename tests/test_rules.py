@@ -574,6 +574,31 @@ def test_rules_cache_is_bounded(monkeypatch):
     assert len(_rules._SEEN) <= 8
 
 
+def test_first_call_record_runs_the_rules_once_per_signature():
+    from tfun import _rules
+
+    calls = []
+
+    def body(x):
+        calls.append(1)  # a side effect: refused while the rules run, not after
+        return x
+
+    rules = _rules.first_call("tfun.lax.test", body, "signature")
+    assert rules.first and rules.recorded is None
+    with pytest.raises(SideEffectError, match="tfun.lax.test: the body must not have side effects"):
+        rules.call("tfun.lax.test", "body", body, (torch.ones(1),))
+    assert rules.first  # nothing recorded: the rules failed
+    rules.record(("taken", 0))
+    again = _rules.first_call("tfun.lax.test", body, "signature")
+    assert not again.first and again.recorded == ("taken", 0)
+    assert again.call("tfun.lax.test", "body", body, (torch.ones(1),)).shape == (1,)  # not checked now
+    assert again.part("weak").first
+    again.part("weak").record()
+    assert not _rules.first_call("tfun.lax.test", body, "signature").part("weak").first
+    assert _rules.first_call("tfun.lax.test", body, "another signature").first
+    assert _rules.first_call("tfun.lax.test", (body, body), "signature").first  # a tuple of functions
+
+
 def test_rules_cache_keeps_no_function_alive():
     import gc
     import weakref

@@ -356,7 +356,7 @@ def _refuse_control_flow(fun: Callable[..., Any]) -> None:
     )
 
 
-@_hop._assume_constant
+@_hop.assume_constant
 def _reverse_transform_traced() -> bool:
     """Trace time: whether `torch.func` reverse mode encloses the call being traced."""
     return _context.reverse_mode_active()

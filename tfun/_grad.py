@@ -29,6 +29,7 @@ import optree
 import torch
 import torch.func
 
+from . import _context
 from ._compat import forward_ad_ready, grad_leaf
 from ._errors import (
     ArgumentTypeError,
@@ -438,7 +439,7 @@ def _value_and_grad_call(
     # inside, torch has no second derivative of a HOP, so it is refused, never dropped.
     # Whether the function closes over such a tensor is learned at trace time by a probe
     # (`_probe_closure`); its ops feed nothing and AOTAutograd drops them before anything runs.
-    tracing = bool(fl.leaves) and _hop.is_tracing()
+    tracing = bool(fl.leaves) and _context.is_tracing()
     closed = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
         closed, flows = _probe_closure(f_flat, fl.leaves)

@@ -362,7 +362,7 @@ class Jitted:
         return compiled, dyn_args, dyn_kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _hop.is_tracing():
+        if _context.is_tracing():
             # inside another tfun.jit (or torch.export): inlined into the outer graph, as
             # jax.jit inlines a nested jit
             if self._static_nums or self._static_names:

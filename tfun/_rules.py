@@ -112,16 +112,23 @@ def _is_tensorlike(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, LeafMeta))
 
 
+def tensor_text(dtype: torch.dtype, dims: Sequence[int | None], device: Any) -> str:
+    """A tensor in messages: `float32[3,4] on cpu` (`?` for a size not known)."""
+    return f"{dtype_name(dtype)}[{','.join('?' if s is None else str(s) for s in dims)}] on {device}"
+
+
+def scalar_text(tp: type) -> str:
+    """A non-tensor leaf of type `tp` in messages: `a Python int`, `a str`."""
+    for py, text in ((bool, "a Python bool"), (int, "a Python int"), (float, "a Python float")):
+        if issubclass(tp, py):
+            return text
+    return f"a {tp.__qualname__}"
+
+
 def describe_leaf(x: Any) -> str:
     if _is_tensorlike(x):
-        return f"{tensor_type(x)} on {x.device}"
-    if isinstance(x, bool):
-        return "a Python bool"
-    if isinstance(x, int):
-        return "a Python int"
-    if isinstance(x, float):
-        return "a Python float"
-    return f"a {type(x).__qualname__}"
+        return tensor_text(x.dtype, x.shape, x.device)
+    return scalar_text(type(x))
 
 
 def describe_node(spec: PyTreeSpec) -> str:
@@ -180,6 +187,127 @@ def structure_differences(a: PyTreeSpec, b: PyTreeSpec, path: str = "") -> list[
 
 
 # ----------------------------------------------------------------------------------------
+# The one formatter of mismatch messages (eager checks and tfun.jit's lowerings)
+# ----------------------------------------------------------------------------------------
+
+
+def structure_message(op: str, what: str, bullets: Sequence[str], function: str | None, revise: str) -> str:
+    return format_message(
+        f"{op}: {what} must have the same pytree structure, but they differ:", bullets, function=function, revise=revise
+    )
+
+
+def tensor_message(op: str, what: str, bullets: Sequence[str], function: str | None, revise: str) -> str:
+    return format_message(
+        f"{op}: {what} must have the same dtype, shape and device, but they differ:",
+        bullets,
+        function=function,
+        revise=revise,
+    )
+
+
+def structure_bullet(root: str, path: str, names: tuple[str, str], a_text: str, b_text: str) -> str:
+    return f"{root}{path}: {names[0]} is {a_text}, {names[1]} is {b_text}"
+
+
+def tensor_bullet(root: str, path: str, names: tuple[str, str], a_text: str, b_text: str, diffs: Sequence[str]) -> str:
+    """`diffs`: what differs, among 'dtype', 'shape', 'device', or ['kind']."""
+    what_differs = "kinds" if list(diffs) == ["kind"] else " and ".join(d + "s" for d in diffs)
+    return f"{root}{path}: {names[0]} is {a_text}, {names[1]} is {b_text} ({what_differs} differ)"
+
+
+# Descriptions: what traced code (a HOP body under Dynamo) can hand to plain Python as
+# constants instead of treedefs and tensors (`tfun.lax._hop.describe`): a pytree as a
+# skeleton, None for a leaf, else `(type, entries, children)`; a leaf as
+# `(dtype, sizes, device)` (a size None where unknown) or `(type,)`.
+
+
+def skeleton_node_text(sk: Any) -> str:
+    """`describe_node` for a skeleton."""
+    if sk is None:
+        return "a leaf"
+    t, entries, children = sk
+    n = len(children)
+    if t is type(None):
+        return "None"
+    if t is tuple:
+        return f"a tuple of {n}"
+    if t is list:
+        return f"a list of {n}"
+    if isinstance(t, type) and issubclass(t, dict):
+        return f"a {t.__name__} with keys {list(entries)}"
+    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
+        return f"a {t.__name__}({', '.join(getattr(t, '_fields'))})"
+    return f"a {getattr(t, '__qualname__', t)} with children {list(entries)}"
+
+
+def _skeleton_entry_text(sk: Any, entry: Any) -> str:
+    t = sk[0]
+    if t in (tuple, list) or t is collections.deque:
+        return f"[{entry}]"
+    if isinstance(t, type) and issubclass(t, dict):
+        return f"[{entry!r}]"
+    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):
+        return f".{getattr(t, '_fields')[entry]}" if isinstance(entry, int) else f".{entry}"
+    if isinstance(entry, str):
+        return f".{entry}"
+    return f"[{entry!r}]"
+
+
+def _skeleton_differences(a: Any, b: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """`structure_differences` for skeletons."""
+    if a == b:
+        return []
+    if a is None or b is None or a[0] is not b[0] or a[1] != b[1]:
+        return [(path, a, b)]
+    out: list[tuple[str, Any, Any]] = []
+    for entry, ca, cb in zip(a[1], a[2], b[2]):
+        out.extend(_skeleton_differences(ca, cb, path + _skeleton_entry_text(a, entry)))
+    return out or [(path, a, b)]
+
+
+def skeleton_leaf_paths(sk: Any, path: str = "") -> list[str]:
+    """The key path of every leaf of a skeleton, in order (as `keystr` writes them)."""
+    if sk is None:
+        return [path]
+    out: list[str] = []
+    for entry, child in zip(sk[1], sk[2]):
+        out.extend(skeleton_leaf_paths(child, path + _skeleton_entry_text(sk, entry)))
+    return out
+
+
+def leaf_desc_text(d: Any) -> str:
+    """`describe_leaf` for a leaf description."""
+    if len(d) == 1:
+        return scalar_text(d[0])
+    return tensor_text(*d)
+
+
+def description_mismatch(
+    op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, function: str | None, revise: str
+) -> tuple[bool, str]:
+    """`(is_structural, message)` for two differing descriptions `(skeleton, leaf
+    descriptions)`: the message `check_structure` / `check_tensors` give eagerly."""
+    (ska, la), (skb, lb) = a, b
+    if ska != skb:
+        bullets = [
+            structure_bullet(root, p, names, skeleton_node_text(x), skeleton_node_text(y))
+            for p, x, y in _skeleton_differences(ska, skb, "")
+        ]
+        return True, structure_message(op, what, bullets, function, revise)
+    bullets = []
+    for p, x, y in zip(skeleton_leaf_paths(ska), la, lb):
+        if x == y:
+            continue
+        if len(x) == 1 or len(y) == 1:
+            diffs = ["kind"]
+        else:
+            diffs = [n for n, u, v in zip(("dtype", "shape", "device"), x, y) if u != v]
+        bullets.append(tensor_bullet(root, p, names, leaf_desc_text(x), leaf_desc_text(y), diffs))
+    return False, tensor_message(op, what, bullets, function, revise)
+
+
+# ----------------------------------------------------------------------------------------
 # Structure and tensor match
 # ----------------------------------------------------------------------------------------
 
@@ -202,16 +330,12 @@ def check_structure(
     """
     if expected == actual:
         return
-    bullets = []
-    for path, a, b in structure_differences(expected, actual):
-        bullets.append(f"{root}{path}: {names[0]} is {describe_node(a)}, {names[1]} is {describe_node(b)}")
+    bullets = [
+        structure_bullet(root, path, names, describe_node(a), describe_node(b))
+        for path, a, b in structure_differences(expected, actual)
+    ]
     raise StructureMismatchError(
-        format_message(
-            f"{op}: {what} must have the same pytree structure, but they differ:",
-            bullets,
-            function=None if fn is None else _funcinfo.describe(fn),
-            revise=revise,
-        )
+        structure_message(op, what, bullets, None if fn is None else _funcinfo.describe(fn), revise)
     )
 
 
@@ -253,19 +377,10 @@ def check_tensors(
         if diffs:
             if paths is None:
                 paths = [keystr(p) for p in treedef.accessors()]
-            what_differs = "kinds" if diffs == ["kind"] else " and ".join(d + "s" for d in diffs)
-            bullets.append(
-                f"{root}{paths[i]}: {names[0]} is {describe_leaf(a)}, {names[1]} is {describe_leaf(b)}"
-                f" ({what_differs} differ)"
-            )
+            bullets.append(tensor_bullet(root, paths[i], names, describe_leaf(a), describe_leaf(b), diffs))
     if bullets:
         raise TensorMismatchError(
-            format_message(
-                f"{op}: {what} must have the same dtype, shape and device, but they differ:",
-                bullets,
-                function=None if fn is None else _funcinfo.describe(fn),
-                revise=revise,
-            )
+            tensor_message(op, what, bullets, None if fn is None else _funcinfo.describe(fn), revise)
         )
 
 
@@ -538,6 +653,59 @@ def remember(key: Hashable, value: Any = True) -> None:
     _SEEN[key] = value
 
 
+class FirstCall:
+    """What the rules have checked for one call signature of an op: the one way the ops use
+    the first-call cache (`first_call` makes one; `seen` and `remember` are its storage).
+
+    An op runs its rules while `first` is true and then `record`s that they passed (with
+    a value where later calls need one: cond keeps the branch taken and its output
+    metadata); later calls with the same key skip them. `part(name)` is the record of a
+    named part of the rules ("fake": checked on fake tensors only; "weak": the body
+    returns Python scalars for 0-d carries).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+
+    @property
+    def recorded(self) -> Any:
+        """The value `record` stored, or None where the rules have not run."""
+        return _SEEN.get(self.key)
+
+    @property
+    def first(self) -> bool:
+        """Whether the rules have yet to run for this signature."""
+        return self.recorded is None
+
+    def record(self, value: Any = True) -> None:
+        """The rules passed (`value`, not None, holds no tensors: see `remember`). Recording
+        again what is recorded changes nothing."""
+        if _SEEN.get(self.key) is not value:
+            remember(self.key, value)
+
+    def part(self, name: str) -> FirstCall:
+        return FirstCall((self.key, name))
+
+    def call(
+        self, op: str, role: str, fn: Callable[..., Any], args: tuple[Any, ...], call: Callable[[], Any] | None = None
+    ) -> Any:
+        """`fn(*args)` (or `call()`), under the side-effect rules (`checked_call`) while
+        `first`; it records nothing (the op's other rules may still fail)."""
+        if self.first:
+            return checked_call(op, role, fn, args, call=call)
+        return fn(*args) if call is None else call()
+
+
+def first_call(op: str, fns: Any, *signature: Hashable) -> FirstCall:
+    """The first-call record of `op` called with the function `fns` (or a tuple of
+    functions: cond's and switch's branches) on inputs of `signature` (structures, leaf
+    signatures, static arguments). Functions are keyed by their code (`fn_key`)."""
+    fkey = tuple(fn_key(f) for f in fns) if isinstance(fns, tuple) else fn_key(fns)
+    return FirstCall((op, fkey, *signature))
+
+
 def clear_cache() -> None:
     """Forget every function seen so far (its rules run again on its next call)."""
     _SEEN.clear()
@@ -638,7 +806,7 @@ def static_code_side_effects(code: types.CodeType) -> list[str]:
     return list(cached)
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def global_names(code: types.CodeType) -> set[str]:
     """The global and attribute names `code` and the code objects nested in it use."""
     names: set[str] = set()
     stack = [code]
@@ -656,7 +824,7 @@ def _helper_violations(fn: types.FunctionType, depth: int, seen_codes: set[int])
     if depth >= _MAX_DEPTH:
         return out
     code = fn.__code__
-    names = _global_names(code)
+    names = global_names(code)
     helpers = [fn.__globals__.get(n) for n in sorted(names)]
     for cell in fn.__closure__ or ():
         try:
@@ -950,7 +1118,7 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
             except ValueError:
                 continue
             roots.append((f"nonlocal `{name}`", value))
-    names = _global_names(code)
+    names = global_names(code)
     g = fn.__globals__
     for name in sorted(names):
         if name in g:
@@ -1323,10 +1491,19 @@ __all__ = [
     "describe_node",
     "structure_differences",
     "check_structure",
+    "structure_message",
+    "tensor_message",
+    "structure_bullet",
+    "tensor_bullet",
+    "description_mismatch",
+    "skeleton_node_text",
+    "skeleton_leaf_paths",
+    "leaf_desc_text",
+    "tensor_text",
+    "scalar_text",
     "check_tensors",
     "as_tensor_leaves",
     "as_tensor_tree",
-    "weak_scalars",
     "scalar_dtype",
     "normalize_weak_outputs",
     "promote_weak_init",
@@ -1340,10 +1517,13 @@ __all__ = [
     "fn_key",
     "seen",
     "remember",
+    "first_call",
+    "FirstCall",
     "clear_cache",
     "static_side_effects",
     "check_static_side_effects",
     "static_code_side_effects",
+    "global_names",
     "checked_call",
     "side_effect_message",
     "Snapshot",

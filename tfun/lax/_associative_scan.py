@@ -7,13 +7,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _funcinfo, _rules
-from .._errors import ArgumentValueError, format_message
-from .._tree import PyTreeSpec, tree_flatten, tree_unflatten
+from .. import _context, _funcinfo, _rules
+from .._errors import ArgumentValueError, JitError, format_message
+from .._tree import PyTreeSpec, tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import xs_leaves
 
 T = TypeVar("T")
+
+#: What to revise where the combine function's output does not match its inputs (eagerly
+#: and traced; `{name}` is the function's name).
+_REVISE_COMBINE = "Revise `{name}` to return a pytree like its inputs, combining them elementwise."
 
 
 def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, axis: int = 0) -> T:
@@ -79,9 +83,9 @@ def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, a
             )
         )
     elems = tree_unflatten(treedef, leaves)
-    if _hop.is_tracing():
+    if _context.is_tracing():
         _hop.check_side_effects(op, "combine function", fn)
-        return _hop.associative_scan(fn, elems, bool(reverse), axis)
+        return _lower_associative_scan(fn, elems, bool(reverse), axis)
     return _assoc_eager(op, fn, leaves, treedef, axes, bool(reverse))
 
 
@@ -94,8 +98,8 @@ def _take(x: torch.Tensor, axis: int, start: int | None, stop: int | None, step:
 def _assoc_eager(
     op: str, fn: Callable[..., Any], leaves: list[torch.Tensor], treedef: PyTreeSpec, axes: list[int], reverse: bool
 ) -> Any:
-    key = (op, _rules.fn_key(fn), treedef, _rules.leaf_signature(leaves), tuple(axes))
-    state = {"checking": _rules.seen(key) is None}
+    rules = _rules.first_call(op, fn, treedef, _rules.leaf_signature(leaves), tuple(axes))
+    state = {"checking": rules.first}
 
     def combine(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
         ta = tree_unflatten(treedef, a)
@@ -103,13 +107,13 @@ def _assoc_eager(
         if state["checking"]:
             out = _rules.checked_call(op, "combine function", fn, (ta, tb))
             out_leaves, out_def = tree_flatten(out)
-            revise = f"Revise `{_funcinfo.short_name(fn)}` to return a pytree like its inputs, combining them elementwise."
+            revise = _REVISE_COMBINE.format(name=_funcinfo.short_name(fn))
             _rules.check_structure(op, "combine function input and output", treedef, out_def, root="elems",
                                    names=("input", "output"), fn=fn, revise=revise)
             _rules.check_tensors(op, "combine function input and output", a, out_leaves, treedef, root="elems",
                                  names=("input", "output"), fn=fn, revise=revise)
             state["checking"] = False
-            _rules.remember(key)
+            rules.record()
             return out_leaves
         out_leaves, out_def = tree_flatten(fn(ta, tb))
         if out_def != treedef:
@@ -153,6 +157,107 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tenso
     # one more even than odd
     head = torch.stack([_take(even, axis, 0, n_odd), odd], dim=axis + 1).flatten(axis, axis + 1)
     return torch.cat([head, _take(even, axis, n_odd, None)], dim=axis)
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering under tfun.jit / torch.export: torch's associative_scan (see `_hop`)
+# ----------------------------------------------------------------------------------------
+
+
+#: Use the fused "pointwise" mode of torch's associative_scan for CUDA inputs. The combine
+#: function must then contain only pointwise ops; set to False to always use "generic".
+POINTWISE_ON_CUDA = True
+
+
+def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
+    """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
+    _hop.begin_lowering()
+    op = "tfun.lax.associative_scan"
+    leaves, td = tree_flatten(elems)
+    n = len(leaves)
+    cuda = all(x.device.type == "cuda" for x in leaves)
+    mode = "pointwise" if (cuda and POINTWISE_ON_CUDA) else "generic"
+
+    carrier = _hop.carrier(td, leaves)
+    if leaves and leaves[0].shape[axis] == 0:
+        return elems  # nothing to combine (torch's associative_scan rejects length 0), as in eager
+    if torch.is_grad_enabled() and not _hop.is_exporting() and any(x.is_complex() for x in leaves):
+        # Inductor (torch 2.13) computes wrong gradients through a complex associative_scan
+        # (S4D/S5/LRU, length >= 4; the outputs are right): refuse rather than return them.
+        # without sizes: under Dynamo a symbolic size (automatic dynamic shapes) cannot be told
+        # from a concrete one, and cannot be passed to an escape hatch (see cond)
+        msg = _escape_complex_scan_refusal(_hop.describe(td, leaves, False), _hop.code_of(fn))
+        if msg is not None:
+            raise JitError(msg)
+
+    def combine(a: list[Any], b: list[Any]) -> Any:
+        td_in = tree_structure(carrier)
+        state = _hop.torch_state()
+        out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
+        _hop.check_state(op, "combine function", fn, state)
+        out_leaves, out_td = tree_flatten(out)
+        what, names = "combine function input and output", ("input", "output")
+        if out_td != td_in or len(out_leaves) != n:
+            _hop.raise_mismatch(
+                op, what, "elems", names, _hop.describe(td_in, a), _hop.describe(out_td, out_leaves), fn, _REVISE_COMBINE
+            )
+        out_leaves = [_hop.as_tensor(t, r) for t, r in zip(out_leaves, a)]
+        if any(
+            isinstance(t, torch.Tensor) and (t.dtype != r.dtype or t.device != r.device or t.dim() != r.dim())
+            for t, r in zip(out_leaves, a)
+        ):
+            # the dtype, device and rank rules of the eager check (sizes may be symbolic
+            # here: they are neither compared nor written)
+            _hop.raise_mismatch(
+                op, what, "elems", names, _hop.describe(td_in, a, False), _hop.describe(out_td, out_leaves, False), fn,
+                _REVISE_COMBINE,
+            )
+        return _hop.unalias(out_leaves, list(a) + list(b))
+
+    out = _hop.torch_associative_scan()(combine, list(leaves), dim=axis, reverse=reverse, combine_mode=mode)
+    return tree_unflatten(td, list(out))
+
+
+#: Backends under which gradients through a complex associative_scan are right (tested).
+_COMPLEX_SCAN_GRAD_BACKENDS = ("eager", "aot_eager")
+
+
+def _compiling_backend() -> str | None:
+    """The name of the backend Dynamo is compiling for ("inductor", "aot_eager", ...), or
+    None where it cannot be told (a custom backend, or torch internals that moved)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        fn = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001 - not under Dynamo, or its internals changed: unknown
+        return None
+    name = getattr(fn, "compiler_name", None) or getattr(fn, "_compiler_name", None)
+    return name if isinstance(name, str) else None
+
+
+@_hop.assume_constant
+def _escape_complex_scan_refusal(desc: Any, code: Any) -> str | None:
+    """None if the backend being compiled for differentiates a complex associative_scan
+    correctly; else the message of the JitError that refuses it."""
+    backend = _compiling_backend()
+    if backend in _COMPLEX_SCAN_GRAD_BACKENDS:
+        return None
+    sk, leaf_descs = desc
+    bullets = [
+        f"elems{p}: a {_rules.dtype_name(d[0])} tensor on {d[2]}"
+        for p, d in zip(_rules.skeleton_leaf_paths(sk), leaf_descs)
+        if len(d) == 3 and d[0].is_complex
+    ]
+    bullets.append(f"backend: {backend or 'not one of ' + ', '.join(_COMPLEX_SCAN_GRAD_BACKENDS)}")
+    return format_message(
+        "tfun.lax.associative_scan: complex elems must be compiled with a backend whose gradients are right, "
+        "but Inductor on torch 2.13 computes wrong gradients through a complex associative_scan (its outputs "
+        "are right), so this is refused:",
+        bullets,
+        function=_hop.fn_text(code),
+        revise='Compile with tfun.jit(..., backend="aot_eager") (exact), or run the compiled function under '
+        "torch.no_grad() if no gradient is needed.",
+    )
 
 
 __all__ = ["associative_scan"]

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _funcinfo, _rules
+from .. import _context, _funcinfo, _rules
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
-from .._tree import tree_flatten, tree_unflatten
+from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _batching, _hop
 
 T = TypeVar("T")
@@ -112,8 +112,8 @@ def _run_branch(
 ) -> Any:
     branch_names = list(branch_names)
     op_leaves, op_def = tree_flatten(operands)
-    key = (op, tuple(_rules.fn_key(b) for b in branches), _rules.leaf_signature(op_leaves), op_def)
-    expected = _rules.seen(key)
+    rules = _rules.first_call(op, tuple(branches), _rules.leaf_signature(op_leaves), op_def)
+    expected = rules.recorded
     branch = branches[taken]
     if expected is None:
         _check_arity(op, branches, operands, branch_names)
@@ -121,7 +121,7 @@ def _run_branch(
         out, leaves, treedef = _branch_output(op, out)
         _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
         # Only metadata: the cache must not keep the output (and its autograd graph) alive.
-        _rules.remember(key, (taken, treedef, _rules.leaf_metas(leaves)))
+        rules.record((taken, treedef, _rules.leaf_metas(leaves)))
         return out
     out = branch(*operands)
     out, leaves, treedef = _branch_output(op, out)
@@ -140,7 +140,7 @@ def _run_branch(
                 o_leaves, o_def = list(exp_metas), exp_def
             _rules.check_structure(op, "branch outputs", o_def, treedef, root="output", names=names, fn=branch, revise=_REVISE_BRANCHES)
             _rules.check_tensors(op, "branch outputs", o_leaves, leaves, treedef, root="output", names=names, fn=branch, revise=_REVISE_BRANCHES)
-        _rules.remember(key, (taken, treedef, _rules.leaf_metas(leaves)))
+        rules.record((taken, treedef, _rules.leaf_metas(leaves)))
     return out
 
 
@@ -220,12 +220,12 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
     _rules.check_callable(op, "false_fun", false_fun)
     p = _as_pred(op, pred)
     operands = _normalize_operands(op, operands)
-    if _hop.is_tracing():
+    if _context.is_tracing():
         _hop.check_side_effects(op, "true_fun", true_fun)
         _hop.check_side_effects(op, "false_fun", false_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
-        return _hop.cond(p, true_fun, false_fun, operands)
+        return _lower_cond(p, true_fun, false_fun, operands)
     if _batching.is_batched(p):
         # vmap over a data-dependent predicate: both branches, then a per-example select.
         outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
@@ -288,13 +288,13 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         )
     operands = _normalize_operands(op, operands)
     n = len(branches)
-    if _hop.is_tracing():
+    if _context.is_tracing():
         for k, b in enumerate(branches):
             _hop.check_side_effects(op, f"branches[{k}]", b)
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
         # as cond lowers a Python pred: the eager path's caches are not traceable.
         idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
-        return _hop.switch(idx.clamp(0, n - 1), branches, operands)
+        return _lower_switch(idx.clamp(0, n - 1), branches, operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.
@@ -352,6 +352,71 @@ def select(pred: Any, on_true: T, on_false: T) -> T:
             )
         out.append(torch.where(pred, a, b))
     return tree_unflatten(t_def, out)
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering under tfun.jit / torch.export: torch.cond (see `_hop`)
+# ----------------------------------------------------------------------------------------
+
+
+def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool) -> Callable[..., Any]:
+    def branch(*flat: Any) -> Any:
+        operands = tree_unflatten(tree_structure(op_carrier), list(flat))
+        state = _hop.torch_state()
+        out = fn(*operands)
+        _hop.check_state(op, label, fn, state)
+        leaves, td = tree_flatten(out)
+        leaves = [_hop.as_tensor(x) for x in leaves]
+        bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, shapes), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
+        if bad is not None:
+            _hop.raise_result(bad)
+        leaves = _hop.unalias(leaves, flat)
+        return _hop.pack(td, leaves)
+
+    return branch
+
+
+def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+    """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
+    _hop.begin_lowering()
+    flat, op_td = tree_flatten(tuple(operands))
+    key = _hop.escape_new_key()
+    # Sizes are not exchanged: once Dynamo makes a size symbolic (a second input shape),
+    # it cannot be passed to an escape hatch as a constant, and nothing in traced code tells
+    # a symbolic size from a concrete one (Dynamo answers `type(s) is int` for both).
+    # Ranks are compared; differing sizes of equal rank are left to torch.cond's own check.
+    shapes = False
+    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes)
+    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes)
+    return _hop.unpack(_hop.torch_cond()(pred, t, f, tuple(flat)))
+
+
+def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
+    """`branches[index](*operands)` as a balanced tree of `torch.cond`s (depth log2 n)."""
+    _hop.begin_lowering()
+    branches = tuple(branches)
+    flat, op_td = tree_flatten(tuple(operands))
+    key = _hop.escape_new_key()
+    wrapped = [
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _hop.carrier(op_td, flat), False)  # sizes: see cond
+        for i, b in enumerate(branches)
+    ]
+    cond_ = _hop.torch_cond()
+
+    def build(lo: int, hi: int) -> Callable[..., Any]:
+        if hi - lo == 1:
+            return wrapped[lo]
+        mid = (lo + hi) // 2
+        left, right = build(lo, mid), build(mid, hi)
+
+        def node(*args: Any) -> Any:
+            return cond_(index < mid, left, right, tuple(args))
+
+        return node
+
+    if len(wrapped) == 1:
+        return _hop.unpack(wrapped[0](*flat))
+    return _hop.unpack(build(0, len(wrapped))(*flat))
 
 
 __all__ = ["cond", "switch", "select"]

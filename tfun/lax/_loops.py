@@ -7,11 +7,19 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from .. import _rules
+from .. import _context, _rules
 from .._errors import ArgumentTypeError
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _batching, _hop
-from ._scan import check_body_abstractly, check_carry, check_unroll, scan
+from ._scan import (
+    REVISE_CARRY,
+    check_body_abstractly,
+    check_carry,
+    check_carry_traced,
+    check_export_constants,
+    check_unroll,
+    scan,
+)
 
 T = TypeVar("T")
 
@@ -57,15 +65,15 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     val: Any = tree_unflatten(treedef, leaves)
-    if _hop.is_tracing():
+    if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
-        return _hop.while_loop(cond_fun, body_fun, val, weak)
-    key = (op, _rules.fn_key(cond_fun), _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves))
-    # The cache records what has been checked for this signature: None, nothing; "cond",
-    # cond_fun for real and body_fun only on fake tensors (the loop ran zero times); True,
-    # both for real.
-    state = _rules.seen(key)
+        return _lower_while_loop(cond_fun, body_fun, val, weak)
+    sig = _rules.leaf_signature(leaves)
+    rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
+    # What has been checked for this signature: None, nothing; "cond", cond_fun for real and
+    # body_fun only on fake tensors (the loop ran zero times); True, both for real.
+    state = rules.recorded
     if state is not True:
         if state is None:
             pred = _rules.checked_call(op, "cond_fun", cond_fun, (val,))
@@ -73,22 +81,22 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         else:
             pred = cond_fun(val)
         if _batching.is_batched(pred):
-            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, key)
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, rules)
         if not pred:
             if state is None:
                 check_body_abstractly(op, "body_fun", body_fun, (val,), treedef, leaves)
-                _rules.remember(key, "cond")
+                rules.record("cond")
             return val
         new = _rules.checked_call(op, "body_fun", body_fun, (val,))
         checked = check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output", weak=weak)
         if checked is not new:
-            _rules.remember((key, "weak"))
-        _rules.remember(key, True)
+            rules.part("weak").record()
+        rules.record(True)
         val = checked
     is_leaf = treedef.is_leaf()
     cf = cast(Callable[[Any], Any], cond_fun)
     bf = cast(Callable[[Any], Any], body_fun)
-    if _rules.seen((key, "weak")) is not None:
+    if not rules.part("weak").first:
         # the body returns Python scalars for 0-d carries (weakly typed, as in JAX): they
         # become tensors of the carry's dtype at every step
 
@@ -98,7 +106,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     while True:
         pred = cf(val)
         if _batching.is_batched(pred):
-            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, key)
+            return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, rules)
         if not pred:
             break
         val = bf(val)
@@ -107,7 +115,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
                 val = check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
         elif tree_structure(val) != treedef:
             check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
-    if _rules.leaf_signature(tree_flatten(val)[0]) != key[4]:
+    if _rules.leaf_signature(tree_flatten(val)[0]) != sig:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     return cast(T, val)
 
@@ -120,7 +128,7 @@ def _batched_while(
     pred: torch.Tensor,
     treedef: Any,
     leaves: Any,
-    key: Any,
+    rules: _rules.FirstCall,
 ) -> Any:
     """vmap over a data-dependent condition: loop while any example is active, and freeze
     the examples whose condition is false (JAX's batching rule for while_loop).
@@ -128,12 +136,12 @@ def _batched_while(
     The carry rules hold as without vmap: `torch.where` would otherwise promote a dtype
     the body changes, or broadcast a shape it changes, without a word."""
     if not _batching.any_true(pred):
-        if _rules.seen(key) is None:
+        if rules.first:
             check_body_abstractly(op, "body_fun", body_fun, (val,), treedef, leaves)
-            _rules.remember(key, "cond")
+            rules.record("cond")
         return val
     sig = _rules.leaf_signature(leaves)
-    checked = _rules.seen(key) is True
+    checked = rules.recorded is True
     while _batching.any_true(pred):
         if checked:
             new = body_fun(val)
@@ -143,7 +151,7 @@ def _batched_while(
         if new_def != treedef or _rules.leaf_signature(new_leaves) != sig:
             check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output")
         if not checked:
-            _rules.remember(key, True)
+            rules.record(True)
             checked = True
         old_leaves = tree_flatten(val)[0]
         val = tree_unflatten(treedef, [torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)])
@@ -220,23 +228,24 @@ def fori_loop(
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     val: Any = tree_unflatten(treedef, leaves)
 
-    if _hop.is_tracing() or any(_batching.is_batched(t) for t in tensors):
+    tracing = _context.is_tracing()
+    if tracing or any(_batching.is_batched(t) for t in tensors):
         # Traced, or a bound that differs per example under vmap: a static trip count is
         # not known, so loop with while_loop (whose batching rule freezes finished examples).
-        if _hop.is_tracing():
+        if tracing:
             _hop.check_side_effects(op, "body_fun", body_fun)
         if not tensors:
             n = max(int(upper) - int(lower), 0)
 
             def step(v: Any, i: Any) -> Any:
                 # checked here, so that a bad carry is reported as fori_loop's, with body_fun named
-                return _hop.check_carry(op, body_fun, v, body_fun(i, v)), None
+                return _traced_fori_body(op, body_fun, i, v), None
 
             # the index is scanned over rather than carried: torch 2.13's scan autograd
             # fails on an integer carry ("outs_to_grad length != tangents length")
             if n == 0:
                 return val
-            _hop.check_export_constants(op, body_fun)
+            check_export_constants(op, body_fun)
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
             if weak:
                 # Python scalars in init_val take the dtype the body gives them (JAX's weak
@@ -250,10 +259,10 @@ def fori_loop(
         def w_cond(c: Any) -> Any:
             return c[0] < c[1]
 
-        if _hop.is_tracing():
+        if tracing:
 
             def w_body(c: Any) -> Any:
-                return (c[0] + 1, c[1], body_fun(c[0], c[2]))
+                return (c[0] + 1, c[1], _traced_fori_body(op, body_fun, c[0], c[2]))
 
         else:
             # Eager vmap: the rules are fori_loop's and body_fun's, not those of the
@@ -275,19 +284,20 @@ def fori_loop(
         _check_fori_body_once(op, body_fun, lo_i, val, treedef, leaves, dtype, device)
         return val
     idx = torch.arange(lo_i, hi_i, dtype=dtype, device=device).unbind(0)
-    key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
+    sig = _rules.leaf_signature(leaves)
+    rules = _rules.first_call(op, body_fun, treedef, sig, dtype)
     start = 0
-    if _rules.seen(key) is None:
+    if rules.first:
         new = _rules.checked_call(op, "body_fun", body_fun, (idx[0], val))
         checked = check_carry(op, body_fun, treedef, leaves, new, what="body_fun input and output", weak=weak)
         if checked is not new:
-            _rules.remember((key, "weak"))
-        _rules.remember(key)
+            rules.part("weak").record()
+        rules.record()
         val = checked
         start = 1
     is_leaf = treedef.is_leaf()
     bf2 = cast(Callable[[Any, Any], Any], body_fun)
-    if _rules.seen((key, "weak")) is not None:
+    if not rules.part("weak").first:
         # Python scalars for 0-d carries (weakly typed, as in JAX): tensors at every step
 
         def bf2(i: Any, v: Any) -> Any:
@@ -300,9 +310,19 @@ def fori_loop(
                 val = check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
         elif tree_structure(val) != treedef:
             check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
-    if _rules.leaf_signature(tree_flatten(val)[0]) != key[3]:
+    if _rules.leaf_signature(tree_flatten(val)[0]) != sig:
         check_carry(op, body_fun, treedef, leaves, val, what="body_fun input and output", weak=weak)
     return cast(T, val)
+
+
+def _traced_fori_body(op: str, body_fun: Callable[..., Any], i: Any, val: Any) -> Any:
+    """`body_fun(i, val)` inside the HOP body that a traced fori_loop lowers to (scan's or
+    while_loop's), under fori_loop's rules, so that its errors name fori_loop and
+    `body_fun` as eagerly, not the lowering's own body."""
+    state = _hop.torch_state()
+    out = body_fun(i, val)
+    _hop.check_state(op, "body_fun", body_fun, state)
+    return check_carry_traced(op, body_fun, val, out)
 
 
 def _check_fori_body_once(
@@ -317,14 +337,65 @@ def _check_fori_body_once(
 ) -> None:
     """body_fun's carry rules on fake tensors, once per signature, where it may not run
     for real (an empty range; bounds that differ per example under vmap)."""
-    key = (op, _rules.fn_key(body_fun), treedef, _rules.leaf_signature(leaves), dtype)
-    fake_key = (*key, "fake")
-    if _rules.seen(key) is not None or _rules.seen(fake_key) is not None:
+    rules = _rules.first_call(op, body_fun, treedef, _rules.leaf_signature(leaves), dtype)
+    fake = rules.part("fake")
+    if not rules.first or not fake.first:
         return
     if not isinstance(i, torch.Tensor):
         i = torch.tensor(i, dtype=dtype, device=device)
     check_body_abstractly(op, "body_fun", body_fun, (i, val), treedef, leaves)
-    _rules.remember(fake_key)
+    fake.record()
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering under tfun.jit / torch.export: torch's while_loop (see `_hop`)
+# ----------------------------------------------------------------------------------------
+
+
+def _lower_while_loop(
+    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any, weak: Any = None
+) -> Any:
+    """`torch.while_loop` over the flat leaves of `init_val` (`weak`: see `_scan._lower_scan`)."""
+    _hop.begin_lowering()
+    op = "tfun.lax.while_loop"
+    leaves, td = tree_flatten(init_val)
+    leaves = [x.contiguous() for x in leaves]
+    if not leaves:
+        # nothing is carried: the loop cannot change anything observable
+        return init_val
+    if weak:
+        leaves = _hop.promote_weak(leaves, weak, body_fun(tree_unflatten(td, leaves)))
+
+    carrier = _hop.carrier(td, leaves)
+
+    def c(*flat: Any) -> Any:
+        state = _hop.torch_state()
+        p = cond_fun(tree_unflatten(tree_structure(carrier), list(flat)))
+        _hop.check_state(op, "cond_fun", cond_fun, state)
+        if not isinstance(p, torch.Tensor):
+            p = torch.tensor(bool(p), device=flat[0].device)
+        return p
+
+    def b(*flat: Any) -> Any:
+        td_in = tree_structure(carrier)
+        state = _hop.torch_state()
+        out = body_fun(tree_unflatten(td_in, list(flat)))
+        _hop.check_state(op, "body_fun", body_fun, state)
+        new = _hop.check_result(
+            op,
+            "body_fun input and output",
+            "carry",
+            body_fun,
+            td_in,
+            flat,
+            out,
+            REVISE_CARRY,
+        )
+        new = [x.contiguous() for x in new]
+        return tuple(_hop.unalias(new, flat))
+
+    out = _hop.torch_while_loop()(c, b, tuple(leaves))
+    return tree_unflatten(td, list(out))
 
 
 __all__ = ["while_loop", "fori_loop"]

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _funcinfo, _rules
+from .. import _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import scan, stack_outputs, xs_leaves, zero_length_outputs
@@ -48,36 +48,29 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
     if batch_size is not None:
         batch_size = _rules.check_int(op, "batch_size", batch_size, minimum=1)
         if n > 0:
-            if _hop.is_tracing():
+            if _context.is_tracing():
                 _hop.check_side_effects(op, "function", f)
                 return _batched_map(f, leaves, treedef, n, batch_size)
             # the rules hold for `f` as without batch_size (the scan below checks only its
             # own body, which calls `f` through vmap)
-            key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape, x.device) for x in leaves), batch_size)
-            if _rules.seen(key) is None:
-                xs0 = tree_unflatten(treedef, leaves)
-                out = _rules.checked_call(
-                    op, "function", f, (xs0,), call=lambda: _batched_map(f, leaves, treedef, n, batch_size)
-                )
-                _rules.remember(key)
-                return out
-            return _batched_map(f, leaves, treedef, n, batch_size)
-    if _hop.is_tracing():
+            rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape, x.device) for x in leaves), batch_size)
+            xs0 = tree_unflatten(treedef, leaves)
+            out = rules.call(op, "function", f, (xs0,), call=lambda: _batched_map(f, leaves, treedef, n, batch_size))
+            rules.record()
+            return out
+    if _context.is_tracing():
         _hop.check_side_effects(op, "function", f)
-        return _hop.map(f, xs)
-    key = (op, _rules.fn_key(f), treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
+        return _lower_map(f, xs)
+    rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:
         x0 = tree_unflatten(treedef, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in leaves])
-        y_leaves, y_def = tree_flatten(zero_length_outputs(op, "function", f, (x0,), key))
+        y_leaves, y_def = tree_flatten(zero_length_outputs(op, "function", f, (x0,), rules))
         return tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
     slices = [x.unbind(0) for x in leaves]
     is_leaf = treedef.is_leaf()
     first_x: Any = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
-    if _rules.seen(key) is None:
-        y = _rules.checked_call(op, "function", f, (first_x,))
-        _rules.remember(key)
-    else:
-        y = f(first_x)
+    y = rules.call(op, "function", f, (first_x,))
+    rules.record()
     y_leaves, y_def = tree_flatten(y)
     y_lists = [[v] for v in y_leaves]
     for i in range(1, n):
@@ -97,7 +90,7 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
 def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any, n: int, batch_size: int) -> Any:
     # torch.func.vmap knows torch's pytrees, not tfun's: give it flat tuples of tensors.
     out_def: list[Any] = []
-    if _hop.is_tracing():
+    if _context.is_tracing():
         # A traced scan body may not write to `out_def` (a side effect outside the HOP, which
         # Dynamo refuses): learn the output structure from one row first. Only the structure
         # is used, so the graph drops that call's ops as dead code.
@@ -120,6 +113,35 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
         parts.append(tuple(vf(*[x[num_batches * batch_size :] for x in leaves])))
     flat = parts[0] if len(parts) == 1 else tuple(torch.cat([a, b]) for a, b in zip(parts[0], parts[1]))
     return tree_unflatten(out_def[0], list(flat))
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering under tfun.jit / torch.export: torch's map (see `_hop`)
+# ----------------------------------------------------------------------------------------
+
+
+def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
+    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+    _hop.begin_lowering()
+    x_leaves, x_td = tree_flatten(xs)
+
+    x_carrier = _hop.carrier(x_td, x_leaves)
+    if x_leaves and x_leaves[0].shape[0] == 0:
+        # torch's map rejects zero rows: the output structure comes from one call on a zero row
+        y = f(tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves]))
+        y_leaves, y_td = tree_flatten(y)
+        ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_hop.as_tensor(v) for v in y_leaves)]
+        return tree_unflatten(y_td, ys)
+
+    def body(x_flat: list[Any]) -> Any:
+        state = _hop.torch_state()
+        y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
+        _hop.check_state("tfun.lax.map", "function", f, state)
+        y_leaves, y_td = tree_flatten(y)
+        y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
+        return _hop.pack(y_td, y_leaves)
+
+    return _hop.unpack(_hop.torch_map()(body, list(x_leaves)))
 
 
 __all__ = ["map"]

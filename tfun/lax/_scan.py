@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from .. import _funcinfo, _rules
-from .._errors import ArgumentTypeError, ArgumentValueError, TensorMismatchError, format_message
+from .. import _context, _funcinfo, _rules
+from .._errors import ArgumentTypeError, ArgumentValueError, JitError, TensorMismatchError, format_message
 from .._tree import PyTreeSpec, keystr, tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 
@@ -17,7 +19,7 @@ Carry = TypeVar("Carry")
 X = TypeVar("X")
 Y = TypeVar("Y")
 
-_REVISE_CARRY = (
+REVISE_CARRY = (
     "Revise `{name}` so that the carry it returns has the structure of `init`, with tensors of the same "
     "dtype, shape and device."
 )
@@ -53,17 +55,21 @@ def xs_leaves(op: str, xs: Any, arg: str = "xs") -> tuple[list[torch.Tensor], Py
     return leaves, treedef
 
 
+def _pair_message(op: str, got: str, function: str | None, short: str) -> str:
+    """The message of a body that does not return a pair (eagerly and traced); `got`
+    describes what it returned."""
+    return format_message(
+        f"{op}: the body function must return a pair (carry, y), but it returned {got}.",
+        function=function,
+        revise=f"Revise `{short}` to return `(new_carry, y)`; use `None` for y if there is none.",
+    )
+
+
 def split_pair(op: str, f: Callable[..., Any], out: Any) -> tuple[Any, Any]:
     if isinstance(out, (tuple, list)) and len(out) == 2:
         return out[0], out[1]
-    raise ArgumentTypeError(
-        format_message(
-            f"{op}: the body function must return a pair (carry, y), but it returned "
-            f"{_rules.describe_node(tree_structure(out)) if not isinstance(out, torch.Tensor) else 'a tensor'}.",
-            function=_funcinfo.describe(f),
-            revise=f"Revise `{_funcinfo.short_name(f)}` to return `(new_carry, y)`; use `None` for y if there is none.",
-        )
-    )
+    got = 'a tensor' if isinstance(out, torch.Tensor) else _rules.describe_node(tree_structure(out))
+    raise ArgumentTypeError(_pair_message(op, got, _funcinfo.describe(f), _funcinfo.short_name(f)))
 
 
 def check_carry(
@@ -84,7 +90,7 @@ def check_carry(
     new_carry = _rules.normalize_weak_outputs(carry_leaves, new_carry)
     carry_leaves = _rules.promote_weak_init(carry_leaves, weak, new_carry)
     new_leaves, new_def = tree_flatten(new_carry)
-    revise = _REVISE_CARRY.format(name=_funcinfo.short_name(f))
+    revise = REVISE_CARRY.format(name=_funcinfo.short_name(f))
     _rules.check_structure(op, what, carry_def, new_def, root="carry", names=("input", "output"), fn=f, revise=revise)
     _rules.check_tensors(op, what, carry_leaves, new_leaves, carry_def, root="carry", names=("input", "output"), fn=f, revise=revise)
     return new_carry
@@ -137,21 +143,21 @@ _WHY_ZERO = "to check its output in a loop of zero steps"
 
 
 def zero_length_outputs(
-    op: str, role: str, f: Callable[..., Any], args: tuple[Any, ...], key: Any
+    op: str, role: str, f: Callable[..., Any], args: tuple[Any, ...], rules: _rules.FirstCall
 ) -> Any:
     """What `f(*args)` returns, found without running `f` for real: a pytree of fake tensors.
 
     Used by zero-length loops, where JAX knows the output types from tracing (and checks
     them: the caller runs the carry rules on the result; the side-effect rules run here,
-    once per `key`). An error of `f` propagates; where fake tensors cannot follow `f`, it
+    once per signature: `rules`, the caller's first-call record). An error of `f` propagates; where fake tensors cannot follow `f`, it
     runs for real without gradients on the (empty) inputs.
     """
-    fake_key = (key, "fake")
-    first = _rules.seen(key) is None and _rules.seen(fake_key) is None
+    fake = rules.part("fake")
+    first = rules.first and fake.first
     try:
         leaves, treedef = _rules.abstract_eval(f, args, op=op, role=role, why=_WHY_ZERO, side_effects=first)
         if first:
-            _rules.remember(fake_key)
+            fake.record()
     except _rules.AbstractEvalUnavailable:
         with torch.no_grad():
             return f(*args)
@@ -237,7 +243,7 @@ def scan(
     carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init, weak)
     init = tree_unflatten(carry_def, carry_leaves)
     x_leaves, x_def = xs_leaves(op, xs)
-    if isinstance(length, torch.Tensor) and _hop.is_tracing():
+    if isinstance(length, torch.Tensor) and _context.is_tracing():
         # JAX's ConcretizationTypeError: the step count must be known when tracing
         raise ArgumentTypeError(
             format_message(
@@ -252,9 +258,9 @@ def scan(
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
     if x_def.num_leaves and any(not isinstance(x, torch.Tensor) for x in tree_flatten(xs)[0]):
         xs = tree_unflatten(x_def, x_leaves)
-    if _hop.is_tracing():
+    if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
-        return _hop.scan(f, init, xs, n, bool(reverse), weak)
+        return _lower_scan(f, init, xs, n, bool(reverse), weak)
     return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
 
@@ -272,11 +278,12 @@ def _scan_eager(
     weak: dict[int, Any] | None = None,
 ) -> tuple[Any, Any]:
     x_sig = tuple((x.dtype, x.shape[1:], x.device) for x in x_leaves)
-    key = (op, _rules.fn_key(f), carry_def, _rules.leaf_signature(carry_leaves), x_def, x_sig)
+    carry_sig = _rules.leaf_signature(carry_leaves)
+    rules = _rules.first_call(op, f, carry_def, carry_sig, x_def, x_sig)
 
     if n == 0:
         x0 = tree_unflatten(x_def, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in x_leaves])
-        carry0, y0 = split_pair(op, f, zero_length_outputs(op, "body function", f, (init, x0), key))
+        carry0, y0 = split_pair(op, f, zero_length_outputs(op, "body function", f, (init, x0), rules))
         check_carry(op, f, carry_def, carry_leaves, carry0, weak=weak)
         y_leaves, y_def = tree_flatten(y0)
         ys = tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
@@ -300,12 +307,12 @@ def _scan_eager(
     i0 = next(it)
     # The cache only decides whether the rules run; structures always come from the
     # actual outputs (closures of one code object may differ in what they return).
-    if _rules.seen(key) is None:
+    if rules.first:
         out = _rules.checked_call(op, "body function", f, (carry, x_at(i0)))
         carry, y = split_pair(op, f, out)
         raw = carry
         carry = check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
-        _rules.remember(key)
+        rules.record()
     else:
         carry, y = split_pair(op, f, f(carry, x_at(i0)))
         if tree_structure(carry) != carry_def:
@@ -354,10 +361,244 @@ def _scan_eager(
                 op, "the y outputs of every step", y_def, tree_structure(y), root="y", names=(f"step {i0}", f"step {i}"), fn=f,
                 revise=f"Revise `{_funcinfo.short_name(f)}` so that every step returns y of one structure.",
             )
-    if _rules.leaf_signature(tree_flatten(carry)[0]) != key[3]:
+    if _rules.leaf_signature(tree_flatten(carry)[0]) != carry_sig:
         check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
     ys = stack_outputs(op, f, y_lists, y_def, reverse)
     return carry, ys
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering under tfun.jit / torch.export: torch's scan (see `_hop`)
+# ----------------------------------------------------------------------------------------
+
+
+@_hop.assume_constant
+def _escape_pair_message(op: str, got: Any, code: Any) -> str:
+    """The message of a scan body that does not return a pair; `got` is the skeleton of
+    what it returned (None for a tensor). Worded as the eager check words it."""
+    name = code.co_name if code is not None else "the function"
+    return _pair_message(op, "a tensor" if got is None else _rules.skeleton_node_text(got), _hop.fn_text(code), name)
+
+
+def check_carry_traced(op: str, fn: Any, carry: Any, out: Any) -> Any:
+    """`out` (what `fn` returned for `carry`) checked against `carry` inside a traced body,
+    with the wording of the eager carry check; Python scalars become tensors."""
+    in_leaves, in_td = tree_flatten(carry)
+    leaves = _hop.check_result(op, "body_fun input and output", "carry", fn, in_td, in_leaves, out, REVISE_CARRY)
+    return tree_unflatten(in_td, leaves)
+
+
+def _lower_scan(
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any = None
+) -> tuple[Any, Any]:
+    """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
+
+    `weak`: the flat indices of `init`'s leaves that were Python scalars (see
+    `_rules.as_tensor_leaves`); the body is traced once outside the HOP to learn their dtypes
+    (its ops are dead code), as JAX traces a loop body twice to promote a weak `init`."""
+    _hop.begin_lowering()
+    op = "tfun.lax.scan"
+    c_leaves, c_td = tree_flatten(init)
+    c_leaves = [x.contiguous() for x in c_leaves]
+    x_leaves, x_td = tree_flatten(xs)
+    if weak and length > 0:
+        x0 = tree_unflatten(x_td, [x[0] for x in x_leaves])
+        res = f(tree_unflatten(c_td, c_leaves), x0)
+        if isinstance(res, (tuple, list)) and len(res) == 2:
+            c_leaves = _hop.promote_weak(c_leaves, weak, res[0])
+    n_c = len(c_leaves)
+    revise = REVISE_CARRY
+
+    c_carrier, x_carrier = _hop.carrier(c_td, c_leaves), _hop.carrier(x_td, x_leaves)
+    n_x = len(x_leaves)
+    # Workarounds for inductor compiling torch 2.13's scan backward (not needed by export):
+    # 1. torch's scan autograd saves per-step intermediates next to the body's outputs; when
+    #    one of them *is* an output (tanh's result is both the new carry and what tanh's
+    #    backward saves), its functionalization fails with "scan might be aliasing the input
+    #    or the output". Cloning every body output avoids that. It is done whenever grad
+    #    mode is on: the body may close over tensors that require grad, and inside the body
+    #    a carry's `requires_grad` is that of `init`, not of later steps.
+    # 2. inductor's scan lowering computes wrong values when the backward scan's tangents
+    #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
+    # 3. torch's scan autograd accepts no integer or bool carries or ys ("outs_to_grad length
+    #    (2) != tangents length (3)": it asks a tangent of every output but differentiates
+    #    only the floating ones). Under grad mode they cross the HOP as the bits of int64 in
+    #    a float64 tensor (`_to_floating` / `_from_floating`, exact). Complex leaves are
+    #    left alone: torch 2.13's scan autograd cannot differentiate complex view ops.
+    for_inductor = not _hop.is_exporting()
+    clone_all = for_inductor and torch.is_grad_enabled()
+    check_export_constants(op, f)
+    encode = clone_all
+    c_dtypes = [t.dtype for t in c_leaves]
+
+    def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
+        raw_ins = list(carry_flat) + list(x_flat)
+        if encode:
+            carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat[:n_c], c_dtypes)] + list(carry_flat[n_c:])
+        c_td_in = tree_structure(c_carrier)
+        carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
+        x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
+        state = _hop.torch_state()
+        res = f(carry, x)
+        _hop.check_state(op, "body function", f, state)
+        if not isinstance(res, (tuple, list)) or len(res) != 2:
+            got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
+            raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
+        new_c, y = res
+        new_leaves = _hop.check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
+        new_leaves = [t.contiguous() for t in new_leaves]
+        y_leaves, y_td = tree_flatten(y)
+        y_leaves = [_hop.as_tensor(t) for t in y_leaves]
+        y_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in y_leaves]
+        if encode:
+            new_leaves = [_to_floating(t) for t in new_leaves]
+            y_leaves = [_to_floating(t) if isinstance(t, torch.Tensor) else t for t in y_leaves]
+        ins = raw_ins + list(carry_flat) + list(x_flat)
+        outs = _hop.unalias(new_leaves + y_leaves, ins, clone_all=clone_all)
+        if n_c == 0:
+            outs = [raw_ins[0].clone()] + outs  # the placeholder carry
+        k = max(n_c, 1)
+        ys_out = outs[k:]
+        if encode:  # the original dtype travels as the key of a marker dict (see _unmark)
+            ys_out = [_mark(t, d) for t, d in zip(ys_out, y_dtypes)]
+        # torch's scan needs at least one y: stack a dummy 0-d tensor when y has no leaves
+        extra = [] if y_leaves else [torch.zeros((), device=raw_ins[0].device)]
+        return list(outs[:k]), (_hop.pack(y_td, ys_out), extra)
+
+    if length == 0:
+        return _scan_empty(f, init, xs, x_leaves, x_td)
+    dev = (c_leaves + x_leaves)[0].device if (c_leaves or x_leaves) else torch.device("cpu")
+    init_flat = c_leaves if n_c else [torch.zeros((), device=dev)]
+    xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
+    if encode:
+        init_flat = [_to_floating(t) for t in init_flat]
+    carry_flat, (ys, _) = _hop.torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
+    carry_flat = list(carry_flat)[:n_c]
+    if encode:
+        carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat, c_dtypes)]
+    ys = _hop.unpack(ys)
+    if encode:
+        ys = _unmark(ys)
+    if for_inductor:
+        carry_flat = [_contiguous_grad(t) for t in carry_flat]
+        y_leaves, y_td = tree_flatten(ys)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in y_leaves):
+            ys = tree_unflatten(y_td, [_contiguous_grad(t) for t in y_leaves])
+    return tree_unflatten(c_td, carry_flat), ys
+
+
+def check_export_constants(op: str, f: Any) -> None:
+    """Under non-strict `torch.export`, refuse a scan body that reads a real tensor (see
+    `_refuse_real_constants`); elsewhere nothing."""
+    if _hop.is_exporting() and not _hop.dynamo_outside():
+        _refuse_real_constants(op, f)
+
+
+def _refuse_real_constants(op: str, f: Any) -> None:
+    """Non-strict `torch.export`: torch 2.13's scan fails on a *real* tensor that the body
+    reads from its globals or closure (a module-level tensor; parameters and buffers are
+    fake there) with "Cannot access data pointer of Tensor". Refuse it with a tfun error
+    that names the tensors and the fix, before torch fails."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(fn: Any, where: str, depth: int) -> None:
+        fn = fn if isinstance(fn, types.FunctionType) else _funcinfo.unwrap_callable(fn)
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen or depth < 0:
+            return
+        seen.add(id(fn))
+        named = [(f"nonlocal `{n}`", c) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        values = []
+        for label, cell in named:
+            try:
+                values.append((label, cell.cell_contents))
+            except ValueError:
+                continue
+        values += [(f"global `{n}`", fn.__globals__[n]) for n in sorted(_rules.global_names(fn.__code__)) if n in fn.__globals__]
+        for label, v in values:
+            if isinstance(v, torch.Tensor) and not is_fake(v):
+                found.append(f"{label} of `{fn.__name__}`{where}: {_rules.dtype_name(v.dtype)}{list(v.shape)}")
+            elif isinstance(v, (types.FunctionType, functools.partial)):
+                visit(v, f" (called by `{fn.__name__}`)", depth - 1)
+
+    visit(f, "", 4)
+    if found:
+        raise JitError(
+            format_message(
+                f"{op}: under torch.export (non-strict), the body reads tensors that are neither inputs nor "
+                f"parameters or buffers of the exported module, which torch {torch.__version__}'s scan cannot "
+                "trace:",
+                found,
+                function=_hop.fn_text(_hop.code_of(f)),
+                revise="Register such a tensor as a buffer of the module (`self.register_buffer(...)`) or pass it "
+                "as an argument, or export with strict=True.",
+            )
+        )
+
+
+# Integer and bool leaves cross torch's scan as float64 tensors holding int64 bits (see `_lower_scan`).
+_BITS_KEY = "__tfun_bits__"  # + the dtype's name: the marker dict of such a y leaf
+
+
+def _is_bits(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _to_floating(t: torch.Tensor) -> torch.Tensor:
+    """An integer or bool `t` as the bits of `t.to(int64)` viewed as float64 (exact); any
+    other `t` itself."""
+    return t.to(torch.int64).view(torch.float64) if _is_bits(t.dtype) else t
+
+
+def _from_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `_to_floating` for a leaf of dtype `dtype`."""
+    return t.view(torch.int64).to(dtype) if _is_bits(dtype) else t
+
+
+def _mark(t: Any, dtype: Any) -> Any:
+    """A y leaf as a HOP output: an encoded one in a marker dict whose key names its dtype."""
+    if dtype is None or not _is_bits(dtype):
+        return t
+    return {_BITS_KEY + str(dtype).replace("torch.", ""): t}
+
+
+def _is_marked(x: Any) -> bool:
+    return type(x) is dict and len(x) == 1 and next(iter(x)).startswith(_BITS_KEY)
+
+
+def _unmark(tree: Any) -> Any:
+    """Inverse of `_mark` over a tree of stacked ys."""
+    parts, td = tree_flatten(tree, is_leaf=_is_marked, none_is_leaf=True)
+    out = []
+    for x in parts:
+        if _is_marked(x):
+            ((key, t),) = x.items()
+            x = _from_floating(t, getattr(torch, key[len(_BITS_KEY) :]))
+        out.append(x)
+    return tree_unflatten(td, out)
+
+
+def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
+    return g.contiguous()
+
+
+def _contiguous_grad(t: Any) -> Any:
+    """`t`, whose gradient is made dense (contiguous) before it reaches scan's backward."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        t = t.view_as(t)
+        t.register_hook(_make_contiguous)
+    return t
+
+
+def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> tuple[Any, Any]:
+    """Zero steps: the final carry is `init`; `ys` have a leading axis of size 0."""
+    x0 = tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves])
+    _, y = f(init, x0)
+    y_leaves, y_td = tree_flatten(y)
+    ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_hop.as_tensor(y) for y in y_leaves)]
+    return init, tree_unflatten(y_td, ys)
 
 
 __all__ = ["scan"]
