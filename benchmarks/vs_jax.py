@@ -6,6 +6,7 @@ and each compiled path's first call (trace + compile + one run).
     python benchmarks/vs_jax.py --quick            # fewer repeats
     python benchmarks/vs_jax.py --only rnn_small   # one program (a substring of its name)
     python benchmarks/vs_jax.py --record           # append the table to benchmarks/RESULTS.md
+    python benchmarks/vs_jax.py --unroll 8         # unroll= of every scan/fori_loop, in both frameworks
     python benchmarks/vs_jax.py --jit-options '{"cpp_wrapper": true}'   # Inductor options to try
 
 Programs (each written once per framework, the same arithmetic, float32):
@@ -51,6 +52,7 @@ except ImportError:  # pragma: no cover
     jax = None  # type: ignore[assignment]
 
 lax = tfun.lax
+UNROLL = 1  # --unroll: steps per compiled loop iteration, the same in both frameworks
 
 
 # ----------------------------------------------------------------------------------------
@@ -69,11 +71,11 @@ def rnn(B: int, H: int, T: int, backward: bool):
     h0 = torch.zeros(B, H)
 
     def t_loss(W, xs, h0):
-        h, ys = lax.scan(lambda h, x: (lambda n: (n, n))(torch.tanh(h @ W + x)), h0, xs)
+        h, ys = lax.scan(lambda h, x: (lambda n: (n, n))(torch.tanh(h @ W + x)), h0, xs, unroll=UNROLL)
         return ys.sum()
 
     def j_loss(W, xs, h0):
-        h, ys = jax.lax.scan(lambda h, x: (lambda n: (n, n))(jnp.tanh(h @ W + x)), h0, xs)
+        h, ys = jax.lax.scan(lambda h, x: (lambda n: (n, n))(jnp.tanh(h @ W + x)), h0, xs, unroll=UNROLL)
         return ys.sum()
 
     if backward:
@@ -86,10 +88,10 @@ def fori(n: int):
     W = W / 8
 
     def t(W, x):
-        return lax.fori_loop(0, n, lambda i, x: 0.99 * x + 0.01 * torch.sin(x @ W), x)
+        return lax.fori_loop(0, n, lambda i, x: 0.99 * x + 0.01 * torch.sin(x @ W), x, unroll=UNROLL)
 
     def j(W, x):
-        return jax.lax.fori_loop(0, n, lambda i, x: 0.99 * x + 0.01 * jnp.sin(x @ W), x)
+        return jax.lax.fori_loop(0, n, lambda i, x: 0.99 * x + 0.01 * jnp.sin(x @ W), x, unroll=UNROLL)
 
     return t, (W, x), j, (W, x)
 
@@ -146,7 +148,7 @@ def lstm(B: int, H: int, T: int):
             h = torch.sigmoid(o) * torch.tanh(s)
             return (h, s), h
 
-        _, hs = lax.scan(cell, (h0, h0), xs)
+        _, hs = lax.scan(cell, (h0, h0), xs, unroll=UNROLL)
         return (hs**2).mean()
 
     def j_loss(p, xs):
@@ -157,7 +159,7 @@ def lstm(B: int, H: int, T: int):
             h = jax.nn.sigmoid(o) * jnp.tanh(s)
             return (h, s), h
 
-        _, hs = jax.lax.scan(cell, (h0j, h0j), xs)
+        _, hs = jax.lax.scan(cell, (h0j, h0j), xs, unroll=UNROLL)
         return (hs**2).mean()
 
     h0j = h0.numpy()
@@ -273,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     ap.add_argument("--jit-options", default="", help="Inductor options for tfun.jit, as JSON")
+    ap.add_argument("--unroll", type=int, default=1, help="unroll= of every scan and fori_loop, in both frameworks")
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
+    global UNROLL
+    UNROLL = args.unroll
     if jax is None:
         print("jax is not installed: pip install jax")
         return 1
@@ -289,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
         opts = f" with Inductor options `{json.dumps(jit_options)}`" if jit_options else ""
+        opts += f", `unroll={UNROLL}` in both" if UNROLL != 1 else ""
         with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as fh:
             fh.write(
                 f"\n## tfun vs JAX, the same programs (`python benchmarks/vs_jax.py{' --quick' if args.quick else ''}`){opts}\n\n"

@@ -57,14 +57,31 @@ def main() -> None:
         if os.path.exists("/sys/class/net/lo"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         raise SystemExit(subprocess.call(cmd, env=env))
-    steps = 10 if args.smoke else args.steps
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    # The wrapped model lives inside train() and is gone when it returns, before the process
+    # group is destroyed. Freed later (at exit), DDP's reducer would drop gloo's process
+    # group while holding the GIL, and gloo's worker thread, still releasing the last
+    # collective's tensors, would wait for that GIL forever (seen under load).
+    first, last, check = train(args.fsdp2, 10 if args.smoke else args.steps, rank, world)
+    # every rank must hold the same model: compare a checksum of the (gathered) parameters
+    gathered = [torch.zeros_like(check) for _ in range(world)]
+    dist.all_gather(gathered, check)
+    if rank == 0:
+        mode = "FSDP2" if args.fsdp2 else "DDP"
+        print(f"{mode}, {world} ranks: loss {first:.4f} -> {last:.4f}; ranks agree: {all(torch.equal(g, check) for g in gathered)}")
+    dist.barrier()  # lets gloo shut down cleanly afterwards
+    dist.destroy_process_group()
+
+
+def train(fsdp2: bool, steps: int, rank: int, world: int) -> tuple[float, float, torch.Tensor]:
+    """Train on this rank's shard; returns the first and last mean loss over the ranks and a
+    checksum of the final parameters."""
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = Net(16)
     model.lstm.forward = tfun.jit(model.lstm.forward)  # one compiled graph for the LSTM's scan
-    if args.fsdp2:
+    if fsdp2:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model.lstm)
@@ -74,7 +91,7 @@ def main() -> None:
         net = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank draws its own shard of data
-    first = last = None
+    first = last = 0.0
     for step in range(steps):
         x, y = batch(32 // world, 24, gen)
         loss = torch.nn.functional.mse_loss(net(x), y)
@@ -83,21 +100,12 @@ def main() -> None:
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        mean = mean.item() / world
-        first = mean if first is None else first
-        last = mean
+        last = mean.item() / world
+        first = last if step == 0 else first
         if rank == 0 and (step % 50 == 0 or step == steps - 1):
-            print(f"step {step:4d}  loss {mean:.4f}", flush=True)
-    # every rank must hold the same model (the barrier lets gloo shut down cleanly afterwards): compare a checksum of the (gathered) parameters
+            print(f"step {step:4d}  loss {last:.4f}", flush=True)
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    check = torch.stack([p.detach().double().sum() for p in full]).sum().reshape(1)
-    gathered = [torch.zeros_like(check) for _ in range(world)]
-    dist.all_gather(gathered, check)
-    if rank == 0:
-        mode = "FSDP2" if args.fsdp2 else "DDP"
-        print(f"{mode}, {world} ranks: loss {first:.4f} -> {last:.4f}; ranks agree: {all(torch.equal(g, check) for g in gathered)}")
-    dist.barrier()
-    dist.destroy_process_group()
+    return first, last, torch.stack([p.detach().double().sum() for p in full]).sum().reshape(1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ first, with a file rendezvous (`rendezvous(tmp_path)`), on the loopback interfac
 the address the machine's hostname resolves to, which in a sandbox without network (CI) may be
 unreachable, and then a rank waits out gloo's default timeout of 30 minutes. Here a rank that
 cannot reach the other fails within `TIMEOUT_S`, and a run that overruns is killed and fails.
+
+A worker frees its DDP-wrapped model before `dist.destroy_process_group()` (train in a helper
+function that returns). Freed afterwards, DDP's reducer drops the last reference to gloo's
+process group while holding the GIL; its destructor joins gloo's worker thread, which may still
+be releasing the last collective's tensors and waits for the GIL: a deadlock, seen under load.
 """
 
 from __future__ import annotations

@@ -54,27 +54,33 @@ def _train(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor, y: tor
 def _worker(rank: int, world: int, store: str, mode: str, out_dir: str) -> None:
     _dist.init(rank, world, store)
     try:
-        torch.manual_seed(0)
-        model = Net()
-        model.lstm.forward = tfun.jit(model.lstm.forward, backend="aot_eager")  # jit inside the wrapper
-        if mode == "ddp":
-            net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(model.lstm)
-            fully_shard(model)
-            net = model
-        x, y = _data()
-        half = BATCH // world
-        sl = slice(rank * half, (rank + 1) * half)
-        grads, params = _train(model, net, x[sl], y[sl])
-        from torch._dynamo.utils import counters
-
-        graphs = counters["stats"]["unique_graphs"]  # the jitted layer really compiled
-        torch.save((grads, params, graphs), os.path.join(out_dir, f"rank{rank}.pt"))
+        # the wrapped model lives in _run and is freed before the group is destroyed (see
+        # tests/nn/_dist.py: freed later, DDP's reducer can deadlock gloo's shutdown)
+        _run(rank, world, mode, out_dir)
     finally:
         dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, mode: str, out_dir: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model.lstm.forward = tfun.jit(model.lstm.forward, backend="aot_eager")  # jit inside the wrapper
+    if mode == "ddp":
+        net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.lstm)
+        fully_shard(model)
+        net = model
+    x, y = _data()
+    half = BATCH // world
+    sl = slice(rank * half, (rank + 1) * half)
+    grads, params = _train(model, net, x[sl], y[sl])
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]  # the jitted layer really compiled
+    torch.save((grads, params, graphs), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

@@ -208,7 +208,9 @@ def fori_loop(
     - `lower`, `upper`: Python ints or integer tensors of shape `()`.
     - `body_fun`: `(i, val) -> val`.
     - `init_val`: the initial loop value, a pytree.
-    - `unroll`: accepted for JAX compatibility (a non-negative int or a bool, as in JAX; static bounds only).
+    - `unroll`: with Python-int bounds, the steps per iteration of the compiled loop under
+      `tfun.jit`, as in `scan` (an int `k >= 1`, or `True` / `0` for all). Eagerly, and with
+      tensor bounds (a `while_loop`), it changes nothing.
 
     **Returns:** the final loop value.
     """
@@ -251,7 +253,7 @@ def fori_loop(
                 # Python scalars in init_val take the dtype the body gives them (JAX's weak
                 # types): learned from one traced call outside the loop (dead code)
                 val = tree_unflatten(treedef, _hop.promote_weak(leaves, weak, body_fun(idx[0], val)))
-            val, _ = scan(step, val, idx, length=n)
+            val, _ = scan(step, val, idx, length=n, unroll=1 if unroll is None else unroll)
             return val
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
         hi = torch.as_tensor(upper, dtype=dtype, device=device)

@@ -231,8 +231,11 @@ def scan(
     - `length`: the number of steps; required if `xs` is `None`, checked against `xs`
       otherwise.
     - `reverse`: scan from the end of `xs` to its start (`ys` keep `xs`'s order).
-    - `unroll`: accepted for JAX compatibility (a non-negative int or a bool, as in JAX); it changes
-      nothing in eager mode.
+    - `unroll`: how many steps of `f` one iteration of the compiled loop runs, as in JAX: an int
+      `k >= 1`, or `True` / `0` for all of them (the loop disappears). Under `tfun.jit` a larger
+      `k` gives the compiler `k` steps to fuse per iteration, for a longer compile; a remainder
+      of `length % k` steps runs after the loop (before it with `reverse=True`). Eagerly it
+      changes nothing: the Python loop already runs one step at a time at full speed.
 
     **Returns:** `(final_carry, stacked_ys)`.
     """
@@ -260,6 +263,9 @@ def scan(
         xs = tree_unflatten(x_def, x_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
+        k = unroll_steps(unroll, n)
+        if k > 1:
+            return _lower_unrolled(f, init, xs, n, bool(reverse), weak, k)
         return _lower_scan(f, init, xs, n, bool(reverse), weak)
     return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
@@ -485,6 +491,64 @@ def _lower_scan(
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in y_leaves):
             ys = tree_unflatten(y_td, [_contiguous_grad(t) for t in y_leaves])
     return tree_unflatten(c_td, carry_flat), ys
+
+
+def unroll_steps(unroll: int | bool, n: int) -> int:
+    """The steps per compiled iteration that `unroll` asks for, for a loop of `n` steps."""
+    if unroll is True or (not isinstance(unroll, bool) and unroll == 0):
+        return n
+    return min(int(unroll), n)  # False is 1
+
+
+def _lower_unrolled(
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any, k: int
+) -> tuple[Any, Any]:
+    """`scan` with `unroll=k` under tracing: torch's scan over blocks of `k` steps, whose body
+    runs `f` `k` times in Python (so the compiler sees, and fuses, `k` steps at once), then
+    one block of the `length % k` steps left over. `reverse` scans the blocks, and each
+    block's steps, from the end; the left-over steps are then the first `length % k`."""
+    op = "tfun.lax.scan"
+    q, r = length // k, length % k  # (not divmod: Dynamo cannot trace it)
+    x_leaves, x_td = tree_flatten(xs)
+
+    def block(size: int) -> Callable[[Any, Any], Any]:
+        def run_block(carry: Any, xb: Any) -> Any:
+            xb_leaves = tree_flatten(xb)[0]
+            ys: list[Any] = [None] * size
+            for j in range(size - 1, -1, -1) if reverse else range(size):
+                res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
+                if not isinstance(res, (tuple, list)) or len(res) != 2:
+                    got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
+                    raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
+                in_leaves, in_td = tree_flatten(carry)
+                carry = tree_unflatten(
+                    in_td,
+                    _hop.check_result(op, "body carry input and output", "carry", f, in_td, in_leaves, res[0], REVISE_CARRY),
+                )
+                ys[j] = res[1]
+            y_td = tree_structure(ys[0])
+            flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
+            return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
+
+        return run_block
+
+    def blocks(lo: int, hi: int, size: int) -> Any:  # steps lo..hi of xs as (blocks, size, ...)
+        return tree_unflatten(x_td, [x[lo:hi].reshape(-1, size, *x.shape[1:]) for x in x_leaves])
+
+    def steps(ys: Any) -> Any:  # (blocks, size, ...) back to (steps, ...)
+        y_leaves, y_td = tree_flatten(ys)
+        return tree_unflatten(y_td, [y.reshape(-1, *y.shape[2:]) for y in y_leaves])
+
+    main_lo = r if reverse else 0
+    carry, ys = _lower_scan(block(k), init, blocks(main_lo, main_lo + q * k, k), q, reverse, weak)
+    ys = steps(ys)
+    if r:
+        rest_lo = 0 if reverse else q * k
+        carry, rest = _lower_scan(block(r), carry, blocks(rest_lo, rest_lo + r, r), 1, reverse)
+        parts = (steps(rest), ys) if reverse else (ys, steps(rest))
+        y_leaves, y_td = tree_flatten(parts[0])
+        ys = tree_unflatten(y_td, [torch.cat(pair) for pair in zip(y_leaves, tree_flatten(parts[1])[0])])
+    return carry, ys
 
 
 def check_export_constants(op: str, f: Any) -> None:

@@ -1,0 +1,134 @@
+"""`unroll=` of scan and fori_loop under tfun.jit: `k` steps per iteration of the compiled loop.
+
+The oracle is the eager float64 loop (where `unroll` changes nothing). Each case compares the
+jitted outputs and the gradients of every input, and a recording backend checks that the
+compiled graph really holds `k` steps per iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfun
+from tfun import lax
+
+from tests.helpers import assert_tree_allclose
+
+
+def _body(c: Any, x: Any) -> tuple[Any, Any]:
+    h, n = c["h"], c["n"]
+    h = torch.tanh(h * 0.9 + x["a"]) + 0.1 * x["b"].sum()
+    return {"h": h, "n": n + 1}, (h.sum(), None, h * 2)
+
+
+def _data(T: int, dtype: torch.dtype, seed: int = 0) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(seed)  # drawn in float64, then cast: the same values in both
+    h, a, b = (torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in ((3,), (T, 3), (T, 2)))
+    return {"h": h, "n": torch.tensor(0)}, {"a": a, "b": b}
+
+
+def _loss(init: Any, xs: Any, reverse: bool, unroll: Any) -> Any:
+    c, ys = lax.scan(_body, init, xs, reverse=reverse, unroll=unroll)
+    return c, ys, (c["h"] ** 2).sum() + (ys[0] * torch.arange(ys[0].shape[0], dtype=ys[0].dtype)).sum() + ys[2].sum()
+
+
+def _check(T: int, reverse: bool, unroll: Any, backend: str) -> None:
+    init64, xs64 = _data(T, torch.float64)
+    leaves = [init64["h"], xs64["a"], xs64["b"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    want_c, want_ys, want_l = _loss(init64, xs64, reverse, 1)
+    want_g = torch.autograd.grad(want_l, leaves)
+
+    init, xs = _data(T, torch.float32)
+    got_leaves = [init["h"], xs["a"], xs["b"]]
+    for t in got_leaves:
+        t.requires_grad_(True)
+    run = tfun.jit(_loss, static_argnums=(2, 3), backend=backend)
+    got_c, got_ys, got_l = run(init, xs, reverse, unroll)
+    got_g = torch.autograd.grad(got_l, got_leaves)
+    assert got_c["n"].item() == T and got_c["n"].dtype == torch.int64
+    assert_tree_allclose((got_c, got_ys), tfun.tree.tree_map(lambda t: t.detach().float() if t.is_floating_point() else t, (want_c, want_ys)), rtol=1e-4, atol=1e-5)
+    for u, v in zip(got_g, want_g):
+        torch.testing.assert_close(u, v.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(("T", "unroll"), [(1, 4), (7, 2), (7, 3), (8, 4), (8, True), (5, 0), (6, 1), (3, False), (4, 9)])
+def test_scan_unroll_matches_eager_float64(T: int, unroll: Any, reverse: bool) -> None:
+    _check(T, reverse, unroll, "aot_eager")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_unroll_inductor(reverse: bool) -> None:
+    _check(11, reverse, 4, "inductor")
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(1, 13), unroll=st.one_of(st.integers(0, 15), st.booleans()), reverse=st.booleans())
+def test_scan_unroll_hypothesis(T: int, unroll: Any, reverse: bool) -> None:
+    _check(T, reverse, unroll, "aot_eager")
+
+
+def _graph_tanh_count(fn: Any, *args: Any) -> tuple[int, int]:
+    """(tanh calls, scan nodes) over every graph `fn` compiles to, subgraphs included."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    tfun.jit(fn, backend=backend)(*args)
+    tanh = scans = 0
+    for gm in graphs:
+        for mod in gm.modules():
+            if isinstance(mod, torch.fx.GraphModule):
+                for node in mod.graph.nodes:
+                    tanh += node.op == "call_function" and "tanh" in str(node.target)
+                    scans += node.op == "call_function" and "scan" in str(node.target)
+    return tanh, scans
+
+
+@pytest.mark.parametrize(("unroll", "tanh", "scans"), [(1, 1, 1), (4, 4, 1), (3, 3 + 2, 2), (True, 8, 1)])
+def test_scan_unroll_puts_k_steps_in_the_graph(unroll: Any, tanh: int, scans: int) -> None:
+    # 8 steps. unroll=3: a scan over two blocks of 3 steps (3 tanh in its body), then one
+    # block of the 2 left over (2 more); unroll=True: one block of all 8.
+    def f(h: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        return lax.scan(lambda c, x: (torch.tanh(c + x), None), h, xs, unroll=unroll)[0]
+
+    assert _graph_tanh_count(f, torch.zeros(3), torch.randn(8, 3)) == (tanh, scans)
+
+
+@pytest.mark.parametrize(("unroll", "tanh"), [(1, 1), (3, 3 + 1), (True, 7)])
+def test_fori_loop_unroll_under_jit(unroll: Any, tanh: int) -> None:
+    W = torch.randn(4, 4, dtype=torch.float64) / 2
+    x0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lax.fori_loop(0, 7, lambda i, x: 0.9 * x + 0.1 * torch.sin(x @ W) * i, x, unroll=unroll)
+
+    want = f(x0)
+    (want_g,) = torch.autograd.grad(want.sum(), x0)
+    got = tfun.jit(f, backend="aot_eager")(x0)
+    (got_g,) = torch.autograd.grad(got.sum(), x0)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_g, want_g)
+    tanh_like = _graph_tanh_count(lambda x: lax.fori_loop(0, 7, lambda i, x: torch.tanh(x), x, unroll=unroll), x0.detach())
+    assert tanh_like[0] == tanh  # 7 steps: blocks of 3 and one of the 1 left over
+
+
+def test_scan_unroll_carry_error_is_the_same_as_without() -> None:
+    def bad(c: torch.Tensor, x: torch.Tensor) -> Any:
+        return c.double(), None
+
+    msgs = []
+    for unroll in (1, 2):
+        with pytest.raises(tfun.errors.TfunError) as e:
+            tfun.jit(lambda xs: lax.scan(bad, torch.zeros(()), xs, unroll=unroll), backend="aot_eager")(torch.ones(4))
+        msgs.append((type(e.value), str(e.value)))
+    assert msgs[0] == msgs[1]
