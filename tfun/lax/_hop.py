@@ -117,6 +117,7 @@ def _torch_cond() -> Callable[..., Any]:
 def _torch_scan() -> Callable[..., Any]:
     from torch._higher_order_ops.scan import scan as _scan
 
+    _compat.scan_autograd_fixes()  # torch 2.11's scan autograd lacks two fixes of 2.13 (see there)
     return _scan
 
 
@@ -124,6 +125,7 @@ def _torch_while_loop() -> Callable[..., Any]:
     fn = getattr(torch, "while_loop", None)
     if fn is None:
         from torch._higher_order_ops.while_loop import while_loop as fn
+    _compat.while_loop_autograd_fixes()  # torch 2.11's backward keeps strided gradients (see there)
     return fn
 
 
@@ -955,8 +957,7 @@ def _contiguous_grad(t: Any) -> Any:
 
 
 def _is_exporting() -> bool:
-    f = getattr(torch.compiler, "is_exporting", None)
-    return bool(f()) if f is not None else False
+    return _compat.is_exporting()  # Dynamo 2.11 folds torch.compiler.is_exporting() to True
 
 
 def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> tuple[Any, Any]:
