@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "scan_autograd_fixes", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -227,10 +227,53 @@ def scan_autograd_fixes() -> None:
     autograd = getattr(scan_mod, "scan_autograd", None)
     if autograd is not None and "requires_grad_" not in autograd.__code__.co_names:
         _replace_scan_autograd(scan_mod)
+        _densify_scan_backward(scan_mod)
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 scan_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_SCAN_BACKWARD_DENSE = False
+
+
+def scan_backward_dense() -> bool:
+    """Whether torch's scan backward, as `scan_autograd_fixes` left it, makes the gradients
+    reaching it contiguous itself.
+
+    tfun's scan lowering makes them contiguous under grad mode (inductor computes wrong values
+    from a backward scan whose tangents have stride 0, the gradient of `out.sum()`) with a
+    hook on each output (`Tensor.register_hook` in traced code). Dynamo 2.11 writes such a
+    hook as an `autograd_function_apply` that takes the symbolic sizes of the gradient, and
+    once a second input shape makes the sizes symbolic, AOTAutograd then loses them from the
+    graph ("Node scan referenced nonexistent value s44"). So where `scan_autograd_fixes`
+    replaced scan's autograd kernel (torch 2.11), it also wraps `ScanAutogradOp.backward` to
+    clone the gradients into contiguous tensors (as torch 2.13's while_loop backward does),
+    and this answers True: the lowering then adds no hook. Elsewhere False.
+    """
+    scan_autograd_fixes()
+    return _SCAN_BACKWARD_DENSE
+
+
+scan_backward_dense._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _densify_scan_backward(scan_mod: Any) -> None:
+    """`ScanAutogradOp.backward` starting from contiguous gradients (see `scan_backward_dense`)."""
+    global _SCAN_BACKWARD_DENSE
+    fn = getattr(scan_mod, "ScanAutogradOp", None)
+    backward = getattr(fn, "backward", None)
+    if backward is None:  # pragma: no cover - neither 2.11's nor 2.13's layout
+        return
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    fn.backward = staticmethod(dense_backward)
+    _SCAN_BACKWARD_DENSE = True
 
 
 def _add_break_bw_aliasing(impl: Any) -> None:
@@ -376,3 +419,19 @@ def while_loop_autograd_fixes() -> None:
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def compile_error(e: BaseException) -> BaseException:
+    """The exception that made a compiled call fail, for `tfun.jit` to translate.
+
+    When a backend fails to compile a graph traced inside a `torch.func` transform (`tfun.vmap`
+    around a scan under `tfun.jit`), torch 2.11's Dynamo, unwinding, pops functorch's layer
+    stack once too often and raises an internal assert ("!dynamicLayerStack.empty() INTERNAL
+    ASSERT FAILED") while handling the real error, which it hides. That real error is the
+    assert's `__context__`: it is returned instead (torch 2.13 raises it directly). Any other
+    exception is returned as it is.
+    """
+    context = e.__context__
+    if isinstance(e, RuntimeError) and "dynamicLayerStack.empty()" in str(e) and context is not None:
+        return context
+    return e
