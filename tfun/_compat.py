@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "forward_ad_ready", "grad_leaf", "is_hashable", "raised_args", "record_raised", "triton_launcher"]
+__all__ = ["bitcast", "compile_error", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -182,3 +182,256 @@ def is_hashable(value: Any) -> bool:
 
 
 is_hashable._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_SCAN_AUTOGRAD_PATCHED = False
+
+
+def scan_autograd_fixes() -> None:
+    """Give torch's scan autograd the two fixes of torch 2.13 that tfun's gradients need.
+
+    Both concern the backward of `torch._higher_order_ops.scan`, which is itself a scan whose
+    step is the partitioned backward graph of the body; both bite where a scan input does not
+    require grad, which tfun's scans have all the time (`fori_loop`'s integer index as `xs`,
+    a constant `xs`, a zero `init`). torch 2.11 lacks both; each is feature-detected on its
+    own and installed only where it is missing, as torch 2.13 writes it. Idempotent.
+
+    1. The backward step returns an input as it is (the partitioner saves `zeros_like(input)`
+       as a forward intermediate and returns it as that input's gradient), which scan's own
+       check refuses: "scan might be aliasing the input or the output". torch 2.13 clones such
+       outputs (`ScanAutogradImpl._break_bw_input_output_aliasing`, run after
+       `_optimize_forward_intermediates`); where that method is missing it is added here.
+    2. An `init` that does not require grad is dropped from the joint graph's differentiable
+       inputs, which severs the carry chain: the gradients reaching earlier steps are
+       silently zero (wrong gradients, no error). torch 2.13's `scan_autograd` turns
+       `requires_grad` on for such `init` tensors while it partitions the body (and off
+       again); where `scan_autograd` does not (its code calls no `requires_grad_`), scan's
+       autograd kernel is replaced by one that does.
+    """
+    global _SCAN_AUTOGRAD_PATCHED
+    if _SCAN_AUTOGRAD_PATCHED:
+        return
+    _SCAN_AUTOGRAD_PATCHED = True
+    try:
+        scan_mod = importlib.import_module("torch._higher_order_ops.scan")
+    except ImportError:  # pragma: no cover - a torch whose scan moved: nothing to patch
+        return
+    impl = getattr(scan_mod, "ScanAutogradImpl", None)
+    if (
+        impl is not None
+        and not hasattr(impl, "_break_bw_input_output_aliasing")
+        and hasattr(impl, "_optimize_forward_intermediates")
+        and hasattr(impl, "_insert_clone")
+    ):
+        _add_break_bw_aliasing(impl)
+    autograd = getattr(scan_mod, "scan_autograd", None)
+    if autograd is not None and "requires_grad_" not in autograd.__code__.co_names:
+        _replace_scan_autograd(scan_mod)
+        _densify_scan_backward(scan_mod)
+
+
+# Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
+scan_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_SCAN_BACKWARD_DENSE = False
+
+
+def scan_backward_dense() -> bool:
+    """Whether torch's scan backward, as `scan_autograd_fixes` left it, makes the gradients
+    reaching it contiguous itself.
+
+    tfun's scan lowering makes them contiguous under grad mode (inductor computes wrong values
+    from a backward scan whose tangents have stride 0, the gradient of `out.sum()`) with a
+    hook on each output (`Tensor.register_hook` in traced code). Dynamo 2.11 writes such a
+    hook as an `autograd_function_apply` that takes the symbolic sizes of the gradient, and
+    once a second input shape makes the sizes symbolic, AOTAutograd then loses them from the
+    graph ("Node scan referenced nonexistent value s44"). So where `scan_autograd_fixes`
+    replaced scan's autograd kernel (torch 2.11), it also wraps `ScanAutogradOp.backward` to
+    clone the gradients into contiguous tensors (as torch 2.13's while_loop backward does),
+    and this answers True: the lowering then adds no hook. Elsewhere False.
+    """
+    scan_autograd_fixes()
+    return _SCAN_BACKWARD_DENSE
+
+
+scan_backward_dense._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _densify_scan_backward(scan_mod: Any) -> None:
+    """`ScanAutogradOp.backward` starting from contiguous gradients (see `scan_backward_dense`)."""
+    global _SCAN_BACKWARD_DENSE
+    fn = getattr(scan_mod, "ScanAutogradOp", None)
+    backward = getattr(fn, "backward", None)
+    if backward is None:  # pragma: no cover - neither 2.11's nor 2.13's layout
+        return
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    fn.backward = staticmethod(dense_backward)
+    _SCAN_BACKWARD_DENSE = True
+
+
+def _add_break_bw_aliasing(impl: Any) -> None:
+    """Fix 1 of `scan_autograd_fixes`: torch 2.13's `_break_bw_input_output_aliasing`."""
+
+    def _break_bw_input_output_aliasing(self: Any) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        bw_gm = self.hop_partitioned_graph.bw_gm
+        bw_output_node = next(iter(bw_gm.graph.find_nodes(op="output")))
+        bw_outputs = bw_output_node.args[0]
+        ph_storages: set[Any] = set()
+        for ph in bw_gm.graph.find_nodes(op="placeholder"):
+            val = ph.meta.get("val", None)
+            if isinstance(val, torch.Tensor):
+                ph_storages.add(StorageWeakRef(val._typed_storage()))
+
+        def aliases_placeholder(node: torch.fx.Node) -> bool:
+            if node.op == "placeholder":
+                return True
+            val = node.meta.get("val", None)
+            return isinstance(val, torch.Tensor) and StorageWeakRef(val._typed_storage()) in ph_storages
+
+        new_outputs = []
+        rewrote = False
+        for out in bw_outputs:
+            if isinstance(out, torch.fx.Node) and aliases_placeholder(out):
+                new_outputs.append(self._insert_clone(out, bw_output_node))
+                rewrote = True
+            else:
+                new_outputs.append(out)
+        if rewrote:
+            bw_output_node.args = (tuple(new_outputs),)
+            bw_gm.graph.lint()
+            bw_gm.recompile()
+
+    optimize = impl._optimize_forward_intermediates
+
+    def _optimize_forward_intermediates(self: Any) -> None:
+        optimize(self)
+        self._break_bw_input_output_aliasing()
+
+    impl._break_bw_input_output_aliasing = _break_bw_input_output_aliasing
+    impl._optimize_forward_intermediates = _optimize_forward_intermediates
+
+
+def _replace_scan_autograd(scan_mod: Any) -> None:
+    """Fix 2 of `scan_autograd_fixes`: scan's autograd kernel as torch 2.13 writes it."""
+    from torch._C import DispatchKey
+
+    op = scan_mod.scan_op
+    partitioner = scan_mod.HopGraphMinCutPartitioner
+    autograd_op = scan_mod.ScanAutogradOp
+    disable_proxy_modes_tracing = scan_mod.disable_proxy_modes_tracing
+
+    def scan_autograd(combine_fn: Any, init: Any, xs: Any, additional_inputs: Any) -> Any:
+        with disable_proxy_modes_tracing():
+            flipped = [t for t in init if (t.dtype.is_floating_point or t.dtype.is_complex) and not t.requires_grad]
+            try:
+                for t in flipped:
+                    t.requires_grad_(True)
+                graph = partitioner.create_partitioned_graph(
+                    combine_fn, (*init, *[x[0] for x in xs], *additional_inputs), always_recompute_complex_exprs=True
+                )
+            finally:
+                for t in flipped:
+                    t.requires_grad_(False)
+        return autograd_op.apply(graph, len(init), len(xs), len(additional_inputs), *init, *xs, *additional_inputs)
+
+    # `py_autograd_impl` refuses a second kernel for a key: the old one is removed first
+    # (it registers a wrapper that calls `scan_autograd` and clears the dispatch cache)
+    op.py_kernels.pop(DispatchKey.Autograd, None)
+    op.py_autograd_impl(scan_autograd)
+    scan_mod.scan_autograd = scan_autograd
+
+
+def is_exporting() -> bool:
+    """Whether `torch.export` is tracing (strict or not), as `torch.compiler.is_exporting()`
+    answers outside Dynamo.
+
+    Inside code that Dynamo traces, torch 2.11's Dynamo folds `torch.compiler.is_exporting()`
+    to True under plain `torch.compile` too (as it folds `is_compiling()`), so tfun's
+    lowerings took every `tfun.jit` for an export (and dropped the workarounds that scan
+    autograd needs, e.g. the integer carries' encoding: "outs_to_grad length (2) != tangents
+    length (3)"); torch 2.13's Dynamo answers with the flag that export sets. This function
+    reads that flag (`torch.compiler._is_exporting_flag`, where the release has it) and
+    Dynamo runs it as plain Python, so every release answers alike.
+    """
+    if hasattr(torch.compiler, "_is_exporting_flag"):
+        return bool(torch.compiler._is_exporting_flag)
+    f = getattr(torch.compiler, "is_exporting", None)  # pragma: no cover - a torch without the flag
+    return bool(f()) if f is not None else False
+
+
+is_exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _code_names(code: Any) -> set[str]:
+    """The names (globals, attributes) that a code object and the code nested in it use."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _code_names(c)
+    return names
+
+
+_WHILE_AUTOGRAD_PATCHED = False
+
+
+def while_loop_autograd_fixes() -> None:
+    """Make torch's while_loop backward start from dense (contiguous) gradients.
+
+    The backward of `torch.while_loop` is a while_loop whose carries start as the gradients
+    of the forward outputs. Autograd may pass those as views: the gradient of `out.sum()` is
+    an expanded tensor with stride (0, 0), while each backward step returns a dense one, and
+    while_loop's own check refuses the pair ("Expected carried_inputs and body_output to have
+    same metadata ... stride: (0, 0) vs (3, 1)"); `tfun.grad` under `tfun.jit` meets it in the
+    fake run of `torch.autograd.grad`. torch 2.13's `WhileLoopAutogradOp.backward` clones the
+    gradients into contiguous tensors first; where it does not (its code never names
+    `contiguous_format`: torch 2.11), it is wrapped by one that does. Idempotent.
+    """
+    global _WHILE_AUTOGRAD_PATCHED
+    if _WHILE_AUTOGRAD_PATCHED:
+        return
+    _WHILE_AUTOGRAD_PATCHED = True
+    try:
+        mod = importlib.import_module("torch._higher_order_ops.while_loop")
+    except ImportError:  # pragma: no cover - a torch whose while_loop moved: nothing to patch
+        return
+    fn = getattr(mod, "WhileLoopAutogradOp", None)
+    backward = getattr(fn, "backward", None)
+    if backward is None or "contiguous_format" in _code_names(backward.__code__):
+        return
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    fn.backward = staticmethod(dense_backward)
+
+
+# Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
+while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def compile_error(e: BaseException) -> BaseException:
+    """The exception that made a compiled call fail, for `tfun.jit` to translate.
+
+    When a backend fails to compile a graph traced inside a `torch.func` transform (`tfun.vmap`
+    around a scan under `tfun.jit`), torch 2.11's Dynamo, unwinding, pops functorch's layer
+    stack once too often and raises an internal assert ("!dynamicLayerStack.empty() INTERNAL
+    ASSERT FAILED") while handling the real error, which it hides. That real error is the
+    assert's `__context__`: it is returned instead (torch 2.13 raises it directly). Any other
+    exception is returned as it is.
+    """
+    context = e.__context__
+    if isinstance(e, RuntimeError) and "dynamicLayerStack.empty()" in str(e) and context is not None:
+        return context
+    return e

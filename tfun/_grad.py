@@ -439,7 +439,8 @@ def _value_and_grad_call(
     # inside, torch has no second derivative of a HOP, so it is refused, never dropped.
     # Whether the function closes over such a tensor is learned at trace time by a probe
     # (`_probe_closure`); its ops feed nothing and AOTAutograd drops them before anything runs.
-    tracing = bool(fl.leaves) and _context.is_tracing()
+    # (`len(...) > 0`, not `bool(list)`: Dynamo 2.11 cannot trace the builtin `bool` of a list)
+    tracing = len(fl.leaves) > 0 and _context.is_tracing()
     closed = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
         closed, flows = _probe_closure(f_flat, fl.leaves)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import _context, _funcinfo
+from . import _compat, _context, _funcinfo
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from .lax import _hop
@@ -380,6 +380,7 @@ class Jitted:
             with _trace_autograd(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below
+            e = _compat.compile_error(e)  # torch 2.11 can hide it behind a functorch assert
             err = translate_error(e, self._fn_text, self._cache_size)
             if err is e:
                 raise

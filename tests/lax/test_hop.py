@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tfun
-from tfun import lax
+from tfun import _compat, lax
 from tfun.errors import JitError, StructureMismatchError, TensorMismatchError
 from tfun.lax import _hop
 
@@ -546,7 +546,8 @@ def test_scan_training_workarounds_only_when_needed():
         )
 
     low = tfun.jit(f).lower(h0, xs)
-    assert n_clones(low.graph_module) == 2 and "register_hook" in low.as_text()
+    # (on torch 2.11 scan's backward densifies the gradients itself: no hook, see _compat)
+    assert n_clones(low.graph_module) == 2 and ("register_hook" in low.as_text()) != _compat.scan_backward_dense()
     with torch.no_grad():
         low = tfun.jit(f).lower(h0, xs)
     assert n_clones(low.graph_module) == 0 and "register_hook" not in low.as_text()

@@ -112,6 +112,7 @@ def torch_cond() -> Callable[..., Any]:
 def torch_scan() -> Callable[..., Any]:
     from torch._higher_order_ops.scan import scan as _scan
 
+    _compat.scan_autograd_fixes()  # torch 2.11's scan autograd lacks two fixes of 2.13 (see there)
     return _scan
 
 
@@ -119,6 +120,7 @@ def torch_while_loop() -> Callable[..., Any]:
     fn = getattr(torch, "while_loop", None)
     if fn is None:
         from torch._higher_order_ops.while_loop import while_loop as fn
+    _compat.while_loop_autograd_fixes()  # torch 2.11's backward keeps strided gradients (see there)
     return fn
 
 
@@ -497,8 +499,7 @@ def promote_weak(c_leaves: list[Any], weak: Any, out_carry: Any) -> list[Any]:
 
 
 def is_exporting() -> bool:
-    f = getattr(torch.compiler, "is_exporting", None)
-    return bool(f()) if f is not None else False
+    return _compat.is_exporting()  # Dynamo 2.11 folds torch.compiler.is_exporting() to True
 
 
 # ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _context, _funcinfo, _rules
+from .. import _compat, _context, _funcinfo, _rules
 from .._errors import ArgumentTypeError, ArgumentValueError, JitError, TensorMismatchError, format_message
 from .._tree import PyTreeSpec, keystr, tree_flatten, tree_structure, tree_unflatten
 from . import _hop
@@ -650,7 +650,7 @@ def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
 
 def _contiguous_grad(t: Any) -> Any:
     """`t`, whose gradient is made dense (contiguous) before it reaches scan's backward."""
-    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled() and not _compat.scan_backward_dense():
         t = t.view_as(t)
         t.register_hook(_make_contiguous)
     return t
