@@ -214,7 +214,7 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             )
         return _hop.unalias(out_leaves, list(a) + list(b))
 
-    out = _hop.torch_associative_scan()(combine, list(leaves), dim=axis, reverse=reverse, combine_mode=mode)
+    out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode=mode)
     return tree_unflatten(td, list(out))
 
 

@@ -72,6 +72,7 @@ from .._errors import SideEffectError, StructureMismatchError, TensorMismatchErr
 from .._tree import tree_flatten, tree_unflatten
 
 __all__ = [
+    "distinct",
     "is_tracing",
     "begin_lowering",
     "lowerings",
@@ -420,6 +421,23 @@ def as_tensor(x: Any, like: Any = None) -> Any:
 def _view_root(t: torch.Tensor) -> torch.Tensor:
     base = t._base
     return t if base is None else base
+
+
+def distinct(operands: Sequence[Any]) -> list[Any]:
+    """A HOP's tensor operands with aliasing removed: an operand that is (a view of) an
+    earlier one is cloned. torch's HOPs refuse aliased operands ("scan might be aliasing the
+    input or the output"), which JAX programs pass freely (`scan(cell, (h0, h0), xs)`)."""
+    seen: list[torch.Tensor] = []
+    result = []
+    for t in operands:
+        if isinstance(t, torch.Tensor):
+            root = _view_root(t)
+            if any(root is s for s in seen):
+                t = t.clone()
+                root = t
+            seen.append(root)
+        result.append(t)
+    return result
 
 
 def unalias(outs: list[Any], ins: Sequence[Any], clone_all: bool = False) -> list[Any]:

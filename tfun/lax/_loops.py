@@ -396,7 +396,7 @@ def _lower_while_loop(
         new = [x.contiguous() for x in new]
         return tuple(_hop.unalias(new, flat))
 
-    out = _hop.torch_while_loop()(c, b, tuple(leaves))
+    out = _hop.torch_while_loop()(c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
     return tree_unflatten(td, list(out))
 
 

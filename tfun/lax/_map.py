@@ -141,7 +141,7 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
         return _hop.pack(y_td, y_leaves)
 
-    return _hop.unpack(_hop.torch_map()(body, list(x_leaves)))
+    return _hop.unpack(_hop.torch_map()(body, _hop.distinct(x_leaves)))  # e.g. xs=(x, x)
 
 
 __all__ = ["map"]

@@ -478,6 +478,8 @@ def _lower_scan(
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
     if encode:
         init_flat = [_to_floating(t) for t in init_flat]
+    operands = _hop.distinct(list(init_flat) + list(xs_flat))  # e.g. scan(cell, (h0, h0), xs)
+    init_flat, xs_flat = operands[: len(init_flat)], operands[len(init_flat) :]
     carry_flat, (ys, _) = _hop.torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
     carry_flat = list(carry_flat)[:n_c]
     if encode:
