@@ -231,3 +231,21 @@ def test_defaultdict_and_ordereddict_order_matches_jax(jtu):
         ]
     rebuilt = tt.tree_map(lambda v: v, dd)
     assert type(rebuilt) is collections.defaultdict and rebuilt.default_factory is list
+
+
+def test_partition_combine_round_trip_and_substitution():
+    from tfun._tree import partition
+
+    x, y = torch.ones(2), torch.zeros(3)
+    tree = {"a": (x, 1.5, None), "b": [y, "name"], "c": Point(x=3, y=x)}
+    part = partition(tree)
+    assert len(part.dynamic) == 3 and all(t is s for t, s in zip(part.dynamic, [x, y, x]))  # leaf order: a, b, c
+    again = part.combine(part.dynamic)
+    assert tt.tree_structure(again) == tt.tree_structure(tree)
+    assert all(u is v for u, v in zip(tt.tree_leaves(again), tt.tree_leaves(tree)))
+    new = part.combine([torch.full((2,), 7.0), torch.full((3,), 9.0), torch.full((2,), 8.0)])
+    assert new["a"][1] == 1.5 and new["a"][2] is None and new["b"][1] == "name" and new["c"].x == 3
+    assert new["a"][0][0].item() == 7.0 and new["b"][0][0].item() == 9.0 and new["c"].y[0].item() == 8.0
+    # a custom predicate, and none_is_leaf as in tree_flatten
+    ints = partition(tree, lambda v: isinstance(v, int), none_is_leaf=True)
+    assert ints.dynamic == [3] and len(ints.leaves) == len(tt.tree_flatten(tree, none_is_leaf=True)[0])

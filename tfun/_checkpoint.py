@@ -34,7 +34,7 @@ from . import _context
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from ._funcinfo import describe
 from ._grad import describe_value, is_inexact
-from ._tree import tree_flatten, tree_unflatten
+from ._tree import Partition, partition, tree_flatten, tree_unflatten
 from .lax import _hop
 
 __all__ = ["checkpoint", "remat", "checkpoint_policies"]
@@ -383,15 +383,10 @@ def _traced_checkpoint(
         return fun(*args)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    dyn = tuple(a for i, a in enumerate(args) if i not in static)
-    leaves, treedef = tree_flatten(dyn)
-    pos = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    dyn = partition(tuple(a for i, a in enumerate(args) if i not in static))
 
     def tfun_checkpoint_body(*tensors: torch.Tensor) -> Any:
-        cur = list(leaves)
-        for k, t in zip(pos, tensors):
-            cur[k] = t
-        call = list(tree_unflatten(treedef, cur))
+        call = list(dyn.combine(tensors))
         for i in sorted(static):
             call.insert(i, static[i])
         lowered = _hop.lowerings()
@@ -403,7 +398,7 @@ def _traced_checkpoint(
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if policy is not None:
         options["context_fn"] = functools.partial(_selective_contexts, policy)
-    return torch_checkpoint(tfun_checkpoint_body, *[leaves[k] for k in pos], **options)
+    return torch_checkpoint(tfun_checkpoint_body, *dyn.dynamic, **options)
 
 
 # --------------------------------------------------------------------------------------
@@ -413,28 +408,20 @@ def _traced_checkpoint(
 
 class _Spec:
     fun: Callable[..., Any]
-    args_td: Any
-    leaves: list[Any]
-    tensor_pos: list[int]
+    args: Partition  # the non-static arguments: tensors are the autograd.Function's inputs
     static: dict[int, Any]
     nargs: int
     n_in: int
     externals: list[torch.Tensor]
     policy: Callable[..., bool] | None
     precomputed: tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]] | None
-    out_td: Any
-    out_leaves_static: list[Any]
-    out_tensor_pos: list[int]
+    out: Partition  # the output: tensors are the autograd.Function's outputs
     saved_index: list[tuple[int, int]]
     n_out: int
     rng: _RngState | None
 
     def call(self, tensors: Sequence[torch.Tensor]) -> Any:
-        cur = list(self.leaves)
-        for k, t in zip(self.tensor_pos, tensors):
-            cur[k] = t
-        flat_args = tree_unflatten(self.args_td, cur)
-        args = list(flat_args)
+        args = list(self.args.combine(tensors))
         for i, v in self.static.items():
             args.insert(i, v)
         return self.fun(*args)
@@ -444,10 +431,8 @@ class _Spec:
 
 
 def _flatten_out(spec: _Spec, out: Any) -> list[torch.Tensor]:
-    leaves, spec.out_td = tree_flatten(out)
-    spec.out_tensor_pos = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    spec.out_leaves_static = leaves
-    return [leaves[k] for k in spec.out_tensor_pos]
+    spec.out = partition(out)
+    return spec.out.dynamic
 
 
 class _CheckpointFunction(torch.autograd.Function):
@@ -496,8 +481,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 vals[k] = v
             with _Mode(subst=spec.subst(vals[spec.n_in :])):
                 out = spec.call(vals[: spec.n_in])
-            leaves = tree_flatten(out)[0]
-            return tuple(leaves[k] for k in spec.out_tensor_pos)
+            return tuple(partition(out).dynamic)
 
         primals = tuple(tensors[k] for k in diff)
         tans = tuple(
@@ -677,9 +661,8 @@ def checkpoint(
         spec.policy = policy
         spec.static = {i: args[i] for i in sorted(statics)}
         dyn = tuple(a for i, a in enumerate(args) if i not in spec.static)
-        spec.leaves, spec.args_td = tree_flatten(dyn)
-        spec.tensor_pos = [k for k, x in enumerate(spec.leaves) if isinstance(x, torch.Tensor)]
-        ins = [spec.leaves[k] for k in spec.tensor_pos]
+        spec.args = partition(dyn)
+        ins = spec.args.dynamic
         spec.n_in = len(ins)
         # discovery run: no graph; finds closed-over tensors (and, outside torch.func, is the forward)
         spec.rng = _RngState(ins) if preserve_rng_state else None
@@ -700,10 +683,7 @@ def checkpoint(
                 # the forward below runs `fun` again: it draws what the discovery run drew
                 spec.rng.set()
         res = _CheckpointFunction.apply(spec, *ins, *spec.externals)
-        leaves = list(spec.out_leaves_static)
-        for k, t in zip(spec.out_tensor_pos, res[: spec.n_out]):
-            leaves[k] = t
-        return tree_unflatten(spec.out_td, leaves)
+        return spec.out.combine(res[: spec.n_out])
 
     return checkpointed
 

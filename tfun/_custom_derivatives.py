@@ -32,7 +32,7 @@ from ._errors import (
 )
 from ._funcinfo import describe
 from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
-from ._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from ._tree import partition, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["custom_vjp", "custom_jvp"]
 
@@ -222,18 +222,13 @@ class _CallSpec:
         self.nondiff_argnums = nondiff_argnums
         self.diff_argnums = tuple(i for i in range(len(args)) if i not in nondiff_argnums)
         self.nondiff = tuple(args[i] for i in nondiff_argnums)
-        diff = tuple(args[i] for i in self.diff_argnums)
-        pl, self.diff_td = tree_flatten_with_path(diff)
-        self.leaves = [x for _, x in pl]
-        self.tensor_pos = [k for k, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
-        self.tensors = [self.leaves[k] for k in self.tensor_pos]
+        self.diff = partition(tuple(args[i] for i in self.diff_argnums))
+        self.tensor_pos = self.diff.positions
+        self.tensors = self.diff.dynamic
         self.out_td: Any = None
 
     def diff_args(self, tensors: Sequence[Any]) -> tuple[Any, ...]:
-        cur = list(self.leaves)
-        for k, t in zip(self.tensor_pos, tensors):
-            cur[k] = t
-        return tuple(tree_unflatten(self.diff_td, cur))
+        return tuple(self.diff.combine(tensors))
 
     def all_args(self, tensors: Sequence[Any]) -> list[Any]:
         diff = self.diff_args(tensors)
@@ -463,10 +458,10 @@ class _CustomVjpFunction(torch.autograd.Function):
                 )
             )
         # expected: the differentiable args, with their tensor metadata in forward's leaf order
-        meta_per_leaf: list[Any] = [None] * len(spec.leaves)
+        meta_per_leaf: list[Any] = [None] * len(spec.diff.leaves)
         for k, m in zip(spec.tensor_pos, spec.in_meta):
             meta_per_leaf[k] = m
-        expected = tree_unflatten(spec.diff_td, list(range(len(spec.leaves))))
+        expected = tree_unflatten(spec.diff.treedef, list(range(len(spec.diff.leaves))))
         flat = _check_cotangents(
             op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
         )

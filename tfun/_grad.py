@@ -40,7 +40,7 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from ._tree import NAMESPACE, keystr, partition, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from .lax import _hop
 
 __all__ = [
@@ -317,17 +317,12 @@ _forward_ad_ready = forward_ad_ready  # torch's forward-AD import warns once; tf
 
 def _pack_aux(box: dict[str, Any], aux: Any) -> list[torch.Tensor]:
     """torch.func passes only tensors through `aux`; keep the other leaves aside."""
-    leaves, box["aux_td"] = tree_flatten(aux)
-    box["aux_leaves"] = leaves
-    box["aux_tpos"] = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    return [leaves[k] for k in box["aux_tpos"]]
+    box["aux"] = partition(aux)
+    return box["aux"].dynamic
 
 
 def _unpack_aux(box: dict[str, Any], tensors: Sequence[torch.Tensor]) -> Any:
-    leaves = list(box["aux_leaves"])
-    for k, x in zip(box["aux_tpos"], tensors):
-        leaves[k] = x
-    return tree_unflatten(box["aux_td"], leaves)
+    return box["aux"].combine(tensors)
 
 
 def conj_ct(t: Any) -> Any:

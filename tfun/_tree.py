@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import optree
+import torch
 from optree import PyTreeSpec
 
 NAMESPACE = "tfun"
@@ -39,6 +40,9 @@ __all__ = [
     "register_pytree_node",
     "register_dataclass",
     "keystr",
+    "Partition",
+    "partition",
+    "is_tensor",
 ]
 
 
@@ -129,6 +133,56 @@ def tree_map_with_path(
     return optree.tree_map_with_accessor(
         f, tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE
     )
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A pytree's leaves split into the dynamic ones and the static rest, with what puts
+    them back together: Equinox's `partition`/`combine`, flat. Every transform uses it for
+    the pytrees it is called with (the tensors cross the transform, the rest is held here).
+
+    - `dynamic`: the dynamic leaves, in leaf order.
+    - `combine(new)`: the pytree again, with `new` in place of the dynamic leaves.
+    """
+
+    treedef: PyTreeSpec
+    leaves: tuple[Any, ...]
+    positions: tuple[int, ...]
+
+    @property
+    def dynamic(self) -> list[Any]:
+        return [self.leaves[k] for k in self.positions]
+
+    def combine(self, dynamic: Sequence[Any]) -> PyTree:
+        leaves = list(self.leaves)
+        for k, x in zip(self.positions, dynamic):
+            leaves[k] = x
+        return tree_unflatten(self.treedef, leaves)
+
+
+def partition(
+    tree: PyTree,
+    is_dynamic: Callable[[Any], bool] = is_tensor,
+    *,
+    is_leaf: Callable[[Any], bool] | None = None,
+    none_is_leaf: bool = False,
+) -> Partition:
+    """Split `tree`'s leaves by `is_dynamic` (by default: tensors are dynamic).
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `is_dynamic`: which leaves cross the transform.
+    - `is_leaf`, `none_is_leaf`: as for `tree_flatten`.
+
+    **Returns:** a `Partition`; `partition(t).combine(partition(t).dynamic)` rebuilds `t`.
+    """
+    leaves, treedef = tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf)
+    return Partition(treedef, tuple(leaves), tuple(k for k, x in enumerate(leaves) if is_dynamic(x)))
 
 
 def tree_all(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> bool:
