@@ -40,7 +40,7 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._tree import NAMESPACE, keystr, partition, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from ._tree import NAMESPACE, Partition, keystr, partition, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from .lax import _hop
 
 __all__ = [
@@ -263,40 +263,31 @@ def resolve_argnums(op: str, fun: Callable[..., Any], argnums: tuple[int, ...], 
     return tuple(out)
 
 
-class _ArgFlattener:
-    """Flatten the differentiated positional arguments of a call into inexact tensor leaves."""
+class _DiffArgs:
+    """The positional arguments `argnums` names, as one `Partition` whose leaves are all dynamic:
+    each an inexact tensor (a Python float or complex becomes one; anything else is a tfun error
+    naming its path). The other arguments are passed through as they are.
+
+    - `leaves`, `paths`: the differentiated leaves in order, and each one's path (`args[i]...`);
+    - `rebuild_args(flat)`: the positional arguments with `flat` in place of those leaves;
+    - `split(flat)`: one tree per entry of `argnums` (the gradients' structure)."""
 
     def __init__(self, op: str, fun: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]):
-        self.args = list(args)
+        self.args = tuple(args)
         self.argnums = argnums
-        self.treedefs = []
-        self.counts = []
-        self.leaves: list[torch.Tensor] = []
-        self.paths: list[str] = []
-        for i in argnums:
-            pl, td = tree_flatten_with_path(args[i])
-            self.treedefs.append(td)
-            self.counts.append(len(pl))
-            for p, leaf in pl:
-                self.paths.append(f"args[{i}]{keystr(p)}")
-                self.leaves.append(_as_diff_leaf(op, fun, self.paths[-1], leaf))
+        pl, treedef = tree_flatten_with_path(tuple(args[i] for i in argnums))
+        self.paths = [f"args[{argnums[p[0].entry]}]{keystr(p[1:])}" for p, _ in pl]
+        self.leaves = [_as_diff_leaf(op, fun, path, leaf) for path, (_, leaf) in zip(self.paths, pl)]
+        self.part = Partition(treedef, tuple(self.leaves), tuple(range(len(self.leaves))))
+
+    def split(self, flat: Sequence[Any]) -> list[Any]:
+        return list(self.part.combine(flat))
 
     def rebuild_args(self, flat: Sequence[Any]) -> list[Any]:
         new_args = list(self.args)
-        pos = 0
-        for i, td, n in zip(self.argnums, self.treedefs, self.counts):
-            new_args[i] = tree_unflatten(td, list(flat[pos : pos + n]))
-            pos += n
+        for i, tree in zip(self.argnums, self.part.combine(flat)):
+            new_args[i] = tree
         return new_args
-
-    def split(self, flat: Sequence[Any]) -> list[Any]:
-        """Per-argnum trees from a flat sequence in leaf order."""
-        out = []
-        pos = 0
-        for td, n in zip(self.treedefs, self.counts):
-            out.append(tree_unflatten(td, list(flat[pos : pos + n])))
-            pos += n
-        return out
 
 
 def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
@@ -409,7 +400,7 @@ def _value_and_grad_call(
     holomorphic: bool = False,
 ) -> tuple[Any, Any, Any]:
     argnums = resolve_argnums(op, fun, argnums, len(args))
-    fl = _ArgFlattener(op, fun, args, argnums)
+    fl = _DiffArgs(op, fun, args, argnums)
     if holomorphic:
         _check_complex_inputs(op, fun, fl.paths, fl.leaves)
     box: dict[str, Any] = {}
@@ -625,17 +616,12 @@ def _call_flat(
     fun: Callable[..., Any],
     has_aux: bool,
     box: dict[str, Any],
-    leaves: Sequence[Any],
-    diff_idx: Sequence[int],
-    ptd: Any,
+    primals: Partition,
     diff: Sequence[torch.Tensor],
 ) -> tuple[list[Any], list[Any]]:
-    """Call `fun` on the primals with the differentiated leaves replaced by `diff`: its flat
-    outputs and packed aux (the output structure is left in `box["out_td"]`)."""
-    cur = list(leaves)
-    for k, d in zip(diff_idx, diff):
-        cur[k] = d
-    out = fun(*tree_unflatten(ptd, cur))
+    """Call `fun` on the primals with their differentiated (dynamic) leaves replaced by `diff`:
+    its flat outputs and packed aux (the output structure is left in `box["out_td"]`)."""
+    out = fun(*primals.combine(diff))
     aux = None
     if has_aux:
         out, aux = _split_aux(op, fun, out)
@@ -702,12 +688,13 @@ def jvp(
                 revise="Give each tangent its primal's shape and dtype.",
             )
         )
+    prim = Partition(ptd, tuple(leaves), tuple(diff_idx))
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], list[Any]]:
-        return _call_flat(op, fun, has_aux, box, leaves, diff_idx, ptd, diff)
+        return _call_flat(op, fun, has_aux, box, prim, diff)
 
-    diff_primals = tuple(leaves[k] for k in diff_idx)
+    diff_primals = tuple(prim.dynamic)
     _forward_ad_ready()
     if diff_primals:
         out_l, tan_l, aux_l = torch.func.jvp(f_flat, diff_primals, tuple(diff_tangents), has_aux=True)  # type: ignore[misc]
@@ -748,10 +735,11 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         leaves.append(x)
         if isinstance(x, torch.Tensor) and is_inexact(x):
             diff_idx.append(k)
+    prim = Partition(ptd, tuple(leaves), tuple(diff_idx))
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], Any]:
-        ol, al = _call_flat(op, fun, has_aux, box, leaves, diff_idx, ptd, diff)
+        ol, al = _call_flat(op, fun, has_aux, box, prim, diff)
         _check_tensor_outputs(op, fun, tree_unflatten(box["out_td"], ol))
         # torch.func.vjp differentiates inexact tensor outputs only; the rest ride along as aux.
         box["inexact"] = [isinstance(o, torch.Tensor) and is_inexact(o) for o in ol]
@@ -764,7 +752,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
             diff_out = [sum((d.real if d.is_complex() else d).sum() * 0 for d in diff)]
         return diff_out, (rest, list(al))
 
-    diff_primals = [leaves[k] for k in diff_idx]
+    diff_primals = prim.dynamic
     if diff_primals:
         diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
@@ -804,10 +792,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         if anchor is not None:
             diff_cts = [torch.zeros_like(anchor)]
         grads = [conj_ct(g) for g in torch_vjp_fn(diff_cts)] if torch_vjp_fn is not None else []
-        flat_ct: list[Any] = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        for k, g in zip(diff_idx, grads):
-            flat_ct[k] = g
-        return tuple(tree_unflatten(ptd, flat_ct))
+        # the constants' cotangents: zeros of their dtype (JAX's float0 zeros); the rest as they are
+        zeros = prim.map_static(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x)
+        return tuple(zeros.combine(grads))
 
     if has_aux:
         return out, vjp_fn, _unpack_aux(box, aux_l)
@@ -930,7 +917,7 @@ def _jac(
     @functools.wraps(fun)
     def jac_fun(*args: Any, **kwargs: Any) -> Any:
         argnums_r = resolve_argnums(op, fun, nums, len(args))
-        fl = _ArgFlattener(op, fun, args, argnums_r)
+        fl = _DiffArgs(op, fun, args, argnums_r)
         if holomorphic:
             _check_complex_inputs(op, fun, fl.paths, fl.leaves)
         elif forward:

@@ -147,6 +147,9 @@ class Partition:
 
     - `dynamic`: the dynamic leaves, in leaf order.
     - `combine(new)`: the pytree again, with `new` in place of the dynamic leaves.
+    - `map_static(f)`: the same split with `f` applied to each static leaf.
+
+    Build one with `partition`, or directly from leaves a transform has checked one by one.
     """
 
     treedef: PyTreeSpec
@@ -162,6 +165,12 @@ class Partition:
         for k, x in zip(self.positions, dynamic):
             leaves[k] = x
         return tree_unflatten(self.treedef, leaves)
+
+    def map_static(self, f: Callable[[Any], Any]) -> Partition:
+        """The same partition with `f` applied to each static leaf."""
+        dynamic = set(self.positions)
+        leaves = tuple(x if k in dynamic else f(x) for k, x in enumerate(self.leaves))
+        return Partition(self.treedef, leaves, self.positions)
 
 
 def partition(

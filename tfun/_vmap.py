@@ -7,14 +7,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, format_message
 from ._funcinfo import describe
 from ._grad import PrefixMismatch, _is_node, _one_level, broadcast_prefix, describe_value
-from ._tree import NAMESPACE, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_structure, tree_unflatten
+from ._tree import Partition, keystr, tree_flatten_with_path, tree_map, tree_structure, tree_unflatten
 
 __all__ = ["vmap"]
 
@@ -117,13 +116,10 @@ def vmap(
                     "whole subtree).",
                 )
             ) from None
-        if kwargs:
-            kw_leaves, kw_td = tree_flatten(kwargs)
-            kw_paths = [f"kwargs{keystr(p)}" for p, _ in tree_flatten_with_path(kwargs)[0]]
-        else:
-            # not flattened: Dynamo's optree support (torch 2.13) fails on an empty dict
-            kw_leaves, kw_td, kw_paths = [], None, []
-        entries = [(p, ax, x) for p, ax, x in per_leaf] + [(p, 0, x) for p, x in zip(kw_paths, kw_leaves)]
+        # keyword arguments are mapped over axis 0, as in JAX; an empty dict is left out of the
+        # tree (Dynamo's optree support, torch 2.13, fails on flattening one)
+        kw_entries = [(f"kwargs{keystr(p)}", 0, x) for p, x in tree_flatten_with_path(kwargs)[0]] if kwargs else []
+        entries = per_leaf + kw_entries
 
         mapped_pos: list[int] = []
         mapped_vals: list[torch.Tensor] = []
@@ -169,7 +165,6 @@ def vmap(
                     revise="Make the mapped axes agree in size (or give the odd one in_axes None).",
                 )
             )
-        dummy = False
         if not mapped_vals:
             if axis_size is None:
                 raise ArgumentValueError(
@@ -180,23 +175,22 @@ def vmap(
                         revise="Pass axis_size=..., or map at least one argument.",
                     )
                 )
-            mapped_vals.append(torch.empty(axis_size, 0))
+            mapped_vals.append(torch.empty(axis_size, 0))  # a stand-in that carries axis_size
             in_dims.append(0)
-            dummy = True
 
-        static_leaves = [x for _, _, x in entries]
-        n_pos = len(per_leaf)
-        args_td = tree_structure(tuple(args))
+        # the mapped leaves cross torch.func.vmap; the rest is held here
+        called = Partition(
+            tree_structure((tuple(args), kwargs) if kwargs else tuple(args)),
+            tuple(x for _, _, x in entries),
+            tuple(mapped_pos),
+        )
         out_dims: list[Any] = []  # filled by f_flat: torch.func.vmap reads out_dims after the call
         box: dict[str, Any] = {}
 
         def f_flat(*vals: torch.Tensor) -> list[Any]:
-            cur = list(static_leaves)
-            if not dummy:
-                for k, v in zip(mapped_pos, vals):
-                    cur[k] = v
-            new_args = tree_unflatten(args_td, cur[:n_pos])
-            new_kwargs = tree_unflatten(kw_td, cur[n_pos:]) if kw_td is not None else {}
+            # with no mapped argument, `vals` is only the stand-in: `called` has no position for it
+            rebuilt = called.combine(vals)
+            new_args, new_kwargs = rebuilt if kwargs else (rebuilt, {})
             out = fun(*new_args, **new_kwargs)
             try:
                 out_entries = broadcast_prefix(out_axes, out, _is_axis, "output")
