@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import tfun
 from tests.helpers import Point, State, sample_trees
 from tfun import tree as tt
 from tfun.errors import TfunError
@@ -249,3 +250,30 @@ def test_partition_combine_round_trip_and_substitution():
     # a custom predicate, and none_is_leaf as in tree_flatten
     ints = partition(tree, lambda v: isinstance(v, int), none_is_leaf=True)
     assert ints.dynamic == [3] and len(ints.leaves) == len(tt.tree_flatten(tree, none_is_leaf=True)[0])
+    # map_static: the static leaves change, the dynamic ones (and the split) do not
+    doubled = part.map_static(lambda v: v * 2 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+    assert doubled.positions == part.positions and doubled.dynamic == part.dynamic
+    again = doubled.combine(doubled.dynamic)
+    assert again["a"][1] == 3.0 and again["c"].x == 6 and again["b"][1] == "name" and again["a"][0] is x
+
+
+def test_transforms_rebuild_mixed_arguments_through_partition():
+    """grad's argnums, vjp's constants and vmap's unmapped leaves ride through the Partition
+    split: the non-tensor leaves reach the function unchanged, in their places."""
+    seen = []
+
+    def f(p, cfg):
+        seen.append((type(p["w"]).__name__, cfg["name"], cfg["scale"]))
+        return (p["w"] * cfg["scale"]).sum() + p["b"][1]
+
+    p = {"w": torch.arange(3.0), "b": (None, torch.tensor(2.0))}
+    cfg = {"name": "run", "scale": 2.0}
+    g = tfun.grad(f)(p, cfg)
+    assert tt.tree_structure(g) == tt.tree_structure(p)
+    assert torch.equal(g["w"], torch.full((3,), 2.0)) and g["b"][0] is None and g["b"][1].item() == 1.0
+    assert seen[-1][1:] == ("run", 2.0)
+    out, pull = tfun.vjp(lambda q, n: (q * n).sum(), torch.ones(2), torch.tensor(3))
+    gq, gn = pull(torch.tensor(1.0))
+    assert torch.equal(gq, torch.full((2,), 3.0)) and gn.dtype == torch.int64 and gn.item() == 0
+    ys = tfun.vmap(lambda x, cfg, k: x * cfg["scale"] + k, in_axes=(0, None, None))(torch.ones(4, 2), cfg, 1.0)
+    assert torch.equal(ys, torch.full((4, 2), 3.0))
