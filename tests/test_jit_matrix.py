@@ -282,6 +282,26 @@ def bad_fori_state_change(x):
     return lax.fori_loop(0, 3, body, x)
 
 
+def bad_scan_y_not_a_tensor(x):
+    return lax.scan(lambda c, a: (c, (a, "label")), x, x)
+
+
+def bad_map_output_not_a_tensor(x):
+    return lax.map(lambda r: {"r": r, "name": "row"}, x)
+
+
+def bad_batched_map_output_not_a_tensor(x):
+    return lax.map(lambda r: {"r": r, "name": "row"}, x, batch_size=2)
+
+
+def bad_cond_output_not_a_tensor(x):
+    return lax.cond(x.sum() > 0, lambda y: (y, "pos"), lambda y: (y, "neg"), x)
+
+
+def bad_while_cond_not_a_scalar(x):
+    return lax.while_loop(lambda c: c > 0, lambda c: c - 1, x)
+
+
 CORPUS = {
     "carry structure": (bad_carry_structure, StructureMismatchError),
     "carry dtype": (bad_carry_dtype, TensorMismatchError),
@@ -297,6 +317,11 @@ CORPUS = {
     "associative_scan combine structure": (bad_combine_structure, StructureMismatchError),
     "fori_loop tensor bounds carry dtype": (bad_fori_tensor_bounds_carry_dtype, TensorMismatchError),
     "fori_loop state change": (bad_fori_state_change, SideEffectError),
+    "scan y not a tensor": (bad_scan_y_not_a_tensor, ArgumentTypeError),
+    "map output not a tensor": (bad_map_output_not_a_tensor, ArgumentTypeError),
+    "batched map output not a tensor": (bad_batched_map_output_not_a_tensor, ArgumentTypeError),
+    "cond output not a tensor": (bad_cond_output_not_a_tensor, ArgumentTypeError),
+    "while_loop cond_fun not a scalar": (bad_while_cond_not_a_scalar, ArgumentTypeError),
 }
 
 

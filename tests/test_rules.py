@@ -868,19 +868,20 @@ def test_not_implemented_error_of_the_branch_not_taken_is_raised():
 
 def _same_error_eagerly_and_jitted(make, cls=SideEffectError):
     """`make()` builds a fresh program (fresh outer state) that breaks a rule. It is run
-    eagerly and under `tfun.jit`: the same tfun error (class and message) both times, naming
-    the user's function in this file. Returns the message."""
+    eagerly and under `tfun.jit` with the aot_eager backend and with Inductor (the default):
+    the same tfun error (class and message) all three times, naming the user's function in
+    this file. Returns the message."""
     msgs = []
-    for jitted in (False, True):
+    for backend in (None, "aot_eager", "inductor"):
         clear_cache()
         program = make()
-        if jitted:
-            program = tfun.jit(program, backend="aot_eager")
+        if backend is not None:
+            program = tfun.jit(program, backend=backend)
         with pytest.raises(cls) as e:
             program()
         assert type(e.value) is cls
         msgs.append(str(e.value))
-    assert msgs[0] == msgs[1]
+    assert msgs[0] == msgs[1] == msgs[2]
     assert re.search(r"The function is `[\w<>]+ at .*test_rules\.py:\d+`\.", msgs[0]), msgs[0]
     return msgs[0]
 

@@ -407,16 +407,24 @@ def as_tensor_leaves(
         if type(leaf).__module__ == "numpy":
             leaves[i] = torch.as_tensor(leaf)
             continue
-        path = keystr(treedef.accessors()[i])
-        raise ArgumentTypeError(
-            format_message(
-                f"{op}: every leaf of {arg} must be a tensor or a Python scalar, but {arg}{path} is "
-                f"{describe_leaf(leaf)}.",
-                revise=f"Pass tensors (or bool/int/float) in {arg}; keep other values out of the pytree "
-                "(close over them in the function instead).",
-            )
-        )
+        raise ArgumentTypeError(non_tensor_leaf_message(op, arg, keystr(treedef.accessors()[i]), describe_leaf(leaf)))
     return leaves, treedef
+
+
+def non_tensor_leaf_message(op: str, arg: str, path: str, leaf_text: str, function: str | None = None) -> str:
+    """The message for a leaf of `arg` that is neither a tensor nor a Python scalar (an
+    argument, or what a user function returned: then `function` names it)."""
+    revise = (
+        f"Return tensors (or bool/int/float) in {arg}; keep other values out of it."
+        if function is not None
+        else f"Pass tensors (or bool/int/float) in {arg}; keep other values out of the pytree "
+        "(close over them in the function instead)."
+    )
+    return format_message(
+        f"{op}: every leaf of {arg} must be a tensor or a Python scalar, but {arg}{path} is {leaf_text}.",
+        function=function,
+        revise=revise,
+    )
 
 
 def _is_weak(x: Any) -> bool:

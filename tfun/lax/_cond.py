@@ -22,9 +22,10 @@ def _normalize_operands(op: str, operands: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(_rules.as_tensor_tree(op, f"operands[{i}]", o) for i, o in enumerate(operands))
 
 
-def _branch_output(op: str, out: Any) -> tuple[Any, list[Any], Any]:
+def _branch_output(op: str, fn: Callable[..., Any], out: Any) -> tuple[Any, list[Any], Any]:
     leaves, treedef = tree_flatten(out)
     if not all(type(x) is torch.Tensor or isinstance(x, torch.Tensor) for x in leaves):
+        _hop.check_output_leaves(op, "the branch output", fn, out)
         leaves, treedef = _rules.as_tensor_leaves(op, "the branch output", out)
         out = tree_unflatten(treedef, leaves)
     return out, leaves, treedef
@@ -118,13 +119,13 @@ def _run_branch(
     if expected is None:
         _check_arity(op, branches, operands, branch_names)
         out = _rules.checked_call(op, branch_names[taken], branch, operands)
-        out, leaves, treedef = _branch_output(op, out)
+        out, leaves, treedef = _branch_output(op, branch, out)
         _check_branches(op, branches, taken, operands, leaves, treedef, branch_names)
         # Only metadata: the cache must not keep the output (and its autograd graph) alive.
         rules.record((taken, treedef, _rules.leaf_metas(leaves)))
         return out
     out = branch(*operands)
-    out, leaves, treedef = _branch_output(op, out)
+    out, leaves, treedef = _branch_output(op, branch, out)
     first_taken, exp_def, exp_metas = expected
     if treedef != exp_def or _rules.leaf_signature(leaves) != _rules.leaf_signature(exp_metas):
         # Either a closure of the same code returns something else (then check this call's
@@ -365,6 +366,7 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         state = _hop.torch_state()
         out = fn(*operands)
         _hop.check_state(op, label, fn, state)
+        _hop.check_output_leaves(op, "the branch output", fn, out)
         leaves, td = tree_flatten(out)
         leaves = [_hop.as_tensor(x) for x in leaves]
         bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, shapes), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)

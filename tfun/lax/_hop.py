@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from .. import _compat, _context, _funcinfo, _rules
-from .._errors import SideEffectError, StructureMismatchError, TensorMismatchError
+from .._errors import ArgumentTypeError, SideEffectError, StructureMismatchError, TensorMismatchError
 from .._tree import tree_flatten, tree_unflatten
 
 __all__ = [
@@ -406,6 +406,22 @@ def carrier(td: Any, leaves: Sequence[Any]) -> Any:
     a dict whose leaves are all constants.)
     """
     return tree_unflatten(td, list(leaves))
+
+
+def check_output_leaves(op: str, arg: str, fn: Any, tree: Any) -> None:
+    """Every leaf of `tree`, which `fn` returned, is a tensor or a Python scalar (a numpy
+    value becomes a tensor too); else the `ArgumentTypeError` eager and traced code share.
+    Runs in plain Python and under Dynamo alike."""
+    leaves, td = tree_flatten(tree)
+    for i, x in enumerate(leaves):
+        if not isinstance(x, (torch.Tensor, bool, int, float, complex)) and type(x).__module__ != "numpy":
+            raise ArgumentTypeError(_escape_leaf_message(op, arg, skeleton(td), i, type(x), code_of(fn)))
+
+
+@assume_constant
+def _escape_leaf_message(op: str, arg: str, skel: Any, index: int, tp: type, code: Any) -> str:
+    path = _rules.skeleton_leaf_paths(skel)[index]
+    return _rules.non_tensor_leaf_message(op, arg, path, _rules.scalar_text(tp), fn_text(code))
 
 
 def as_tensor(x: Any, like: Any = None) -> Any:

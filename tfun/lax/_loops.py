@@ -374,6 +374,7 @@ def _lower_while_loop(
         state = _hop.torch_state()
         p = cond_fun(tree_unflatten(tree_structure(carrier), list(flat)))
         _hop.check_state(op, "cond_fun", cond_fun, state)
+        _check_pred(op, cond_fun, p)  # the eager rule, on the traced value's dtype and shape
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(bool(p), device=flat[0].device)
         return p

@@ -70,6 +70,7 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
     is_leaf = treedef.is_leaf()
     first_x: Any = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
     y = rules.call(op, "function", f, (first_x,))
+    _hop.check_output_leaves(op, "the output", f, y)
     rules.record()
     y_leaves, y_def = tree_flatten(y)
     y_lists = [[v] for v in y_leaves]
@@ -97,7 +98,9 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
         out_def.append(tree_structure(f(tree_unflatten(treedef, [x[0] for x in leaves]))))
 
     def flat_f(*x_leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y_leaves, y_def = tree_flatten(f(tree_unflatten(treedef, x_leaves)))
+        y = f(tree_unflatten(treedef, x_leaves))
+        _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
+        y_leaves, y_def = tree_flatten(y)
         if not out_def:
             out_def.append(y_def)
         return tuple(y_leaves)
@@ -137,6 +140,7 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         state = _hop.torch_state()
         y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
         _hop.check_state("tfun.lax.map", "function", f, state)
+        _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
         return _hop.pack(y_td, y_leaves)

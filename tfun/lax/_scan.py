@@ -316,6 +316,7 @@ def _scan_eager(
     if rules.first:
         out = _rules.checked_call(op, "body function", f, (carry, x_at(i0)))
         carry, y = split_pair(op, f, out)
+        _hop.check_output_leaves(op, "y", f, y)
         raw = carry
         carry = check_carry(op, f, carry_def, carry_leaves, carry, weak=weak)
         rules.record()
@@ -451,6 +452,7 @@ def _lower_scan(
             got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
             raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
         new_c, y = res
+        _hop.check_output_leaves(op, "y", f, y)
         new_leaves = _hop.check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
         new_leaves = [t.contiguous() for t in new_leaves]
         y_leaves, y_td = tree_flatten(y)
