@@ -439,39 +439,32 @@ def _view_root(t: torch.Tensor) -> torch.Tensor:
     return t if base is None else base
 
 
-def distinct(operands: Sequence[Any]) -> list[Any]:
-    """A HOP's tensor operands with aliasing removed: an operand that is (a view of) an
-    earlier one is cloned. torch's HOPs refuse aliased operands ("scan might be aliasing the
-    input or the output"), which JAX programs pass freely (`scan(cell, (h0, h0), xs)`)."""
-    seen: list[torch.Tensor] = []
-    result = []
-    for t in operands:
-        if isinstance(t, torch.Tensor):
-            root = _view_root(t)
-            if any(root is s for s in seen):
-                t = t.clone()
-                root = t
-            seen.append(root)
-        result.append(t)
-    return result
+def unalias(ts: Sequence[Any], ins: Sequence[Any] = (), *, views: bool = True, clone_all: bool = False) -> list[Any]:
+    """`ts` with aliasing removed, for torch's HOPs, which refuse it ("scan might be aliasing
+    the input or the output") where JAX programs have it freely: a tensor that shares its
+    storage with one of `ins` or with an earlier one of `ts` is cloned.
 
-
-def unalias(outs: list[Any], ins: Sequence[Any], clone_all: bool = False) -> list[Any]:
-    """Clone outputs that are (views of) inputs or of earlier outputs: HOP bodies may not alias.
-
-    `clone_all`: clone every output (scan under autograd; see `_scan._lower_scan`).
+    - For a body's outputs (`ins`: the body's inputs), `views` also clones any view: a HOP
+      body may not return one. `clone_all` clones every output (scan under autograd; see
+      `_scan._lower_scan`).
+    - For a HOP's operands, `distinct` (views are fine there): `scan(cell, (h0, h0), xs)`.
     """
     seen = [_view_root(t) for t in ins if isinstance(t, torch.Tensor)]
     result = []
-    for t in outs:
+    for t in ts:
         if isinstance(t, torch.Tensor):
             root = _view_root(t)
-            if t._base is not None or any(root is s for s in seen) or clone_all:
+            if clone_all or (views and t._base is not None) or any(root is s for s in seen):
                 t = t.clone()
                 root = t
             seen.append(root)
         result.append(t)
     return result
+
+
+def distinct(operands: Sequence[Any]) -> list[Any]:
+    """A HOP's tensor operands, none aliasing another (`unalias` without `views`)."""
+    return unalias(operands, views=False)
 
 
 def check_result(

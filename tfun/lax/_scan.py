@@ -395,6 +395,18 @@ def check_carry_traced(op: str, fn: Any, carry: Any, out: Any) -> Any:
     return tree_unflatten(in_td, leaves)
 
 
+def _check_step(op: str, f: Any, res: Any, in_td: Any, in_leaves: Sequence[Any], revise: str) -> tuple[list[Any], Any]:
+    """One traced step's result `res = f(carry, x)`: a pair whose carry matches the input
+    carry `(in_td, in_leaves)` and whose y has tensor (or Python scalar) leaves. Returns the
+    new carry's leaves (Python scalars as tensors of the carry's dtype) and y."""
+    if not isinstance(res, (tuple, list)) or len(res) != 2:
+        got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
+        raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
+    new_c, y = res
+    _hop.check_output_leaves(op, "y", f, y)  # (in the order of the eager checks)
+    return _hop.check_result(op, "body carry input and output", "carry", f, in_td, in_leaves, new_c, revise), y
+
+
 def _lower_scan(
     f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any = None
 ) -> tuple[Any, Any]:
@@ -448,12 +460,7 @@ def _lower_scan(
         state = _hop.torch_state()
         res = f(carry, x)
         _hop.check_state(op, "body function", f, state)
-        if not isinstance(res, (tuple, list)) or len(res) != 2:
-            got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
-            raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
-        new_c, y = res
-        _hop.check_output_leaves(op, "y", f, y)
-        new_leaves = _hop.check_result(op, "body carry input and output", "carry", f, c_td_in, carry_flat[:n_c], new_c, revise)
+        new_leaves, y = _check_step(op, f, res, c_td_in, carry_flat[:n_c], revise)
         new_leaves = [t.contiguous() for t in new_leaves]
         y_leaves, y_td = tree_flatten(y)
         y_leaves = [_hop.as_tensor(t) for t in y_leaves]
@@ -521,15 +528,9 @@ def _lower_unrolled(
             ys: list[Any] = [None] * size
             for j in range(size - 1, -1, -1) if reverse else range(size):
                 res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
-                if not isinstance(res, (tuple, list)) or len(res) != 2:
-                    got = None if isinstance(res, torch.Tensor) else _hop.skeleton(tree_structure(res))
-                    raise ArgumentTypeError(_escape_pair_message(op, got, _hop.code_of(f)))
                 in_leaves, in_td = tree_flatten(carry)
-                carry = tree_unflatten(
-                    in_td,
-                    _hop.check_result(op, "body carry input and output", "carry", f, in_td, in_leaves, res[0], REVISE_CARRY),
-                )
-                ys[j] = res[1]
+                new_leaves, ys[j] = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
+                carry = tree_unflatten(in_td, new_leaves)
             y_td = tree_structure(ys[0])
             flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
             return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
