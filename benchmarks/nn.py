@@ -4,6 +4,7 @@
     python benchmarks/nn.py             # full tables
     python benchmarks/nn.py --quick     # fewer repeats
     python benchmarks/nn.py --record    # also append the tables to benchmarks/RESULTS.md
+    python benchmarks/nn.py --only lstm --threads 1   # one section, one intra-op thread
 
 Times are medians over repeats of forward + backward (after warm-up). Memory: bytes of tensors
 saved for backward (counted with `torch.autograd.graph.saved_tensors_hooks`, unique storages),
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,14 @@ def bench_lstm(repeats: int) -> list[str]:
         for name, m in variants:
             ms = 1e3 * _time(fwd_bwd(m, x), repeats)
             rows.append(f"| {name} | {T} | {B} | {I} | {H} | {ms:.2f} |")
+            if m is ref and torch.backends.mkldnn.is_available():
+                # torch's CPU LSTM runs oneDNN's fused RNN kernel (mkldnn_rnn_layer); without it,
+                # ATen's per-step cell: the same ops per step as tfun's scan body, run from C++
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # a TF32 note about Intel GPUs
+                    with torch.backends.mkldnn.flags(enabled=False):
+                        ms = 1e3 * _time(fwd_bwd(m, x), repeats)
+                rows.append(f"| torch.nn.LSTM (oneDNN off: per-step ATen cell) | {T} | {B} | {I} | {H} | {ms:.2f} |")
     return rows
 
 
@@ -157,12 +167,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--record", action="store_true")
+    p.add_argument("--only", choices=["lstm", "ssm", "ce"], help="run one section")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 10
-    out = ["## tfun.nn (benchmarks/nn.py)", "", f"Machine: {machine()}.", "",
-           "### LSTM forward+backward (float32, 1 layer)", "", *bench_lstm(repeats), "",
-           "### SSM layers forward+backward", "", *bench_ssm(repeats), "",
-           "### chunked_cross_entropy memory", "", *bench_ce(), ""]
+    sections = {
+        "lstm": lambda: ["### LSTM forward+backward (float32, 1 layer)", "", *bench_lstm(repeats), ""],
+        "ssm": lambda: ["### SSM layers forward+backward", "", *bench_ssm(repeats), ""],
+        "ce": lambda: ["### chunked_cross_entropy memory", "", *bench_ce(), ""],
+    }
+    out = ["## tfun.nn (benchmarks/nn.py)", "", f"Machine: {machine()}.", ""]
+    for name, section in sections.items():
+        if args.only in (None, name):
+            out += section()
     text = "\n".join(out)
     print(text)
     if args.record:

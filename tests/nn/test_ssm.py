@@ -158,7 +158,7 @@ def _s4d_results(m, x, mode):
     return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
 
 
-@given(length=st.integers(1, 70), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(length=st.integers(0, 200), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_s4d_convolution_mode_matches_the_recurrence(length, batch, seed):
     # outputs and every gradient (input and each parameter), float64
     torch.manual_seed(seed)
@@ -187,3 +187,88 @@ def test_s4d_mode_is_checked():
     m.mode = "recurrent"
     with pytest.raises(ArgumentValueError, match=r"but it is 'recurrent'"):
         m(torch.randn(1, 3, 2))
+
+
+# ----------------------------------------------------------------------------------------
+# S4D: convolution mode against the recurrence and a float64 reference, at fixed odd lengths,
+# in float32 and float64, eagerly and under tfun.jit (aot_eager), and under tfun.vmap
+# ----------------------------------------------------------------------------------------
+
+S4D_CHANNELS = 3
+
+
+def _s4d_pair(dtype):
+    """A float64 S4D and a copy in `dtype` with the same parameters (dt up to 0.5, so the
+    kernel decays within the tested lengths as well as not)."""
+    torch.manual_seed(0)
+    m64 = tfun.nn.S4D(S4D_CHANNELS, 8, dt_min=0.001, dt_max=0.5, dtype=DT)
+    m = tfun.nn.S4D(S4D_CHANNELS, 8, dtype=dtype)
+    m.load_state_dict({k: v.to(dtype) for k, v in m64.state_dict().items()})
+    return m64, m
+
+
+def _s4d_run(m, fn, x, weights):
+    """Output, input gradient and every parameter's gradient of `sum(weights * fn(x))`."""
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    (y * weights.to(y.dtype)).sum().backward()
+    return {"output": y.detach(), "input grad": x.grad, **{f"grad of {n}": p.grad for n, p in m.named_parameters()}}
+
+
+def _s4d_close(got, want, dtype, what):
+    assert set(got) == set(want) and len(want) == 2 + 5
+    for k in want:
+        g, w = got[k].double(), want[k]
+        assert g.shape == w.shape, (what, k)
+        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
+        if dtype == torch.float64:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10 * scale, msg=lambda msg, k=k: f"{what}: {k}\n{msg}")
+        elif w.numel():  # float32: error relative to the largest entry (long sums of rounded terms)
+            err = (g - w).abs().max().item() / scale
+            assert err < 2e-4, f"{what}: {k} relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("length,batch", [(0, 2), (1, 1), (2, 3), (63, 2), (1000, 1)])
+def test_s4d_conv_and_scan_match_float64_reference_eager_and_jit(length, batch, dtype):
+    # the reference: float64, the recurrence (mode="scan"), eager
+    m64, m = _s4d_pair(dtype)
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(batch, length, S4D_CHANNELS, dtype=DT, generator=g)
+    weights = torch.randn(batch, length, S4D_CHANNELS, dtype=DT, generator=g)
+    m64.mode = "scan"
+    want = _s4d_run(m64, m64, x, weights)
+    for mode in ("conv", "scan"):
+        m.mode = mode
+        _s4d_close(_s4d_run(m, m, x.to(dtype), weights), want, dtype, f"eager {mode} {dtype}")
+    m.mode = "conv"
+    compiled = tfun.jit(lambda x: m(x), backend="aot_eager")
+    _s4d_close(_s4d_run(m, compiled, x.to(dtype), weights), want, dtype, f"tfun.jit conv {dtype}")
+    if length <= 63:  # the recurrence under tfun.jit too (a complex associative_scan)
+        m.mode = "scan"
+        compiled = tfun.jit(lambda x: m(x), backend="aot_eager")
+        _s4d_close(_s4d_run(m, compiled, x.to(dtype), weights), want, dtype, f"tfun.jit scan {dtype}")
+
+
+@pytest.mark.parametrize("length", [1, 63])
+def test_s4d_conv_per_example_gradients_under_vmap_match_the_recurrence(length):
+    from torch.func import functional_call
+
+    m64, _ = _s4d_pair(DT)
+    params = {k: v.detach() for k, v in m64.named_parameters()}
+    xs = torch.randn(3, 2, length, S4D_CHANNELS, dtype=DT, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(2, length, S4D_CHANNELS, dtype=DT, generator=torch.Generator().manual_seed(6))
+
+    def loss(p, x):
+        return (functional_call(m64, p, (x,)) * w).sum()
+
+    m64.mode = "conv"
+    got = tfun.vmap(tfun.grad(loss, argnums=(0, 1)), in_axes=(None, 0))(params, xs)
+    m64.mode = "scan"
+    for k in range(xs.shape[0]):
+        want = tfun.grad(loss, argnums=(0, 1))(params, xs[k])
+        torch.testing.assert_close(got[1][k], want[1], rtol=1e-9, atol=1e-11)
+        for n in params:
+            torch.testing.assert_close(got[0][n][k], want[0][n], rtol=1e-9, atol=1e-11,
+                                       msg=lambda msg, n=n: f"{n} example {k}: {msg}")
