@@ -1676,7 +1676,6 @@ class TestLaxControlFlow:
         with pytest.raises(TypeError):
             f(T(3), T(1.0))
 
-    @skip("vmap-forwarding")
     def test_cond_vmap_forwarding_doesnt_promote(self):
         def f(x, y):
             return lax.cond(x < 3, lambda x, y: (x * 2, y), lambda x, y: (x * 3, y), x, y)
@@ -1705,7 +1704,6 @@ class TestLaxControlFlow:
         linearize(f, T(1.0), T(2.0))
         assert_all_close(tfun.grad(f, argnums=(0, 1))(T(1.0), T(2.0)), (1.0, 1.0))
 
-    @skip("vmap-forwarding")
     def test_while_readonly_carry_optimization(self):
         def foo(w, x, c_max):
             def while_body(val):
@@ -1760,7 +1758,6 @@ class TestLaxControlFlow:
         outs = lax.while_loop(lambda c: c[1] == 0, body_fun, (5.0, 0.0, 3.14))
         assert_all_close(outs, (0.0, 1.0, 5.0))
 
-    @skip("vmap-forwarding")
     def test_scan_readonly_carry_optimization(self):
         def f(x, y):
             def g(_, y):

@@ -238,7 +238,9 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
 def _select_tree(pred: torch.Tensor, on_true: Any, on_false: Any) -> Any:
     t_leaves, treedef = tree_flatten(on_true)
     f_leaves = tree_flatten(on_false)[0]
-    return tree_unflatten(treedef, [torch.where(pred, a, b) for a, b in zip(t_leaves, f_leaves)])
+    # Where both branches return the same tensor (an operand they forward), there is nothing
+    # to select: it is returned as it is, unbatched if it was (as JAX forwards it).
+    return tree_unflatten(treedef, [a if a is b else torch.where(pred, a, b) for a, b in zip(t_leaves, f_leaves)])
 
 
 def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, operand: Any = _no_operand) -> T:

@@ -154,7 +154,11 @@ def _batched_while(
             rules.record(True)
             checked = True
         old_leaves = tree_flatten(val)[0]
-        val = tree_unflatten(treedef, [torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)])
+        # A leaf the body forwards unchanged (the same tensor) needs no select, and stays
+        # unbatched when it was (JAX's forwarding: `out_axes=None` may apply to it).
+        val = tree_unflatten(
+            treedef, [n if n is o else torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)]
+        )
         pred = cond_fun(val)
     return val
 
