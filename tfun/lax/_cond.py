@@ -225,7 +225,7 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         _hop.check_side_effects(op, "false_fun", false_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
-        return _lower_cond(p, true_fun, false_fun, operands)
+        return _lower_cond(p, _hop.remat_body(true_fun), _hop.remat_body(false_fun), operands)
     if _batching.is_batched(p):
         # vmap over a data-dependent predicate: both branches, then a per-example select.
         outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
@@ -296,7 +296,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
         # as cond lowers a Python pred: the eager path's caches are not traceable.
         idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
-        return _lower_switch(idx.clamp(0, n - 1), branches, operands)
+        return _lower_switch(idx.clamp(0, n - 1), tuple(_hop.remat_body(b) for b in branches), operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.

@@ -68,7 +68,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
-        return _lower_while_loop(cond_fun, body_fun, val, weak)
+        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val, weak)
     sig = _rules.leaf_signature(leaves)
     rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
     # What has been checked for this signature: None, nothing; "cond", cond_fun for real and
