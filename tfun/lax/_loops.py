@@ -365,7 +365,10 @@ def _lower_while_loop(
     _hop.begin_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
-    leaves = [x.contiguous() for x in leaves]
+    # copies: torch's while_loop refuses a carry input that is also an input its functions
+    # close over ("cond_fn might be aliasing the input"), as when the body reads a fori_loop
+    # bound or the initial value; which tensors they close over is not known here
+    leaves = [x.clone(memory_format=torch.contiguous_format) for x in leaves]
     if not leaves:
         # nothing is carried: the loop cannot change anything observable
         return init_val
