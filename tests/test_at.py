@@ -127,3 +127,26 @@ def test_errors() -> None:
         tfun.at(torch.zeros(3))[torch.tensor([0, 1])].set(torch.zeros(4))
     with pytest.raises(ArgumentValueError, match="too many indices"):
         tfun.at(torch.zeros(3))[0, 1].get()
+
+
+@pytest.mark.parametrize("index", ["ij", "i_slice", "slice_i", "i_none_j"])
+def test_traced_scalar_tensor_indices_under_jit(index):
+    """0-d tensor indices under tfun.jit (JAX's `x.at[i, j].set(v)` with traced i, j): no
+    data-dependent read of the index; values and gradients equal eager float64."""
+    import tfun
+
+    def f(x, i, j, v):
+        idx = {"ij": (i, j), "i_slice": (i, slice(1, 3)), "slice_i": (slice(None), j), "i_none_j": (i, None, j)}[index]
+        ref = tfun.at(x)[idx]
+        return (ref.set(v * ref.get()) + tfun.at(x)[idx].get().sum()).sum() * x
+
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    i, j, v = torch.tensor(2), torch.tensor(-1), torch.tensor(1.5, dtype=torch.float64)
+    xe = x.clone().requires_grad_()
+    ref = f(xe, i, j, v)
+    (g_ref,) = torch.autograd.grad(ref.sum(), xe)
+    xj = x.clone().requires_grad_()
+    out = tfun.jit(f, backend="aot_eager")(xj, i, j, v)
+    (g,) = torch.autograd.grad(out.sum(), xj)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, g_ref)

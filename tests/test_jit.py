@@ -357,3 +357,26 @@ def test_closed_over_size_from_a_dynamic_shape_is_a_jit_error_that_says_what_to_
     for H in (4, 6):
         W, xs = torch.randn(H, H), torch.randn(5, 1, H)
         torch.testing.assert_close(g(W, xs), tfun.grad(loss)(W, xs))
+
+
+def test_jit_created_inside_traced_code_is_inlined():
+    """`tfun.jit(f)(x)` inside a function tfun.jit traces (here in a scan body, as JAX's
+    `jax.jit(f)` in a loop body) runs `f` in the outer graph: values and gradients equal
+    eager float64."""
+
+    def outer(w, xs, wrap=tfun.jit):
+        def step(c, x):
+            inner = wrap(lambda c, x: torch.tanh(c * w + x))
+            return inner(c, x), None
+
+        return lax.scan(step, torch.zeros((), dtype=xs.dtype), xs)[0]
+
+    w, xs = torch.tensor(0.7, dtype=torch.float64), torch.linspace(-1, 1, 5, dtype=torch.float64)
+    wr = w.clone().requires_grad_()
+    ref = outer(wr, xs, wrap=lambda f: f)  # the oracle: eager, no jit
+    (g_ref,) = torch.autograd.grad(ref, wr)
+    wj = w.clone().requires_grad_()
+    out = tfun.jit(outer, backend="aot_eager")(wj, xs)
+    (g,) = torch.autograd.grad(out, wj)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, g_ref)

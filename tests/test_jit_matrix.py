@@ -446,6 +446,63 @@ def test_custom_jvp_forward_mode_under_jit_is_refused():
 
 
 # ----------------------------------------------------------------------------------------
+# custom_vjp under tfun.jit
+# ----------------------------------------------------------------------------------------
+
+
+@tfun.custom_vjp
+def _scaled_vjp(x, w):
+    return torch.sin(x) * w
+
+
+def _scaled_vjp_fwd(x, w):
+    return _scaled_vjp(x, w), (torch.cos(x), torch.sin(x), w)
+
+
+def _scaled_vjp_bwd(res, g):
+    c, s, w = res
+    return 3.0 * c * w * g, (s * g).sum()  # 3x the true derivative in x: the rule must be the one used
+
+
+_scaled_vjp.defvjp(_scaled_vjp_fwd, _scaled_vjp_bwd)
+
+
+def _scaled_vjp_loss(x, w):
+    return (_scaled_vjp(x, w) ** 2).sum()
+
+
+def _scaled_vjp_reference(x, w):
+    """The gradients the rule defines, computed eagerly in float64 from its formulas."""
+    y = torch.sin(x) * w
+    return 2 * y * 3.0 * torch.cos(x) * w, (2 * y * torch.sin(x)).sum()
+
+
+@pytest.mark.parametrize("how", ["jit(grad)", "grad(jit)", "backward"])
+def test_custom_vjp_reverse_mode_uses_the_rule_under_jit(how):
+    x, w = torch.randn(4, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
+    gx_ref, gw_ref = _scaled_vjp_reference(x, w)
+    if how == "jit(grad)":
+        gx, gw = tfun.jit(tfun.grad(_scaled_vjp_loss, argnums=(0, 1)), backend="aot_eager")(x, w)
+    elif how == "grad(jit)":
+        gx, gw = tfun.grad(tfun.jit(_scaled_vjp_loss, backend="aot_eager"), argnums=(0, 1))(x, w)
+    else:
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        tfun.jit(_scaled_vjp_loss, backend="aot_eager")(xx, ww).backward()
+        gx, gw = xx.grad, ww.grad
+    assert torch.allclose(gx, gx_ref) and torch.allclose(gw, gw_ref)
+
+
+def test_custom_vjp_forward_mode_under_jit_is_refused():
+    x = torch.randn(4, dtype=torch.float64)
+    j = tfun.jit(lambda y: tfun.jvp(lambda z: _scaled_vjp(z, 2.0), (y,), (torch.ones_like(y),)), backend="aot_eager")
+    with pytest.raises(JitError, match="custom_vjp function cannot be called inside a torch.func transform"):
+        j(x)
+    # outside tfun.jit, forward mode is refused as in JAX
+    with pytest.raises(TypeError, match="forward-mode"):
+        tfun.jvp(lambda z: _scaled_vjp(z, 2.0), (x,), (torch.ones_like(x),))
+
+
+# ----------------------------------------------------------------------------------------
 # torch.export (non-strict) with closures over module tensors and parameters
 # ----------------------------------------------------------------------------------------
 

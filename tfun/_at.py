@@ -93,6 +93,15 @@ def _positions(shape: torch.Size, idx: Any, mode: str | None, *, gather: bool, d
         padded = torch.full(pshape, -1, dtype=torch.int64, device=device)
         padded[tuple(slice(0, s) for s in shape)] = grid
         grid = padded
+    tensors = [k for k, c in enumerate(new) if isinstance(c, torch.Tensor)]
+    if tensors and all(new[k].dim() == 0 and new[k].dtype != torch.bool for k in tensors):
+        # Integer scalars only: torch indexes with a 0-d tensor by reading its value (a
+        # data-dependent `.item()` under tfun.jit). As 1-element index tensors they broadcast
+        # to one dimension of size 1, dropped again: where the first of them stands when
+        # they are adjacent, else in front (NumPy's rule for advanced indices).
+        adjacent = tensors == list(range(tensors[0], tensors[-1] + 1))
+        at = sum(1 for c in new[: tensors[0]] if c is None or isinstance(c, slice)) if adjacent else 0
+        return grid[tuple(c.reshape(1) if isinstance(c, torch.Tensor) else c for c in new)].squeeze(at)
     return grid[tuple(new)]
 
 
@@ -115,7 +124,8 @@ class _IndexedRef:
         """`x[idx]`, with JAX's out-of-bounds handling (default: clip; `"fill"`/`"drop"`: `fill_value`)."""
         x = self._x
         pos = self._pos(mode, gather=True)
-        out = x.reshape(-1)[pos.clamp(min=0)]
+        # indexed with a 1-d tensor: a gather also for a 0-d `pos` (a 0-d index would be read)
+        out = x.reshape(-1)[pos.clamp(min=0).reshape(-1)].reshape(pos.shape)
         if mode in ("fill", "drop"):  # JAX's gather fills for both
             if fill_value is None:
                 if x.dtype.is_floating_point or x.dtype.is_complex:

@@ -345,13 +345,14 @@ def _selective_contexts(policy: Callable[..., bool]) -> Any:
 def _refuse_control_flow(fun: Callable[..., Any]) -> None:
     raise JitError(
         format_message(
-            "tfun.checkpoint: under tfun.jit, a checkpointed function cannot contain tfun.lax control flow "
-            f"(scan, cond, switch, while_loop, fori_loop, map): torch {torch.__version__}'s checkpoint op "
-            "refuses control-flow ops inside it.",
+            "tfun.checkpoint: under tfun.jit, a checkpointed function that contains tfun.lax control flow "
+            f"(scan, cond, switch, while_loop, fori_loop, map) takes no policy: torch {torch.__version__}'s "
+            "checkpoint op refuses control-flow ops inside it, so tfun checkpoints each branch and loop body "
+            "instead, saving nothing but their inputs.",
             function=describe(fun),
-            revise="Checkpoint the loop body instead (`lax.scan(tfun.checkpoint(step), init, xs)` recomputes "
-            "each step's intermediates in backward), checkpoint the code around the control flow, or call "
-            "this function outside tfun.jit.",
+            revise="Drop the policy (or pass `checkpoint_policies.nothing_saveable`), checkpoint the loop body with "
+            "the policy (`lax.scan(tfun.checkpoint(step, policy=...), init, xs)`), or call this function outside "
+            "tfun.jit.",
         )
     )
 
@@ -383,17 +384,25 @@ def _traced_checkpoint(
         return fun(*args)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+    # torch's checkpoint op refuses control-flow ops inside it. Whether `fun` contains any is
+    # learned by tracing it once in a `remat_scope`, where every tfun.lax op lowered
+    # checkpoints its bodies (branches, loop bodies): with control flow, that trace is the
+    # result; without, its ops are dead code and `fun` is traced again under torch's op.
+    lowered = _hop.lowerings()
+    with _hop.remat_scope():
+        out = fun(*args)
+    if _hop.lowerings() != lowered:
+        if policy is not None:
+            _refuse_control_flow(fun)
+        return out
+
     dyn = partition(tuple(a for i, a in enumerate(args) if i not in static))
 
     def tfun_checkpoint_body(*tensors: torch.Tensor) -> Any:
         call = list(dyn.combine(tensors))
         for i in sorted(static):
             call.insert(i, static[i])
-        lowered = _hop.lowerings()
-        out = fun(*call)
-        if _hop.lowerings() != lowered:
-            _refuse_control_flow(fun)
-        return out
+        return fun(*call)
 
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if policy is not None:
@@ -579,10 +588,11 @@ def checkpoint(
     Under `tfun.jit` (and `torch.compile`) it lowers to
     `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which Dynamo captures
     as one `tag_activation_checkpoint` op, with `policy` as torch's selective activation
-    checkpointing; values and gradients are those of eager mode. There, `fun` may not
-    contain `tfun.lax` control flow (checkpoint a loop's body instead), and with
-    `tfun.grad` inside `tfun.jit` it may not draw torch random numbers (use
-    `tfun.random`): both are `JitError`s. See "`tfun.checkpoint` under `tfun.jit`" in
+    checkpointing; values and gradients are those of eager mode. torch's op refuses
+    control flow inside it: where `fun` contains `tfun.lax` control flow, each branch and
+    loop body is checkpointed instead (with a `policy` that is a `JitError`). With
+    `tfun.grad` inside `tfun.jit`, `fun` may not draw torch random numbers (use
+    `tfun.random`): a `JitError`. See "`tfun.checkpoint` under `tfun.jit`" in
     docs/concepts/tracing.md.
 
     **Arguments:**
@@ -640,7 +650,9 @@ def checkpoint(
     if policy is checkpoint_policies.nothing_saveable:
         policy = None
 
-    @functools.wraps(fun)
+    # updated=(): the wrapped function's __dict__ is not copied (Dynamo cannot read a
+    # `functools.partial`'s, e.g. `tfun.checkpoint(partial(lax.scan, f))` under tfun.jit)
+    @functools.wraps(fun, updated=())
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             fun_k = functools.partial(fun, **kwargs)
@@ -689,3 +701,7 @@ def checkpoint(
 
 
 remat = checkpoint
+
+# Under tfun.jit, the bodies of control flow inside a checkpointed function are checkpointed
+# instead of the function (see `_traced_checkpoint`): tfun.lax asks for this through `_hop`.
+_hop.register_remat(checkpoint)

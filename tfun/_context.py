@@ -21,6 +21,7 @@ __all__ = [
     "reverse_mode_active",
     "functorch_level",
     "in_functorch_transform",
+    "current_trace",
 ]
 
 
@@ -88,3 +89,12 @@ def functorch_level(t: torch.Tensor) -> int:
     """The `torch.func` level a tensor is wrapped at (-1 for a plain tensor)."""
     get = getattr(torch._C._functorch, "maybe_get_level", None)
     return -1 if get is None else int(get(t))
+
+
+def current_trace() -> object | None:
+    """The compilation being traced (Dynamo's `TracingContext`, one per traced graph, a new
+    one when Dynamo restarts a trace), or None: the key of trace-time state that must not
+    outlive its trace (a trace that raises skips its cleanup). Plain Python at trace time:
+    traced code must call it through a Dynamo escape hatch."""
+    guards = importlib.import_module("torch._guards")
+    return guards.TracingContext.try_get()

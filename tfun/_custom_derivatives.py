@@ -471,6 +471,21 @@ class _CustomVjpFunction(torch.autograd.Function):
         return (None, *result)
 
 
+class _CustomVjpTracedFunction(torch.autograd.Function):
+    """`_CustomVjpFunction` without its `jvp` method, for `tfun.jit` / `torch.export`.
+
+    Dynamo refuses an `autograd.Function` that defines `jvp` ("Unsupported custom jvp",
+    torch 2.11-2.13); `_CustomVjpFunction.jvp` exists only to refuse forward mode with a
+    tfun error. Traced, forward mode through the function is refused by torch instead,
+    which `tfun.jit` reports as a `JitError`; reverse mode (`tfun.grad`, `.backward()`)
+    uses the rule as eagerly.
+    """
+
+    generate_vmap_rule = True
+    forward = staticmethod(_CustomVjpFunction.forward)
+    setup_context = staticmethod(_CustomVjpFunction.setup_context)
+    backward = staticmethod(_CustomVjpFunction.backward)
+
 def _residual_pullback(spec: _VjpSpec, inputs: Sequence[torch.Tensor], res_grads: Sequence[Any]) -> list[Any]:
     """Cotangents of the inputs for cotangents of fwd's computed residuals.
 
@@ -542,6 +557,10 @@ class custom_vjp:
     `fwd(*args) -> (output, residuals)` (residuals: any pytree) and `bwd(residuals, g)`
     returns a tuple with one cotangent per differentiable positional argument, each with
     that argument's structure (`None` anywhere marks a zero cotangent).
+
+    Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
+    the rule; a call inside a `torch.func` transform that `tfun.jit` traces (`tfun.vmap`,
+    `tfun.jvp`) is a `JitError`: apply the transform outside `tfun.jit`.
     """
 
     def __init__(
@@ -598,7 +617,25 @@ class custom_vjp:
         if not _needs_rule(spec.tensors):
             return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
-        outs = _apply_rule(op, self.fun, _CustomVjpFunction, spec)
+        fn: Any = _CustomVjpFunction
+        if _context.is_tracing():
+            if _context.functorch_active():
+                # Traced, the function has no `jvp` method to refuse forward mode with (see
+                # _CustomVjpTracedFunction), and which torch.func transform is active cannot be
+                # asked while tracing (torch 2.13): every one is refused, as for custom_jvp.
+                raise JitError(
+                    format_message(
+                        f"{op}: under tfun.jit, a custom_vjp function cannot be called inside a torch.func "
+                        "transform (tfun.jvp, tfun.jacfwd, tfun.vmap, torch.func.*): torch.compile (torch "
+                        f"{torch.__version__}) cannot trace its rule there.",
+                        function=describe(self.fun),
+                        revise="Call the transform outside tfun.jit (tfun.vmap(tfun.jit(f)) runs the rule around "
+                        "the compiled function), or use reverse mode inside (tfun.grad and .backward() use the "
+                        "rule under tfun.jit).",
+                    )
+                )
+            fn = _CustomVjpTracedFunction
+        outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
 
 

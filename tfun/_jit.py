@@ -86,6 +86,12 @@ def jit(
             cache_size=cache_size,
             **compile_options,
         )
+    if _context.is_tracing() and callable(fun):
+        # `tfun.jit(f)` called inside traced code (a loop body under tfun.jit, as JAX's
+        # `jax.jit(f)(x)` in a `while_loop` body): a call of it would be inlined into the outer
+        # graph (see `Jitted.__call__`), so `f` itself is that call; Dynamo cannot build a
+        # `Jitted` (its lock and caches) while tracing.
+        return fun
     return Jitted(fun, static_argnums, static_argnames, donate_argnums, fullgraph, cache_size, compile_options)
 
 

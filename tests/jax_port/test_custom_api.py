@@ -822,7 +822,6 @@ class TestCustomVJP:
         assert_all_close(jit(f)(x), torch.sin(x))
         assert_all_close(jit(jit(f))(x), torch.sin(x))
 
-    @skip("jit-grad-custom-vjp")
     def test_jit_of_grad(self):
         """The "jit of grad" and "grad of jit" lines of JAX's test_jit."""
         f = _sin_vjp_f()
@@ -1087,7 +1086,6 @@ class TestCustomVJP:
         assert_all_close(tfun.vmap(f)(torch.arange(3.0)), 2.0 * torch.cos(torch.arange(3.0)))
         assert_all_close(tfun.grad(f)(T(4.0)), -2.0 * np.sin(4.0))
 
-    @skip("jit-grad")
     def test_closes_over_tracer_jit(self):
         """The jit halves of test_bwd_closes_over_tracer / test_fwd_closes_over_tracer:
         jit of a function that takes a grad inside."""

@@ -97,7 +97,7 @@ COND_IMPLS = [
 # for tests that jit the cond: under tfun.jit, tfun.checkpoint may not contain control flow
 COND_IMPLS_JIT = COND_IMPLS[:2] + [
     pytest.param(
-        cond_with_new_checkpoint, id="new_checkpoint", marks=pytest.mark.skip(reason=D + "jit-checkpoint-control-flow")
+        cond_with_new_checkpoint, id="new_checkpoint"
     ),
 ]
 
@@ -257,6 +257,29 @@ class TestLaxControlFlow:
         assert cloop(T(2), T(limit), T(1)) == limit - 2
         assert cloop(T(3), T(limit), T(1)) == limit - 3
 
+    def testWhileWithClosureJit(self):
+        # As testWhileWithClosure (without the `effect` bookkeeping), with the body calling a
+        # jitted function that closes over the carry's `count`.
+        def loop(init, local_limit, inc):
+            def loop_cond(state):
+                pos, _ = state
+                return pos < local_limit
+
+            def loop_body(state):
+                pos, count = state
+                f = lambda pos, inc: (pos + 1, count + inc)
+                return jit(f)(pos, inc)
+
+            _, count = lax.while_loop(loop_cond, loop_body, (init, 0))
+            return count
+
+        limit = 10
+        assert loop(T(2), T(limit), T(1)) == limit - 2
+        cloop = jit(loop)
+        assert cloop(T(2), T(limit), T(1)) == limit - 2
+        assert cloop(T(2), T(limit), T(1)) == limit - 2
+        assert cloop(T(3), T(limit), T(1)) == limit - 3
+
     def testWhileWithClosureSideEffect(self):
         """tfun's counterpart of JAX's `effect[0] = True` in testWhileWithClosure: the
         mutation is refused, with the class docs/porting.md names."""
@@ -317,7 +340,6 @@ class TestLaxControlFlow:
         assert_all_close(outer_loop(arr), np.tril(arr.numpy()))
         self._outer_loop = outer_loop
 
-    @skip("at-traced-index")
     def testNestedWhileWithDynamicUpdateSliceJit(self):
         """The jitted half of testNestedWhileWithDynamicUpdateSlice."""
         self.testNestedWhileWithDynamicUpdateSlice()
@@ -462,7 +484,6 @@ class TestLaxControlFlow:
         for n in (2, 3, 4):
             assert count(T(n)) == n * (n - 1) // 2 + n**2
 
-    @skip("jit-closures")
     def testForiLoopClosureJit(self):
         """The jitted half of JAX's testForiLoopClosure: the body closes over the bound."""
 
@@ -1329,8 +1350,6 @@ class TestLaxControlFlow:
     def testWhileLinearize(self, while_loop, jit_loop):
         cond = lambda x: x[0, 2] <= 8
         body = lambda x: x * x
-        if jit_loop and while_loop is while_loop_new_checkpoint:
-            pytest.skip(D + "jit-checkpoint-control-flow")
         loop = partial(while_loop, cond, body)
         if jit_loop:
             loop = jit(loop)
@@ -1676,7 +1695,6 @@ class TestLaxControlFlow:
         with pytest.raises(TypeError):
             f(T(3), T(1.0))
 
-    @skip("vmap-forwarding")
     def test_cond_vmap_forwarding_doesnt_promote(self):
         def f(x, y):
             return lax.cond(x < 3, lambda x, y: (x * 2, y), lambda x, y: (x * 3, y), x, y)
@@ -1705,7 +1723,6 @@ class TestLaxControlFlow:
         linearize(f, T(1.0), T(2.0))
         assert_all_close(tfun.grad(f, argnums=(0, 1))(T(1.0), T(2.0)), (1.0, 1.0))
 
-    @skip("vmap-forwarding")
     def test_while_readonly_carry_optimization(self):
         def foo(w, x, c_max):
             def while_body(val):
@@ -1760,7 +1777,6 @@ class TestLaxControlFlow:
         outs = lax.while_loop(lambda c: c[1] == 0, body_fun, (5.0, 0.0, 3.14))
         assert_all_close(outs, (0.0, 1.0, 5.0))
 
-    @skip("vmap-forwarding")
     def test_scan_readonly_carry_optimization(self):
         def f(x, y):
             def g(_, y):

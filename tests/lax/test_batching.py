@@ -84,3 +84,64 @@ def test_vmap_cond_unbatched_predicate_branches_closing_over_batched_values():
 
     x, y = torch.randn(4, 3), torch.randn(4, 5)
     torch.testing.assert_close(torch.func.vmap(f)(x, y), x * 2)
+
+
+@pytest.mark.parametrize("op", ["cond", "switch"])
+def test_vmap_cond_forwarded_operand_stays_unbatched(op):
+    """An operand both branches return unchanged needs no per-example select: it comes out
+    unbatched (so out_axes=None applies to it) with its dtype, and its gradient is exact."""
+    import tfun
+
+    def f(x, y):
+        branches = [lambda x, y: (x * 3, y), lambda x, y: (x * 2, y)]
+        if op == "cond":
+            return lax.cond(x < 3, branches[1], branches[0], x, y)
+        return lax.switch((x < 3).to(torch.int64), branches, x, y)
+
+    x, y = torch.arange(5.0), torch.tensor(3.0, dtype=torch.float32)
+    x2, y2 = tfun.vmap(f, in_axes=(0, None), out_axes=(0, None))(x, y)
+    assert y2.dtype == torch.float32 and y2.shape == ()
+    torch.testing.assert_close(y2, y)
+    ref = torch.stack([f(xi, y)[0] for xi in x.double()])
+    torch.testing.assert_close(x2, ref.float())
+    # gradients through the forwarded and the selected outputs, against eager float64
+    g = tfun.grad(lambda x, y: sum(t.sum() for t in tfun.vmap(f, in_axes=(0, None), out_axes=(0, None))(x, y)), (0, 1))
+    gx, gy = g(x.double(), y.double())
+    torch.testing.assert_close(gx, torch.where(x < 3, 2.0, 3.0).double())
+    torch.testing.assert_close(gy, torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_vmap_cond_distinct_unbatched_outputs_are_still_selected():
+    """Two different unbatched tensors, one per branch, are selected per example."""
+    import tfun
+
+    a, b = torch.tensor(1.0), torch.tensor(2.0)
+    f = lambda x: lax.cond(x > 0, lambda _: a, lambda _: b, x)
+    torch.testing.assert_close(tfun.vmap(f)(torch.tensor([1.0, -1.0, 2.0])), torch.tensor([1.0, 2.0, 1.0]))
+
+
+def test_vmap_while_loop_forwarded_carry_stays_unbatched():
+    """A carry leaf the body returns unchanged stays unbatched under a batched loop
+    condition (out_axes=None applies to it); the rest agrees with per-example eager float64."""
+    import tfun
+
+    def foo(w, x, n):
+        def body(val):
+            c, x, w = val
+            return c + 1, x @ w, w
+
+        _, x, w = lax.while_loop(lambda val: val[0] < n, body, (0, x, w))
+        return w, x
+
+    w = torch.tensor([[0.5, -1.0], [2.0, 0.25]])
+    xs = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]])
+    ns = torch.tensor([0, 2, 3])
+    w_, x_ = tfun.vmap(foo, in_axes=(None, 0, 0), out_axes=(None, 0))(w, xs, ns)
+    assert w_ is w or torch.equal(w_, w)
+    ref = torch.stack([foo(w.double(), xi.double(), int(n))[1] for xi, n in zip(xs, ns)])
+    torch.testing.assert_close(x_, ref.float())
+    gw = tfun.grad(lambda w: tfun.vmap(foo, in_axes=(None, 0, 0), out_axes=(None, 0))(w, xs.double(), ns)[1].sum())(
+        w.double()
+    )
+    gw_ref = torch.func.grad(lambda w: sum(foo(w, xi, int(n))[1].sum() for xi, n in zip(xs.double(), ns)))(w.double())
+    torch.testing.assert_close(gw, gw_ref)

@@ -289,3 +289,18 @@ def test_body_breaking_the_carry_rules_raises_like_jax(jax, case):
         _rule_breakers(jax)[case](jax.numpy.asarray(x))
     with pytest.raises(TypeError, match=r"tfun\.lax\.\w+: body(_fun)? (carry )?input and output must have the same"):
         _rule_breakers(None)[case](torch.from_numpy(x))
+
+
+def test_fori_loop_body_closing_over_its_tensor_bound_under_jit():
+    """A tensor bound the body also reads (a while_loop under tfun.jit): torch's while_loop
+    refuses a carry input that is also a closed-over input, so the lowering carries copies."""
+    import tfun
+
+    def f(n, x):
+        return lax.fori_loop(0, n, lambda i, c: c * 0.5 + (n + i).to(c.dtype) * x, x)
+
+    j = tfun.jit(f, backend="aot_eager")
+    x = torch.tensor([0.25, -1.5], dtype=torch.float32)
+    for n in (0, 2, 3, 5):
+        ref = f(torch.tensor(n), x.double())
+        torch.testing.assert_close(j(torch.tensor(n), x), ref.float())

@@ -226,7 +226,7 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         _hop.check_side_effects(op, "false_fun", false_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
-        return _lower_cond(p, true_fun, false_fun, operands)
+        return _lower_cond(p, _hop.remat_body(true_fun), _hop.remat_body(false_fun), operands)
     if _batching.is_batched(p):
         # vmap over a data-dependent predicate: both branches, then a per-example select.
         outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
@@ -239,7 +239,9 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
 def _select_tree(pred: torch.Tensor, on_true: Any, on_false: Any) -> Any:
     t_leaves, treedef = tree_flatten(on_true)
     f_leaves = tree_flatten(on_false)[0]
-    return tree_unflatten(treedef, [torch.where(pred, a, b) for a, b in zip(t_leaves, f_leaves)])
+    # Where both branches return the same tensor (an operand they forward), there is nothing
+    # to select: it is returned as it is, unbatched if it was (as JAX forwards it).
+    return tree_unflatten(treedef, [a if a is b else torch.where(pred, a, b) for a, b in zip(t_leaves, f_leaves)])
 
 
 def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, operand: Any = _no_operand) -> T:
@@ -295,7 +297,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
         # as cond lowers a Python pred: the eager path's caches are not traceable.
         idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
-        return _lower_switch(idx.clamp(0, n - 1), branches, operands)
+        return _lower_switch(idx.clamp(0, n - 1), tuple(_hop.remat_body(b) for b in branches), operands)
     names = [f"branches[{k}]" for k in range(n)]
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.

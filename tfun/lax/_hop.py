@@ -62,6 +62,7 @@ import collections
 import functools
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,9 @@ __all__ = [
     "is_tracing",
     "begin_lowering",
     "lowerings",
+    "remat_scope",
+    "remat_body",
+    "register_remat",
     "torch_cond",
     "torch_scan",
     "torch_while_loop",
@@ -229,6 +233,54 @@ def _escape_lowerings(count: bool) -> int:
     if count:
         _LOWERINGS[0] += 1
     return _LOWERINGS[0]
+
+
+# ----------------------------------------------------------------------------------------
+# tfun.checkpoint around control flow, traced
+# ----------------------------------------------------------------------------------------
+
+#: How many traced `tfun.checkpoint` calls enclose the code being traced whose function
+#: contains control flow (torch's checkpoint op refuses HOPs inside it; the checkpoint is
+#: then applied to each body instead), and the trace that count belongs to (a trace that
+#: raises leaves it behind; the next trace starts from 0). Plain Python read and written at
+#: trace time through `_escape_remat` (Dynamo constants), as `_LOWERINGS`.
+_REMAT_DEPTH: list[Any] = [0, None]
+#: `tfun.checkpoint` (policy `None`) of a function: registered by tfun._checkpoint, a layer
+#: above this one, at its import.
+_REMAT: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+
+
+def register_remat(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Called once, at import, by tfun._checkpoint: how `remat_body` checkpoints a body."""
+    _REMAT[:] = [wrap]
+
+
+@assume_constant
+def _escape_remat(delta: int) -> int:
+    trace = _context.current_trace()
+    if _REMAT_DEPTH[1] is None or _REMAT_DEPTH[1]() is not trace:
+        _REMAT_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
+    _REMAT_DEPTH[0] = max(_REMAT_DEPTH[0] + delta, 0)
+    return _REMAT_DEPTH[0]
+
+
+class remat_scope:
+    """Trace time: while active, `remat_body` checkpoints the bodies of the control-flow ops
+    lowered (`with remat_scope(): out = fun(*args)` in a traced `tfun.checkpoint`)."""
+
+    def __enter__(self) -> None:
+        _escape_remat(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        _escape_remat(-1)
+
+
+def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` checkpointed (its intermediates recomputed in backward) inside a `remat_scope`,
+    else `fn`: called by every lowering on the functions its HOP runs."""
+    if _REMAT and _escape_remat(0) > 0:
+        return _REMAT[0](fn)
+    return fn
 
 
 @assume_constant

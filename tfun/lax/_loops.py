@@ -68,7 +68,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
-        return _lower_while_loop(cond_fun, body_fun, val, weak)
+        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val, weak)
     sig = _rules.leaf_signature(leaves)
     rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
     # What has been checked for this signature: None, nothing; "cond", cond_fun for real and
@@ -154,7 +154,11 @@ def _batched_while(
             rules.record(True)
             checked = True
         old_leaves = tree_flatten(val)[0]
-        val = tree_unflatten(treedef, [torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)])
+        # A leaf the body forwards unchanged (the same tensor) needs no select, and stays
+        # unbatched when it was (JAX's forwarding: `out_axes=None` may apply to it).
+        val = tree_unflatten(
+            treedef, [n if n is o else torch.where(pred, n, o) for n, o in zip(new_leaves, old_leaves)]
+        )
         pred = cond_fun(val)
     return val
 
@@ -361,7 +365,10 @@ def _lower_while_loop(
     _hop.begin_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
-    leaves = [x.contiguous() for x in leaves]
+    # copies: torch's while_loop refuses a carry input that is also an input its functions
+    # close over ("cond_fn might be aliasing the input"), as when the body reads a fori_loop
+    # bound or the initial value; which tensors they close over is not known here
+    leaves = [x.clone(memory_format=torch.contiguous_format) for x in leaves]
     if not leaves:
         # nothing is carried: the loop cannot change anything observable
         return init_val

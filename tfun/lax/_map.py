@@ -60,7 +60,7 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
             return out
     if _context.is_tracing():
         _hop.check_side_effects(op, "function", f)
-        return _lower_map(f, xs)
+        return _lower_map(_hop.remat_body(f), xs)
     rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:
         x0 = tree_unflatten(treedef, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in leaves])

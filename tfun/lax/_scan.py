@@ -263,6 +263,7 @@ def scan(
         xs = tree_unflatten(x_def, x_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
+        f = _hop.remat_body(f)
         k = unroll_steps(unroll, n)
         if k > 1:
             return _lower_unrolled(f, init, xs, n, bool(reverse), weak, k)
