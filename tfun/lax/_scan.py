@@ -516,7 +516,8 @@ def _lower_unrolled(
     def block(size: int) -> Callable[[Any, Any], Any]:
         def run_block(carry: Any, xb: Any) -> Any:
             xb_leaves = tree_flatten(xb)[0]
-            ys: list[Any] = [None] * size
+            ys: list[Any] = []  # in the order of the steps run; appended (Dynamo 2.11 cannot
+            # trace `list.__setitem__` in a HOP body), put back in step order after the loop
             for j in range(size - 1, -1, -1) if reverse else range(size):
                 res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
                 if not isinstance(res, (tuple, list)) or len(res) != 2:
@@ -527,7 +528,9 @@ def _lower_unrolled(
                     in_td,
                     _hop.check_result(op, "body carry input and output", "carry", f, in_td, in_leaves, res[0], REVISE_CARRY),
                 )
-                ys[j] = res[1]
+                ys.append(res[1])
+            if reverse:
+                ys = ys[::-1]
             y_td = tree_structure(ys[0])
             flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
             return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
