@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import itertools
 import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "dynamo_code_name", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -435,3 +436,85 @@ def compile_error(e: BaseException) -> BaseException:
     if isinstance(e, RuntimeError) and "dynamicLayerStack.empty()" in str(e) and context is not None:
         return context
     return e
+
+
+def _dynamo_compares_by_dunder_eq() -> bool:
+    """Whether Dynamo traces `a == b` through its `cmp_eq` polyfill, which calls
+    `a.__eq__(b)` (torch 2.11). That fails for the functions Dynamo itself substitutes
+    (`substitute_in_graph`): their `__eq__` method-wrapper has no traceable polyfill ("Polyfill
+    handler <method-wrapper '__eq__' of function object> does not have a traceable function").
+    torch 2.13's Dynamo has no such polyfill and compares those functions. Run by Dynamo as
+    plain Python (a constant result); asked only while Dynamo traces, so it is loaded."""
+    polyfills = importlib.import_module("torch._dynamo.polyfills")
+    return hasattr(polyfills, "cmp_eq")
+
+
+_dynamo_compares_by_dunder_eq._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def same_treedef(a: Any, b: Any) -> bool:
+    """`a == b` for two treedefs (optree `PyTreeSpec`s), also in code that Dynamo traces.
+
+    Under Dynamo a treedef is Dynamo's Python stand-in for optree's `PyTreeSpec`, a dataclass
+    whose generated `__eq__` compares its fields, among them the node's unflatten function,
+    which is one of the functions Dynamo substitutes. Dynamo 2.11 cannot compare two of those
+    (see `_dynamo_compares_by_dunder_eq`), so a pytree carry checked in a HOP body under
+    `tfun.jit` failed to compile. Where that is so, the fields are compared here one by one,
+    the function by identity (which is what `==` on a function is), the children recursively:
+    the same answer as `==`. Elsewhere (eager code, non-strict export's outer code, torch
+    2.13 and later) this is `a == b`.
+    """
+    if (
+        torch.compiler.is_dynamo_compiling()
+        and hasattr(a, "_unflatten_func")
+        and hasattr(b, "_unflatten_func")
+        and _dynamo_compares_by_dunder_eq()
+    ):
+        return _spec_fields_equal(a, b)
+    return bool(a == b)
+
+
+def _spec_fields_equal(a: Any, b: Any) -> bool:
+    """The fields of two of Dynamo's stand-in treedefs compared as the dataclass's `__eq__`
+    compares them, the unflatten function by identity."""
+    if a is b:
+        return True
+    if (
+        a._type != b._type
+        or a.num_nodes != b.num_nodes
+        or a.num_leaves != b.num_leaves
+        or a.num_children != b.num_children
+        or a.none_is_leaf != b.none_is_leaf
+        or a.namespace != b.namespace
+        or a._entries != b._entries
+        or a._metadata != b._metadata
+        or a._unflatten_func is not b._unflatten_func
+    ):
+        return False
+    for x, y in zip(a._children, b._children):
+        if not _spec_fields_equal(x, y):
+            return False
+    return True
+
+
+_CODE_NAMES = itertools.count()
+
+
+def dynamo_code_name(name: str) -> str:
+    """The name to give a new code object of `tfun.jit`'s frame (`tfun_jit_call`), so that
+    each `tfun.jit` function has Dynamo's "automatic dynamic" state to itself.
+
+    Dynamo keeps that state (which sizes it has seen change, and so compiles symbolic) per
+    `pgo.CodeId`. torch 2.13's `CodeId` holds a hash of the frame's closure, which holds the
+    user's function, so two `tfun.jit` functions keep separate state. torch 2.11's holds only
+    (file, line, name), the same for every `tfun.jit` function: the shapes one of them was
+    called with made another's first compile symbolic (even across ranks), and what ran
+    earlier in the process decided whether a tfun error in traced code could be worded (a
+    symbolic size cannot be passed to an escape hatch). Where `CodeId` has no closure hash,
+    each call returns a name of its own; elsewhere `name`, as it is.
+    """
+    pgo = importlib.import_module("torch._dynamo.pgo")
+    fields = getattr(getattr(pgo, "CodeId", None), "__dataclass_fields__", None)
+    if fields is None or "closure_hash" in fields:
+        return name
+    return f"{name}{next(_CODE_NAMES)}"

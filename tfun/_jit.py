@@ -341,7 +341,7 @@ class Jitted:
                 def tfun_jit_call(*a: Any, **k: Any) -> Any:
                     return fun(*a, **k)
 
-                self._plain = self._compile(tfun_jit_call, "tfun_jit_call")
+                self._plain = self._compile(tfun_jit_call, _compat.dynamo_code_name("tfun_jit_call"))
             return self._plain, args, kwargs
         key = self._static_key(args, kwargs)
         with self._lock:

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _context, _funcinfo, _rules
+from .. import _compat, _context, _funcinfo, _rules
 from .._errors import ArgumentValueError, JitError, format_message
 from .._tree import PyTreeSpec, tree_flatten, tree_structure, tree_unflatten
 from . import _hop
@@ -197,7 +197,7 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         _hop.check_state(op, "combine function", fn, state)
         out_leaves, out_td = tree_flatten(out)
         what, names = "combine function input and output", ("input", "output")
-        if out_td != td_in or len(out_leaves) != n:
+        if not _compat.same_treedef(out_td, td_in) or len(out_leaves) != n:
             _hop.raise_mismatch(
                 op, what, "elems", names, _hop.describe(td_in, a), _hop.describe(out_td, out_leaves), fn, _REVISE_COMBINE
             )

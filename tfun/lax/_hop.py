@@ -525,7 +525,7 @@ def check_result(
     """Flatten `out`, check it against (in_td, in_leaves) and return its leaves as tensors
     with the dtype of the corresponding input leaf where they were Python scalars."""
     leaves, td = tree_flatten(out)
-    if td != in_td:
+    if not _compat.same_treedef(td, in_td):  # not `!=`: Dynamo 2.11 cannot trace it (see there)
         raise_mismatch(op, what, root, ("input", "output"), describe(in_td, in_leaves), describe(td, leaves), fn, revise)
     # a Python scalar stands for a 0-d tensor of its default dtype (weakly typed, as in JAX;
     # eagerly: `_rules.normalize_weak_outputs`)

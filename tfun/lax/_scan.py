@@ -526,12 +526,16 @@ def _lower_unrolled(
     def block(size: int) -> Callable[[Any, Any], Any]:
         def run_block(carry: Any, xb: Any) -> Any:
             xb_leaves = tree_flatten(xb)[0]
-            ys: list[Any] = [None] * size
+            ys: list[Any] = []  # in the order of the steps run; appended (Dynamo 2.11 cannot
+            # trace `list.__setitem__` in a HOP body), put back in step order after the loop
             for j in range(size - 1, -1, -1) if reverse else range(size):
                 res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
                 in_leaves, in_td = tree_flatten(carry)
-                new_leaves, ys[j] = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
+                new_leaves, y = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
                 carry = tree_unflatten(in_td, new_leaves)
+                ys.append(y)
+            if reverse:
+                ys = ys[::-1]
             y_td = tree_structure(ys[0])
             flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
             return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
