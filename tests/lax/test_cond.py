@@ -331,8 +331,7 @@ def test_switch_static_python_index_under_jit():
     assert g(1, x).item() == -3.0
 
 
-@pytest.mark.parametrize("op", ["cond", "switch"])
-@pytest.mark.parametrize("how", ["backward", "tfun.grad"])
+@pytest.mark.parametrize(("op", "how"), [("cond", "backward"), ("switch", "tfun.grad")])
 def test_gradient_broadcast_in_one_branch_only_under_jit(op, how):
     """Regression: one branch's gradient of `w` is a broadcast (stride 0, from `w.sum()`, `w`
     closed over or an operand) and the other's a zero or a dense tensor. torch 2.13's cond
