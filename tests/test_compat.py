@@ -72,3 +72,20 @@ def test_one_jit_functions_shapes_do_not_make_anothers_sizes_symbolic():
     tfun.jit(a, backend="eager")(torch.ones(3))
     with pytest.raises(StructureMismatchError, match=r"carry: input is a leaf, output is a tuple of 2"):
         tfun.jit(b, backend="eager")(torch.ones(2))
+
+
+def test_cond_autograd_fixes_is_idempotent_and_keeps_values():
+    """The wrapped `CondAutogradOp.backward` is installed once, and eager cond gradients are
+    unchanged by it (the branch gradients are only made contiguous)."""
+    from torch._higher_order_ops.cond import CondAutogradOp
+
+    _compat.cond_autograd_fixes()
+    first = CondAutogradOp.backward
+    _compat.cond_autograd_fixes()
+    assert CondAutogradOp.backward is first
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    y = torch.cond(torch.tensor(False), lambda x, w: torch.sin(x), lambda x, w: x * w.sum(), (x, w))
+    gx, gw = torch.autograd.grad((y * torch.tensor([1.0, 2.0], dtype=y.dtype)).sum(), (x, w))
+    torch.testing.assert_close(gx, torch.tensor([5.0, 10.0], dtype=torch.float64))
+    torch.testing.assert_close(gw, torch.full((2,), 0.5 * 1 + -1.0 * 2, dtype=torch.float64))

@@ -516,3 +516,37 @@ def test_custom_jvp_integer_outputs_have_no_tangent():
     (px, py), (tx, ty) = tfun.jvp(f, (torch.tensor(2.0), torch.tensor(3)), (torch.tensor(1.0), torch.tensor(0)))
     assert (px.item(), py.item(), tx.item()) == (2.0, 3, 2.0)
     assert ty.dtype == torch.int64 and ty.item() == 0
+
+
+@tfun.custom_jvp
+def _halved_sin(x):
+    return torch.sin(x)
+
+
+@_halved_sin.defjvp
+def _halved_sin_jvp(primals, tangents):
+    (x,), (t_,) = primals, tangents
+    return torch.sin(x), 0.5 * torch.cos(x) * t_  # not the derivative: the rule must be used
+
+
+@pytest.mark.parametrize("how", ["backward", "jit(grad)"])
+def test_custom_jvp_of_an_intermediate_under_jit(how):
+    """Regression: under tfun.jit, a custom_jvp function applied to the output of another op
+    (`f(x @ w)`, not to an input) failed to compile: its traced backward differentiated the
+    rule with the saved primal's autograd history attached, which Dynamo refuses
+    ("autograd.grad consumed returned tensor's grad_fn"). Gradients equal eager float64."""
+    x, w = t(4, 3), t(3, 3, seed=1)
+
+    def loss(x, w):
+        return (_halved_sin(x @ w) * torch.arange(3.0, dtype=x.dtype)).sum() + _halved_sin(x).sum()
+
+    want = tfun.grad(loss, argnums=(0, 1))(x, w)
+    torch.testing.assert_close(want[1], x.T @ (0.5 * torch.cos(x @ w) * torch.arange(3.0, dtype=x.dtype)))
+    if how == "backward":
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        tfun.jit(loss, backend="aot_eager")(xx, ww).backward()
+        got = (xx.grad, ww.grad)
+    else:
+        got = tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend="aot_eager")(x, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -9,9 +9,11 @@ feature-detected in `tfun/lax/_hop.py`, the one module that calls them.)
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import itertools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -420,6 +422,58 @@ def while_loop_autograd_fixes() -> None:
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+_COND_AUTOGRAD_PATCHED = False
+
+
+def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def dense(*args: Any) -> Any:
+        out = fn(*args)
+        dense_out = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in out]
+        return type(out)(dense_out) if isinstance(out, (tuple, list)) else dense_out
+
+    dense._tfun_dense = True  # type: ignore[attr-defined]
+    return dense
+
+
+def cond_autograd_fixes() -> None:
+    """Make torch.cond's backward branches return dense (contiguous) gradients.
+
+    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
+    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
+    merges the two branches' outputs into one and asserts that their strides agree. Where one
+    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
+    the other's a dense tensor (or a zero), torch 2.13 fails to compile ("AssertionError:
+    expected b_val == 0 when a_val == 0", `_merge_output` in torch/_higher_order_ops/cond.py).
+    `CondAutogradOp.backward` is wrapped by one that makes every gradient the branches return
+    contiguous first (a no-op for those already dense). Idempotent; Dynamo runs it as plain
+    Python under tfun.jit.
+    """
+    global _COND_AUTOGRAD_PATCHED
+    if _COND_AUTOGRAD_PATCHED:
+        return
+    _COND_AUTOGRAD_PATCHED = True
+    try:
+        mod = importlib.import_module("torch._higher_order_ops.cond")
+    except ImportError:  # pragma: no cover - a torch whose cond moved: nothing to patch
+        return
+    op = getattr(mod, "CondAutogradOp", None)
+    backward = getattr(op, "backward", None)
+    if backward is None:  # pragma: no cover
+        return
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        for name in ("_true_bw_fn", "_false_bw_fn"):
+            fn = getattr(ctx, name, None)
+            if fn is not None and not getattr(fn, "_tfun_dense", False):
+                setattr(ctx, name, _dense_outputs(fn))
+        return backward(ctx, *grads)
+
+    op.backward = staticmethod(dense_backward)
+
+
+cond_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def compile_error(e: BaseException) -> BaseException:

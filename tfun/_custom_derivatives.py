@@ -795,6 +795,12 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
         if not diff_in or not diff_out:
             return (None, *result)
         higher = torch.is_grad_enabled()  # backward with create_graph: keep the graph
+        if not higher:
+            # The rule is differentiated in its tangents only. Saved primals that carry an
+            # autograd history (the output of an op before this function, `f(x @ w)`) would
+            # put that history under the torch.autograd.grad below, which Dynamo refuses
+            # ("autograd.grad consumed returned tensor's grad_fn"): cut it.
+            primals = tuple(p.detach() for p in primals)
         with torch.enable_grad():
             t_diff = [grad_leaf(torch.zeros_like(primals[k])) for k in diff_in]
             tans = [torch.zeros_like(p) for p in primals]

@@ -193,3 +193,169 @@ CASES: dict[str, Case] = {
     "map": map_,
     "linear_scan": linear_scan,
 }
+
+
+# ----------------------------------------------------------------------------------------
+# Composed cases: control flow with tfun's other transforms inside it (custom derivatives,
+# checkpoint). `tests/differential/test_composed.py` runs them; `harness` looks names up in
+# `ALL_CASES`. Every custom rule here is deliberately NOT the derivative of its primal (a
+# damped gradient, as `clip_gradient`-style rules are): a path that differentiates the primal
+# instead of applying the rule gives other gradients than the eager oracle, which applies it.
+# ----------------------------------------------------------------------------------------
+
+
+@tfun.custom_vjp
+def damped_tanh_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`tanh(x) * w`, whose rule halves the gradient in `x` (and is exact in `w`)."""
+    return torch.tanh(x) * w
+
+
+def _damped_tanh_mul_fwd(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    y = torch.tanh(x)
+    return y * w, (y, w)
+
+
+def _damped_tanh_mul_bwd(res: tuple[torch.Tensor, torch.Tensor], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y, w = res
+    return 0.5 * g * w * (1 - y * y), g * y
+
+
+damped_tanh_mul.defvjp(_damped_tanh_mul_fwd, _damped_tanh_mul_bwd)
+
+
+@tfun.custom_jvp
+def damped_sin(x: torch.Tensor) -> torch.Tensor:
+    """`sin(x)`, whose rule's tangent is `0.5 * cos(x) * t` (reverse mode transposes it)."""
+    return torch.sin(x)
+
+
+@damped_sin.defjvp
+def _damped_sin_jvp(primals: tuple[torch.Tensor], tangents: tuple[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    (x,), (t,) = primals, tangents
+    return torch.sin(x), 0.5 * torch.cos(x) * t
+
+
+def custom_vjp_scan(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """A custom_vjp function in a scan body (closing over `w`), and once outside the scan."""
+    T, C, reverse = spec["T"], spec["C"], spec.get("reverse", False)
+    W = _randn(spec, 1, C, C, scale=0.8 / C**0.5)
+    w = _rand(spec, 2, C, lo=0.5, hi=1.5)
+    xs = _randn(spec, 3, T, C)
+
+    def fn(W, w, xs):
+        def step(h, x):
+            h = damped_tanh_mul(h @ W + x, w)
+            return h, h * x
+
+        h, ys = lax.scan(step, torch.zeros_like(xs[0]), xs, reverse=reverse)
+        return h, ys, damped_tanh_mul(h, w)
+
+    return fn, _args(dtype, device, W, w, xs)
+
+
+def custom_vjp_cond(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """A custom_vjp function in one branch of a cond, called on both operands."""
+    C = spec["C"]
+    x = _randn(spec, 1, C)
+    w = _randn(spec, 2, C)
+
+    def fn(x, w):
+        return lax.cond(
+            (x * w).sum() > 0, lambda x, w: (damped_tanh_mul(x, w), x.sum()), lambda x, w: (torch.sin(x) * w, w.sum()), x, w
+        )
+
+    return fn, _args(dtype, device, x, w)
+
+
+def custom_jvp_scan(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """A custom_jvp function in a scan body, in a cond branch after it, and outside both."""
+    T, C, reverse = spec["T"], spec["C"], spec.get("reverse", False)
+    W = _randn(spec, 1, C, C, scale=0.8 / C**0.5)
+    xs = _randn(spec, 2, T, C)
+
+    def fn(W, xs):
+        def step(h, x):
+            h = damped_sin(h @ W + x)
+            return h, damped_sin(h) * x
+
+        h, ys = lax.scan(step, torch.zeros_like(xs[0]), xs, reverse=reverse)
+        picked = lax.cond(h.sum() > 0, lambda h: damped_sin(h * 2), lambda h: torch.cos(h), h)
+        return h, ys, picked + damped_sin(h)
+
+    return fn, _args(dtype, device, W, xs)
+
+
+def remat_scan(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """`tfun.checkpoint` of a function holding a scan with a pytree carry, and code around
+    it (under `tfun.jit` the scan body is what is checkpointed)."""
+    T, C, reverse = spec["T"], spec["C"], spec.get("reverse", False)
+    W = _randn(spec, 1, C, C, scale=0.8 / C**0.5)
+    xs = _randn(spec, 2, T, C)
+
+    @tfun.checkpoint
+    def block(W, xs):
+        def step(c, x):
+            h = torch.tanh(c["h"] @ W + x)
+            return {"h": h, "acc": c["acc"] + (h * h).sum()}, torch.sin(h) * x
+
+        init = {"h": torch.zeros_like(xs[0]), "acc": torch.zeros((), dtype=xs.dtype, device=xs.device)}
+        c, ys = lax.scan(step, init, xs, reverse=reverse)
+        return c, torch.exp(0.1 * ys)
+
+    def fn(W, xs):
+        c, ys = block(W, xs * 1.5)
+        return c["h"], c["acc"], ys
+
+    return fn, _args(dtype, device, W, xs)
+
+
+def remat_cond(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """`tfun.checkpoint` of a function holding a cond and a switch."""
+    C = spec["C"]
+    x = _randn(spec, 1, C)
+    w = _randn(spec, 2, C)
+
+    @tfun.checkpoint
+    def block(x, w):
+        y = lax.cond((x * w).sum() > 0, lambda x, w: torch.sin(x) * w, lambda x, w: x * x - w, x, w)
+        index = (y.sum().abs() * 5).to(torch.int64) % 3
+        return lax.switch(index, [lambda y: torch.tanh(y), lambda y: y * torch.cos(w), lambda y: torch.exp(-y * y)], y)
+
+    def fn(x, w):
+        return block(x, w) * 2.0
+
+    return fn, _args(dtype, device, x, w)
+
+
+def remat_while(spec: Spec, dtype: torch.dtype, device: torch.device):
+    """`tfun.checkpoint` of a function holding a fixed-trip-count while_loop (a tensor
+    counter: the loop's trip count is data to the compiler)."""
+    C = spec["C"]
+    x = _randn(spec, 1, C)
+    s = _rand(spec, 2, C, lo=0.5, hi=0.9)
+
+    @tfun.checkpoint
+    def block(x, s):
+        def body(c):
+            i, x = c
+            return i + 1, torch.sin(x) * s + 0.1
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (torch.zeros((), dtype=torch.int64, device=x.device), x))
+
+    def fn(x, s):
+        return block(x, s)
+
+    return fn, _args(dtype, device, x, s)
+
+
+COMPOSED_CASES: dict[str, Case] = {
+    "custom_vjp_scan": custom_vjp_scan,
+    "custom_vjp_cond": custom_vjp_cond,
+    "custom_jvp_scan": custom_jvp_scan,
+    "remat_scan": remat_scan,
+    "remat_cond": remat_cond,
+    "remat_while": remat_while,
+}
+
+#: every case the harness can run, by name
+ALL_CASES: dict[str, Case] = {**CASES, **COMPOSED_CASES}

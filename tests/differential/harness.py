@@ -12,6 +12,11 @@ Paths:
   compared with the oracle of seed `k`, so a batched predicate (cond, switch, while_loop) must
   take each example's own branch or trip count, as in JAX.
 - `"vmap+grad"`: per-example gradients, `tfun.vmap(tfun.value_and_grad(loss))`, over the same batch.
+- `"aot_eager+vmap"`, `"inductor+vmap"`: `tfun.jit(tfun.vmap(fn), backend=...)`, the vmap path
+  compiled (gradients by autograd through the jitted batched outputs); `"...+vmap+grad"`:
+  `tfun.jit(tfun.vmap(tfun.value_and_grad(loss)))`, per-example gradients compiled.
+- `"grad_of_jit"`: `tfun.value_and_grad` of a loss of `tfun.jit(fn)` (JAX's `grad(jit(f))`;
+  torch cannot enter Dynamo inside a torch.func transform, so `tfun.jit` runs `fn` eagerly there).
 - `"jvp"`: forward mode, `tfun.jvp(fn, args, tangents)` with random tangents `v`. Its outputs are
   the primal outputs; its "gradient" is the directional derivative of the weighted loss,
   `sum(w * tangent_out)`, which the oracle computes by reverse mode as `sum(grad * v)`.
@@ -33,7 +38,7 @@ import tfun
 from tfun.errors import TfunError
 from tfun.tree import tree_leaves
 
-from .cases import CASES, Spec
+from .cases import ALL_CASES, Spec
 
 #: (relative tolerance on outputs, on gradients), relative to the largest oracle magnitude
 TOLERANCE = {
@@ -41,7 +46,21 @@ TOLERANCE = {
     torch.float32: (2e-4, 1e-3),
     torch.bfloat16: (6e-2, 1.5e-1),
 }
-PATHS = ("eager", "aot_eager", "inductor", "aot_eager+grad", "inductor+grad", "vmap", "vmap+grad", "jvp")
+PATHS = (
+    "eager",
+    "aot_eager",
+    "inductor",
+    "aot_eager+grad",
+    "inductor+grad",
+    "vmap",
+    "vmap+grad",
+    "jvp",
+    "aot_eager+vmap",
+    "inductor+vmap",
+    "aot_eager+vmap+grad",
+    "inductor+vmap+grad",
+    "grad_of_jit",
+)
 #: examples in the batch of the vmap paths
 VMAP_BATCH = 3
 
@@ -98,12 +117,13 @@ def run(
     oracle sees exactly the inputs a lower-precision path sees: a comparison near a branch's
     threshold (`select`, `cond`) then takes the same side on both paths.
     """
-    if path in ("vmap", "vmap+grad"):
+    if path.endswith(("vmap", "vmap+grad")):
+        backend = path.partition("+")[0] if "+" in path and not path.startswith("vmap") else None
         try:
-            return _vmapped(name, spec, dtype, torch.device(device), grad=path == "vmap+grad")
+            return _vmapped(name, spec, dtype, torch.device(device), grad=path.endswith("+grad"), backend=backend)
         except TfunError as e:
             return Refused(e)
-    fn, args = CASES[name](spec, dtype, torch.device(device))
+    fn, args = ALL_CASES[name](spec, dtype, torch.device(device))
     if rounded_to is not None:
         args = tuple(a.to(rounded_to).to(dtype) if a.is_floating_point() else a for a in args)
     args = tuple(a.detach().requires_grad_() for a in args)
@@ -112,6 +132,8 @@ def run(
             return _forward_then_grad(fn, args)
         if path == "jvp":
             return _jvp(fn, args)
+        if path == "grad_of_jit":
+            return _jit_value_and_grad(fn, args, "aot_eager", jit_inside=True)
         backend, _, mode = path.partition("+")
         if backend not in ("aot_eager", "inductor"):
             raise ValueError(f"unknown path {path!r}")
@@ -131,16 +153,20 @@ def _forward_then_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -
     return Result(_cpu64(outs), _cpu64([torch.zeros_like(a) if g is None else g for a, g in zip(args, grads)]))
 
 
-def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str) -> Result:
+def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str, jit_inside: bool = False) -> Result:
     # the loss weights depend only on the output shapes: take them from an eager call
     with torch.no_grad():
         weights = _weights(_cpu64(tree_leaves(fn(*args))))
 
+    inner = tfun.jit(fn, backend=backend) if jit_inside else fn
+
     def loss(*xs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        outs = tree_leaves(fn(*xs))
+        outs = tree_leaves(inner(*xs))
         return _loss(outs, weights), outs
 
-    step = tfun.jit(tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True), backend=backend)
+    step = tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+    if not jit_inside:
+        step = tfun.jit(step, backend=backend)
     (_, outs), grads = step(*(a.detach() for a in args))
     return Result(_cpu64(outs), _cpu64(grads))
 
@@ -149,24 +175,28 @@ def _slice_specs(spec: Spec) -> list[Spec]:
     return [{**spec, "seed": int(spec.get("seed", 0)) + k} for k in range(VMAP_BATCH)]
 
 
-def _vmapped(name: str, spec: Spec, dtype: torch.dtype, device: torch.device, grad: bool) -> Result:
-    """`tfun.vmap` of the case over the batch of `_slice_specs(spec)`; outputs and gradients
-    of each example, concatenated in example order (as `_oracle_of_slices` lays them out)."""
-    built = [CASES[name](s, dtype, device) for s in _slice_specs(spec)]
+def _vmapped(name: str, spec: Spec, dtype: torch.dtype, device: torch.device, grad: bool, backend: str | None = None) -> Result:
+    """`tfun.vmap` of the case over the batch of `_slice_specs(spec)`, compiled by `tfun.jit`
+    with `backend` if one is given; outputs and gradients of each example, concatenated in
+    example order (as `_oracle` lays them out)."""
+    built = [ALL_CASES[name](s, dtype, device) for s in _slice_specs(spec)]
     fn = built[0][0]  # the function depends on the spec's shapes, not on its seed
     args = tuple(torch.stack(col).detach() for col in zip(*(b[1] for b in built)))
     with torch.no_grad():
-        weights = _weights(_cpu64(tree_leaves(CASES[name](spec, torch.float64, torch.device("cpu"))[0](*built[0][1]))))
+        weights = _weights(_cpu64(tree_leaves(ALL_CASES[name](spec, torch.float64, torch.device("cpu"))[0](*built[0][1]))))
 
     def loss(*xs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         outs = tree_leaves(fn(*xs))
         return _loss(outs, weights), outs
 
+    def jit(f: Callable[..., Any]) -> Callable[..., Any]:
+        return f if backend is None else tfun.jit(f, backend=backend)
+
     if grad:
-        (_, outs), grads = tfun.vmap(tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+        (_, outs), grads = jit(tfun.vmap(tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)))(*args)
     else:
         args = tuple(a.requires_grad_() for a in args)
-        outs = tree_leaves(tfun.vmap(fn)(*args))
+        outs = tree_leaves(jit(tfun.vmap(fn))(*args))
         # the loss of each example with the same weights: slice k's gradient is example k's
         total = sum(_loss([o[k] for o in outs], weights) for k in range(VMAP_BATCH))
         found = torch.autograd.grad(total, args, allow_unused=True)
@@ -200,7 +230,7 @@ def _tangents(primals: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 def _oracle(name: str, spec: Spec, path: str, dtype: torch.dtype) -> Result:
     """The float64 eager oracle of `path`, laid out as that path lays out its results."""
     oracle_spec = {**spec, "impl": "torch"} if "impl" in spec else spec
-    if path in ("vmap", "vmap+grad"):
+    if path.endswith(("vmap", "vmap+grad")):
         parts = [run(name, s, "eager", torch.float64, "cpu", rounded_to=dtype) for s in _slice_specs(oracle_spec)]
         for r in parts:
             assert isinstance(r, Result), f"the oracle itself refused: {getattr(r, 'error', None)}"
@@ -208,7 +238,7 @@ def _oracle(name: str, spec: Spec, path: str, dtype: torch.dtype) -> Result:
     oracle = run(name, oracle_spec, "eager", torch.float64, "cpu", rounded_to=dtype)
     assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
     if path == "jvp":
-        fn, args = CASES[name](oracle_spec, torch.float64, torch.device("cpu"))
+        fn, args = ALL_CASES[name](oracle_spec, torch.float64, torch.device("cpu"))
         args = tuple(a.to(dtype).to(torch.float64) if a.is_floating_point() else a for a in args)
         tangents = [t.to(dtype).to(torch.float64) for t in _tangents(args)]
         directional = sum((g * t).sum() for g, t in zip(oracle.grads, tangents) if _floating(g))

@@ -134,3 +134,13 @@ def test_functorch_paths_float64_and_float32(name: str, path: str, data: st.Data
         else:
             res = harness.compare(name, spec, path, dtype)
             assert isinstance(res, harness.Refused), f"{name} along {path} now runs ({why})"
+
+
+@pytest.mark.parametrize("path", ["eager", "vmap", "jvp", "aot_eager"])
+@pytest.mark.parametrize("name", ["scan", "associative_scan"])
+def test_length_zero(name: str, path: str) -> None:
+    """T = 0: the final carry is `init`, the ys are empty (scan); nothing to combine
+    (associative_scan). (map and linear_scan at T = 0 return outputs that depend on no input,
+    which torch.autograd.grad refuses whatever the path: not compared.)"""
+    torch._dynamo.reset()
+    harness.assert_matches(name, {"T": 0, "C": 2, "seed": 1, "reverse": True}, path, torch.float32)

@@ -329,3 +329,31 @@ def test_switch_static_python_index_under_jit():
     assert [f(i, x).item() for i in (-1, 0, 1, 5)] == [-3.0, -3.0, 6.0, 6.0]
     g = tfun.jit(lambda i, x: lax.switch(i, [lambda x: -x], x), static_argnums=0, backend="aot_eager")
     assert g(1, x).item() == -3.0
+
+
+@pytest.mark.parametrize(("op", "how"), [("cond", "backward"), ("switch", "tfun.grad")])
+def test_gradient_broadcast_in_one_branch_only_under_jit(op, how):
+    """Regression: one branch's gradient of `w` is a broadcast (stride 0, from `w.sum()`, `w`
+    closed over or an operand) and the other's a zero or a dense tensor. torch 2.13's cond
+    backward refused to merge the two ("expected b_val == 0 when a_val == 0"), so `tfun.jit`
+    failed to compile; `_compat.cond_autograd_fixes` makes the branches' gradients dense."""
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+
+    def f(x, w):
+        if op == "cond":
+            y = lax.cond(x.sum() > 0, lambda x, v: torch.tanh(x), lambda x, v: x * v.sum(), x, w)
+        else:
+            index = (x.sum().abs() * 5).to(torch.int64) % 3
+            y = lax.switch(index, [lambda x: torch.tanh(x), lambda x: x * w.sum(), lambda x: torch.exp(-x * x)], x)
+        return (y * torch.tensor([1.0, 2.0, 3.0], dtype=y.dtype)).sum() + (w * w).sum()
+
+    for x in (torch.tensor([0.1, 0.2, -0.1], dtype=torch.float64), torch.tensor([-0.3, 0.2, -0.1], dtype=torch.float64)):
+        want = tfun.grad(f, argnums=(0, 1))(x, w)
+        if how == "backward":
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            tfun.jit(f, backend="aot_eager")(xx, ww).backward()
+            got = (xx.grad, ww.grad)
+        else:
+            got = tfun.jit(tfun.grad(f, argnums=(0, 1)), backend="aot_eager")(x, w)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

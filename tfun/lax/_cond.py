@@ -374,10 +374,50 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, shapes), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
         if bad is not None:
             _hop.raise_result(bad)
+        # which output is an operand returned unchanged (the same tensor): see `_forward`
+        forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
+        _escape_forwarded(key, label, forwarded)
         leaves = _hop.unalias(leaves, flat)
         return _hop.pack(td, leaves)
 
     return branch
+
+
+_FORWARDED: dict[int, dict[str, tuple[int, ...]]] = {}
+
+
+@_hop.assume_constant
+def _escape_forwarded(key: int, label: str, forwarded: tuple[int, ...]) -> int:
+    """Trace time: record, for branch `label` of the HOP call `key`, which operand each
+    output returns unchanged (-1: none)."""
+    _FORWARDED.setdefault(key, {})[label] = tuple(forwarded)
+    while len(_FORWARDED) > 256:  # calls whose trace failed before `_escape_forwarded_by_all`
+        del _FORWARDED[next(iter(_FORWARDED))]
+    return 0
+
+
+@_hop.assume_constant
+def _escape_forwarded_by_all(key: int) -> tuple[int, ...]:
+    """Trace time: for each output, the operand every branch of call `key` returns unchanged
+    there (-1 where some branch computes it); forgets the call."""
+    seen = list(_FORWARDED.pop(key, {}).values())
+    if not seen:
+        return ()
+    return tuple(js[0] if len(set(js)) == 1 else -1 for js in zip(*seen))
+
+
+def _forward(key: int, out: Any, flat: Sequence[Any]) -> Any:
+    """`out`, the HOP's outputs, where an output that every branch returns unchanged (an operand
+    they forward) is that operand itself, as JAX's cond forwards it and as the eager path
+    returns it: under `tfun.vmap` with an unbatched predicate it then stays unbatched (torch.cond
+    batches every output once an operand is batched), so `out_axes=None` applies to it."""
+    forwarded = _escape_forwarded_by_all(key)
+    if not any(j >= 0 for j in forwarded):
+        return out
+    leaves, td = tree_flatten(out)
+    if len(leaves) != len(forwarded):  # pragma: no cover - defensive: the trees always agree
+        return out
+    return tree_unflatten(td, [flat[j] if j >= 0 else x for x, j in zip(leaves, forwarded)])
 
 
 def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
@@ -392,7 +432,7 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     shapes = False
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes)
-    return _hop.unpack(_hop.torch_cond()(pred, t, f, tuple(flat)))
+    return _forward(key, _hop.unpack(_hop.torch_cond()(pred, t, f, tuple(flat))), flat)
 
 
 def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
@@ -420,7 +460,7 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
 
     if len(wrapped) == 1:
         return _hop.unpack(wrapped[0](*flat))
-    return _hop.unpack(build(0, len(wrapped))(*flat))
+    return _forward(key, _hop.unpack(build(0, len(wrapped))(*flat)), flat)
 
 
 __all__ = ["cond", "switch", "select"]

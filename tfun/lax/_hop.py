@@ -111,6 +111,7 @@ def is_tracing() -> bool:
 
 
 def torch_cond() -> Callable[..., Any]:
+    _compat.cond_autograd_fixes()  # torch 2.13's backward fails on strided gradients (see there)
     return torch.cond
 
 
