@@ -20,6 +20,7 @@ import torch
 import torch.func
 
 from . import _context
+from ._closures import ClosureCells, Rebound, rebuild
 from ._compat import grad_leaf
 from ._errors import (
     ArgumentTypeError,
@@ -201,78 +202,31 @@ def _is_wrapped(x: Any) -> bool:
 class _Captures:
     """The transform-wrapped tensors a custom function's rules see without taking them as
     inputs: in the closures of the function and its rules (and of the plain functions and
-    custom functions those close over), and among its nondiff arguments.
+    custom functions those close over, see `tfun._closures`), and among its nondiff
+    arguments.
 
     torch.func applies an `autograd.Function` only to its inputs: under `vmap` its generated
     batching rule runs the rules at a new level, where a tensor closed over from an enclosing
     level is invalid (torch's internal assertions). tfun therefore lifts such tensors into
     extra inputs of the `autograd.Function` and, while a rule runs, rebinds the closure cells
-    (and nondiff arguments) that held them to the values the Function received. They are
-    constants of the custom function, as JAX's closure conversion makes them: a derivative
-    with respect to them through the function is refused (see `_refuse_closure_derivative`).
-    Cells are rebound for the duration of one rule call and restored after it (so another
-    thread running a function that shares such a cell at that moment would see the rebound
-    value; only calls under a torch.func transform that close over its tensors rebind).
+    (and nondiff arguments) that held them to the values the Function received (`_Bound`).
+    They are constants of the custom function, as JAX's closure conversion makes them: a
+    derivative with respect to them through the function is refused (see
+    `_refuse_closure_derivative`).
     """
 
     def __init__(self, roots: Sequence[Any], nondiff: tuple[Any, ...]) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
-        # (cell, treedef, leaves, [(leaf position, capture index)])
-        self.cells: list[tuple[Any, Any, list[Any], list[tuple[int, int]]]] = []
-        self.nondiff: list[tuple[Any, list[Any], list[tuple[int, int]]] | None] = []
+        self.found = ClosureCells(roots, _is_wrapped, _custom_parts)
+        self.tensors = self.found.tensors
+        self.nondiff = [self.found.leaves(v) for v in nondiff]
         self.forward_levels: list[bool] = []
-        seen: set[int] = set()
-        for r in roots:
-            self._scan(r, seen, 0)
-        for v in nondiff:
-            self.nondiff.append(self._leaves(v))
 
-    def _leaves(self, value: Any) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
-        if isinstance(value, torch.Tensor):
-            leaves, td = [value], None
-        elif isinstance(value, (tuple, list, dict)):
-            leaves, td = tree_flatten(value)
-        else:
-            return None
-        pos = []
-        for k, x in enumerate(leaves):
-            if _is_wrapped(x):
-                if id(x) not in self._index:
-                    self._index[id(x)] = len(self.tensors)
-                    self.tensors.append(x)
-                pos.append((k, self._index[id(x)]))
-        return (td, leaves, pos) if pos else None
 
-    def _scan(self, fn: Any, seen: set[int], depth: int) -> None:
-        if fn is None or id(fn) in seen or depth > 8:
-            return
-        seen.add(id(fn))
-        if isinstance(fn, (custom_jvp, custom_vjp)):
-            for name in ("fun", "fwd", "bwd", "jvp_fn"):
-                self._scan(getattr(fn, name, None), seen, depth + 1)
-            return
-        if isinstance(fn, functools.partial):
-            self._scan(fn.func, seen, depth + 1)
-            return
-        fn = getattr(fn, "__func__", fn)  # bound methods
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            found = self._leaves(value)
-            if found is not None:
-                self.cells.append((cell, *found))
-            elif callable(value):
-                self._scan(value, seen, depth + 1)
-
-    @staticmethod
-    def _rebuild(td: Any, leaves: list[Any], pos: list[tuple[int, int]], values: Sequence[Any]) -> Any:
-        new = list(leaves)
-        for k, i in pos:
-            new[k] = values[i]
-        return new[0] if td is None else tree_unflatten(td, new)
+def _custom_parts(obj: Any) -> list[Any] | None:
+    """The functions of a custom function object, whose closures are searched too."""
+    if isinstance(obj, (custom_jvp, custom_vjp)):
+        return [getattr(obj, name, None) for name in ("fun", "fwd", "bwd", "jvp_fn")]
+    return None
 
 
 class _Bound:
@@ -281,25 +235,22 @@ class _Bound:
 
     def __init__(self, spec: _CallSpec, values: Sequence[Any]) -> None:
         self.spec, self.values = spec, values
+        self.cells = Rebound(spec.captures.found if spec.captures is not None else None, values)
 
     def __enter__(self) -> None:
         cap = self.spec.captures
         if cap is None:
             return
-        self.old_cells = [c.cell_contents for c, *_ in cap.cells]
+        self.cells.__enter__()
         self.old_nondiff = self.spec.nondiff
-        for cell, td, leaves, pos in cap.cells:
-            cell.cell_contents = cap._rebuild(td, leaves, pos, self.values)
         self.spec.nondiff = tuple(
-            v if entry is None else cap._rebuild(*entry, self.values) for v, entry in zip(self.spec.nondiff, cap.nondiff)
+            v if entry is None else rebuild(*entry, self.values) for v, entry in zip(self.spec.nondiff, cap.nondiff)
         )
 
     def __exit__(self, *exc: object) -> None:
-        cap = self.spec.captures
-        if cap is None:
+        if self.spec.captures is None:
             return
-        for (cell, *_), old in zip(cap.cells, self.old_cells):
-            cell.cell_contents = old
+        self.cells.__exit__(*exc)
         self.spec.nondiff = self.old_nondiff
 
 
