@@ -128,6 +128,10 @@ def test_custom_vjp_bwd_errors():
     with pytest.raises(TensorMismatchError) as e:
         tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})
     assert "  * bwd output[0]['b']: expected a tensor of shape (2,) and dtype torch.float64, got a tensor of shape (1,)" in str(e.value)
+    # a TensorMismatchError (a TypeError, as every tfun shape mismatch) that is also the
+    # ValueError JAX raises for a bwd cotangent of the wrong shape
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ValueError)
+    assert re.search(r"The function is `<lambda> at \S*test_custom_derivatives\.py:\d+`", str(e.value))
     h.defvjp(lambda d: (h(d), d), lambda d, g: ({"a": g},))
     with pytest.raises(StructureMismatchError) as e:
         tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})

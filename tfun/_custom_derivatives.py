@@ -378,6 +378,12 @@ def _ks(p: Any) -> str:
     return keystr(p)
 
 
+class _CotangentMismatchError(TensorMismatchError, ValueError):
+    """A `custom_vjp` bwd cotangent whose shape or dtype is not its argument's: a
+    `TensorMismatchError` (so a `TypeError`, as every tfun shape/dtype mismatch) that is
+    also a `ValueError`, the class JAX raises there."""
+
+
 def _check_cotangents(
     op: str,
     rule: Callable[..., Any],
@@ -387,6 +393,7 @@ def _check_cotangents(
     expected_desc: str,
     shapes: Sequence[tuple[torch.Size, torch.dtype] | None],
     revise: str,
+    mismatch: type[TensorMismatchError] = TensorMismatchError,
 ) -> list[Any]:
     """Match `returned` (None allowed at any prefix position = zero) against `expected`.
 
@@ -421,7 +428,7 @@ def _check_cotangents(
             continue
         out.append(got)
     if bullets:
-        raise TensorMismatchError(
+        raise mismatch(
             format_message(
                 f"{op}: each leaf of the {what} must have the shape and dtype of {expected_desc}.",
                 bullets,
@@ -585,7 +592,15 @@ class _CustomVjpFunction(torch.autograd.Function):
             meta_per_leaf[k] = m
         expected = tree_unflatten(spec.diff.treedef, list(range(len(spec.diff.leaves))))
         flat = _check_cotangents(
-            op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
+            op,
+            spec.bwd,
+            "bwd output",
+            tuple(cts),
+            expected,
+            "the differentiable arguments",
+            meta_per_leaf,
+            revise,
+            _CotangentMismatchError,
         )
         result = [conj_ct(flat[k]) for k in spec.tensor_pos]
         if pulled is not None:
