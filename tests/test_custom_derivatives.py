@@ -629,3 +629,29 @@ def test_custom_jvp_integer_outputs_have_no_tangent():
     (px, py), (tx, ty) = tfun.jvp(f, (torch.tensor(2.0), torch.tensor(3)), (torch.tensor(1.0), torch.tensor(0)))
     assert (px.item(), py.item(), tx.item()) == (2.0, 3, 2.0)
     assert ty.dtype == torch.int64 and ty.item() == 0
+
+
+def test_jit_grad_of_custom_jvp_whose_rule_calls_the_function():
+    # the usual `return f(x), ...` in a rule: traced, the transposed rule runs the function's
+    # primal there (Dynamo used to trace the backward again and again: a RecursionError)
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 3 * torch.cos(p[0]) * t[0]))  # not the true derivative: the oracle sees the rule
+    x = torch.tensor([0.5, -1.25, 2.0], dtype=D)
+    jf = tfun.jit(f, backend="aot_eager")
+    torch.testing.assert_close(jf(x), torch.sin(x))
+    torch.testing.assert_close(tfun.jit(tfun.grad(lambda x: f(x).sum()), backend="aot_eager")(x), 3 * torch.cos(x))
+    xg = x.clone().requires_grad_(True)
+    jf(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, 3 * torch.cos(x))
+
+    # inside a scan, as JAX's test_initial_style
+    @tfun.custom_jvp
+    def g(x):
+        return 3 * x
+
+    g.defjvp(lambda p, t: (g(p[0]), 2 * t[0]))
+    foo = lambda x: tfun.lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0]
+    torch.testing.assert_close(tfun.jit(tfun.grad(foo), backend="aot_eager")(torch.tensor(3.0, dtype=D)), torch.tensor(4.0, dtype=D))

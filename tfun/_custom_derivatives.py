@@ -975,7 +975,15 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
             tans = [torch.zeros_like(p) for p in primals]
             for k, t in zip(diff_in, t_diff):
                 tans[k] = t
-            flat = _call_jvp_rule(spec, list(primals), tans)
+            if higher:
+                flat = _call_jvp_rule(spec, list(primals), tans)
+            else:
+                # first order: the rule's primal output and its coefficients (functions of the
+                # primals) are not differentiated, so custom functions the rule calls run their
+                # primal function. Through their own rule, a rule that calls its function (the
+                # usual `return f(x), ...`) would have Dynamo trace this backward again, forever.
+                with _InsideForward():
+                    flat = _call_jvp_rule(spec, list(primals), tans)
             outs = [flat[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
             gs = [grads[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
             if not outs:
