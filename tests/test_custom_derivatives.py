@@ -128,6 +128,10 @@ def test_custom_vjp_bwd_errors():
     with pytest.raises(TensorMismatchError) as e:
         tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})
     assert "  * bwd output[0]['b']: expected a tensor of shape (2,) and dtype torch.float64, got a tensor of shape (1,)" in str(e.value)
+    # a TensorMismatchError (a TypeError, as every tfun shape mismatch) that is also the
+    # ValueError JAX raises for a bwd cotangent of the wrong shape
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ValueError)
+    assert re.search(r"The function is `<lambda> at \S*test_custom_derivatives\.py:\d+`", str(e.value))
     h.defvjp(lambda d: (h(d), d), lambda d, g: ({"a": g},))
     with pytest.raises(StructureMismatchError) as e:
         tfun.grad(lambda d: h(d).sum())({"a": t(2), "b": t(2)})
@@ -476,19 +480,128 @@ def test_rule_flags_as_jax():
 
 
 def test_functorch_internal_asserts_become_tfun_errors():
-    # torch.func's "batched == nullptr INTERNAL ASSERT" (a nondiff argument batched by vmap, under jvp)
-    # must reach the user as a tfun error that says what to change, never as torch's internal assert
-    @functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
-    def f(x, y):
-        return x * y
+    # torch.func's "flat_bdims must not be None" (forward mode through vmap of a custom_vjp)
+    # must reach the user as a tfun error that says what to change, never as torch's assertion
+    @tfun.custom_vjp
+    def f(x):
+        return torch.sin(x)
 
-    f.defjvp(lambda x, p, t: (f(x, p[0]), 5 * t[0]))
-    g = tfun.vmap(f)
-    with pytest.raises(ArgumentValueError, match="torch.func cannot apply this function's rule") as info:
-        tfun.jvp(lambda y: g(torch.tensor([2.0]), y), (torch.tensor([3.0]),), (torch.tensor([1.0]),))
-    assert "INTERNAL ASSERT" in str(info.value.__cause__)
+    f.defvjp(lambda x: (torch.sin(x), x), lambda x, g: (torch.cos(x) * g,))
+    with pytest.raises(TypeError, match="forward-mode") as info:
+        tfun.jvp(tfun.vmap(f), (torch.arange(3.0, dtype=D),), (torch.ones(3, dtype=D),))
+    assert "test_custom_derivatives.py" in str(info.value)
     # transforms still work afterwards
     assert torch.allclose(tfun.vmap(tfun.grad(torch.sin))(torch.arange(3.0)), torch.cos(torch.arange(3.0)))
+
+
+# ------------------------------------- rules closing over tensors of enclosing transforms
+# tfun lifts such tensors into inputs of its autograd.Function (see _Captures): the rule is
+# used, and the closed-over tensors are constants of the custom function.
+
+XS = torch.tensor([0.5, -1.0, 2.0], dtype=D)
+
+
+def test_custom_jvp_nondiff_arg_batched_by_vmap():
+    @functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
+    def f(x, y):
+        return x * torch.sin(y)
+
+    # the rule's tangent is 3 x cos(y) t: deliberately not the true derivative, so the
+    # oracle (float64, analytic) tells the rule was used
+    f.defjvp(lambda x, p, t: (f(x, p[0]), 3 * x * torch.cos(p[0]) * t[0]))
+    y = torch.tensor([0.3, 0.7, 1.1], dtype=D)
+    ty = torch.tensor([1.0, -2.0, 0.5], dtype=D)
+    out, tan = tfun.jvp(lambda y: tfun.vmap(f)(XS, y), (y,), (ty,))
+    torch.testing.assert_close(out, XS * torch.sin(y))
+    torch.testing.assert_close(tan, 3 * XS * torch.cos(y) * ty)
+    # reverse mode: the transposed rule, per example
+    g = tfun.grad(lambda y: tfun.vmap(f)(XS, y).sum())(y)
+    torch.testing.assert_close(g, 3 * XS * torch.cos(y))
+
+
+def test_custom_jvp_closing_over_vmap_batched_value():
+    def h(z):
+        def per_x(x):
+            @tfun.custom_jvp
+            def g(y):
+                return x * y**2
+
+            @g.defjvp
+            def g_jvp(primals, tangents):
+                (y,), (ty,) = primals, tangents
+                return x * y**2, 5 * x * y * ty  # the rule (true derivative: 2 x y)
+
+            return g(z)
+
+        return tfun.vmap(per_x)(XS)
+
+    z = torch.tensor(1.5, dtype=D)
+    out, tan = tfun.jvp(h, (z,), (torch.tensor(2.0, dtype=D),))
+    torch.testing.assert_close(out, XS * 1.5**2)
+    torch.testing.assert_close(tan, 5 * XS * 1.5 * 2.0)
+    torch.testing.assert_close(tfun.grad(lambda z: h(z).sum())(z), (5 * XS * 1.5).sum())
+
+
+def test_custom_vjp_closing_over_vmap_batched_value():
+    def h(z):
+        def per_x(x):
+            @tfun.custom_vjp
+            def g(y):
+                return x * torch.sin(y)
+
+            g.defvjp(lambda y: (x * torch.sin(y), (x, y)), lambda res, w: (4 * res[0] * torch.cos(res[1]) * w,))
+            return g(z)
+
+        return tfun.vmap(per_x)(XS).sum()
+
+    z = torch.tensor(0.8, dtype=D)
+    torch.testing.assert_close(h(z), (XS * np.sin(0.8)).sum())
+    torch.testing.assert_close(tfun.grad(h)(z), (4 * XS * np.cos(0.8)).sum())
+
+
+def test_custom_vjp_fwd_residual_closed_over_from_outer_transform():
+    # fwd keeps a tensor of an outer vmap/grad as its residual; an outer grad then
+    # differentiates bwd's use of it (second order through the rule)
+    def f(y):
+        @tfun.custom_vjp
+        def g(x):
+            return 2.0 * torch.sin(x)
+
+        g.defvjp(lambda x: (g(x), y), lambda y, w: (2.0 * torch.cos(y) * w,))
+        return tfun.grad(g)(torch.tensor(1.0, dtype=D))
+
+    torch.testing.assert_close(tfun.vmap(f)(XS), 2.0 * torch.cos(XS))
+    torch.testing.assert_close(tfun.grad(f)(torch.tensor(4.0, dtype=D)), torch.tensor(-2.0 * np.sin(4.0), dtype=D))
+    torch.testing.assert_close(tfun.vmap(tfun.grad(f))(XS), -2.0 * torch.sin(XS))
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_derivative_through_a_closure_is_refused(kind):
+    # the rule says nothing about the closed-over x: differentiating through it (which tfun
+    # used to answer with a silent zero) is an error naming the rule, as in JAX
+    def make(x):
+        if kind == "custom_jvp":
+            g = tfun.custom_jvp(lambda y: x * y)
+            g.defjvp(lambda p, t: (x * p[0], x * t[0]))
+        else:
+            g = tfun.custom_vjp(lambda y: x * y)
+            g.defvjp(lambda y: (x * y, None), lambda _, w: (x * w,))
+        return g
+
+    y = torch.tensor(3.0, dtype=D)
+    with pytest.raises(ArgumentValueError, match=f"tfun.{kind}: the function is differentiated with respect to a "
+                       "tensor that it or its rules close over") as info:
+        tfun.grad(lambda x: make(x)(y))(torch.tensor(2.0, dtype=D))
+    assert re.search(r"test_custom_derivatives\.py:\d+", str(info.value))
+    with pytest.raises(ArgumentValueError, match="close over"):
+        tfun.vmap(tfun.grad(lambda x: make(x)(y)))(XS)
+    if kind == "custom_jvp":
+        with pytest.raises(ArgumentValueError, match="forward-mode derivative"):
+            tfun.jvp(lambda x: tfun.vmap(lambda v: make(x)(v))(XS), (y,), (torch.tensor(1.0, dtype=D),))
+    # a closed-over tensor that is not differentiated is fine, and the rule is used
+    torch.testing.assert_close(
+        tfun.grad(lambda v: make(torch.tensor(2.0, dtype=D))(v))(y), torch.tensor(2.0, dtype=D)
+    )
 
 
 def test_custom_jvp_rule_primal_out_checked_as_jax():
@@ -550,3 +663,29 @@ def test_custom_jvp_of_an_intermediate_under_jit(how):
         got = tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend="aot_eager")(x, w)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_jit_grad_of_custom_jvp_whose_rule_calls_the_function():
+    # the usual `return f(x), ...` in a rule: traced, the transposed rule runs the function's
+    # primal there (Dynamo used to trace the backward again and again: a RecursionError)
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 3 * torch.cos(p[0]) * t[0]))  # not the true derivative: the oracle sees the rule
+    x = torch.tensor([0.5, -1.25, 2.0], dtype=D)
+    jf = tfun.jit(f, backend="aot_eager")
+    torch.testing.assert_close(jf(x), torch.sin(x))
+    torch.testing.assert_close(tfun.jit(tfun.grad(lambda x: f(x).sum()), backend="aot_eager")(x), 3 * torch.cos(x))
+    xg = x.clone().requires_grad_(True)
+    jf(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, 3 * torch.cos(x))
+
+    # inside a scan, as JAX's test_initial_style
+    @tfun.custom_jvp
+    def g(x):
+        return 3 * x
+
+    g.defjvp(lambda p, t: (g(p[0]), 2 * t[0]))
+    foo = lambda x: tfun.lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0]
+    torch.testing.assert_close(tfun.jit(tfun.grad(foo), backend="aot_eager")(torch.tensor(3.0, dtype=D)), torch.tensor(4.0, dtype=D))

@@ -397,3 +397,38 @@ def test_vjp_of_function_without_differentiable_outputs():
     assert torch.equal(ct, torch.zeros(3))
     out, f_vjp = tfun.vjp(lambda x: (x * 2, None), x)
     assert torch.equal(f_vjp((torch.ones(3), None))[0], torch.full((3,), 2.0))
+
+
+# ---------------------------------------------------------------- allow_int (JAX's float0)
+
+
+def test_grad_allow_int_integer_leaves_get_integer_zeros():
+    def f(x, n, p):
+        return (x**n).sum() * p["w"] + p["k"].sum()
+
+    x = torch.tensor([0.5, 1.5, -2.0], dtype=torch.float64)
+    n = torch.tensor(3)
+    p = {"w": torch.tensor(0.7, dtype=torch.float64), "k": torch.tensor([1, 2], dtype=torch.int32)}
+    gx, gn, gp = tfun.grad(f, argnums=(0, 1, 2), allow_int=True)(x, n, p)
+    # float64 analytic oracle
+    torch.testing.assert_close(gx, 3 * x**2 * 0.7)
+    torch.testing.assert_close(gp["w"], (x**3).sum())
+    assert gn.dtype == torch.int64 and gn.shape == () and gn.item() == 0
+    assert gp["k"].dtype == torch.int32 and torch.equal(gp["k"], torch.zeros(2, dtype=torch.int32))
+    value, (gx2, gn2) = tfun.value_and_grad(lambda x, n: (x**n).sum(), argnums=(0, 1), allow_int=True)(x, n)
+    torch.testing.assert_close(value, (x**3).sum())
+    torch.testing.assert_close(gx2, 3 * x**2)
+    assert gn2.item() == 0
+    # per example, under vmap
+    gv = tfun.vmap(tfun.grad(lambda x, n: x**n, argnums=(0, 1), allow_int=True))(x, torch.tensor([1, 2, 3]))
+    torch.testing.assert_close(gv[0], torch.stack([torch.ones((), dtype=torch.float64), 2 * x[1], 3 * x[2] ** 2]))
+    assert torch.equal(gv[1], torch.zeros(3, dtype=torch.int64))
+    # a Python int argument
+    assert tfun.grad(lambda x, k: x * k, argnums=(0, 1), allow_int=True)(torch.tensor(2.0), 3)[1].item() == 0
+
+
+def test_grad_allow_int_off_and_bad_flag_are_tfun_errors():
+    with pytest.raises(ArgumentTypeError, match="integer or boolean leaf"):
+        tfun.grad(lambda x, n: x * n, argnums=(0, 1))(torch.tensor(2.0), torch.tensor(3))
+    with pytest.raises(ArgumentTypeError, match="allow_int must be a bool"):
+        tfun.grad(lambda x: x, allow_int=1)

@@ -20,6 +20,7 @@ import torch
 import torch.func
 
 from . import _context
+from ._closures import ClosureCells, Rebound, rebuild
 from ._compat import grad_leaf
 from ._errors import (
     ArgumentTypeError,
@@ -171,7 +172,8 @@ _FUNCTORCH_ASSERTS = ("INTERNAL ASSERT FAILED", "flat_bdims must not be None")
 def _apply_rule(op: str, fun: Callable[..., Any], fn: Any, spec: Any) -> Any:
     """`fn.apply(spec, *tensors)`, with torch.func's internal assertions turned into a tfun error."""
     try:
-        return fn.apply(spec, *spec.tensors)
+        cap = spec.captures.tensors if getattr(spec, "captures", None) is not None else []
+        return fn.apply(spec, *spec.tensors, *cap)
     except (RuntimeError, AssertionError) as e:
         if isinstance(e, TfunError) or not any(m in str(e) for m in _FUNCTORCH_ASSERTS):
             raise
@@ -185,10 +187,123 @@ def _apply_rule(op: str, fun: Callable[..., Any], fn: Any, spec: Any) -> Any:
                 [f"torch.func: {first}"],
                 function=describe(fun),
                 revise="Pass such tensors to the custom function as positional (differentiable) arguments "
-                "instead of closing over them or listing them in nondiff_argnums, or apply the vmap outside "
-                "the differentiation (docs/porting.md, Differences from JAX).",
+                "instead of closing over them (tfun finds tensors in closure cells, and in tuples, lists and "
+                "dicts there, not in other objects), or apply the vmap outside the differentiation.",
             )
         ) from e
+
+
+def _is_wrapped(x: Any) -> bool:
+    """A tensor wrapped by a live `torch.func` transform (batched by a vmap, tracked by a
+    grad, dual under a jvp)."""
+    return isinstance(x, torch.Tensor) and _tensor_level(x) != -1
+
+
+class _Captures:
+    """The transform-wrapped tensors a custom function's rules see without taking them as
+    inputs: in the closures of the function and its rules (and of the plain functions and
+    custom functions those close over, see `tfun._closures`), and among its nondiff
+    arguments.
+
+    torch.func applies an `autograd.Function` only to its inputs: under `vmap` its generated
+    batching rule runs the rules at a new level, where a tensor closed over from an enclosing
+    level is invalid (torch's internal assertions). tfun therefore lifts such tensors into
+    extra inputs of the `autograd.Function` and, while a rule runs, rebinds the closure cells
+    (and nondiff arguments) that held them to the values the Function received (`_Bound`).
+    They are constants of the custom function, as JAX's closure conversion makes them: a
+    derivative with respect to them through the function is refused (see
+    `_refuse_closure_derivative`).
+    """
+
+    def __init__(self, roots: Sequence[Any], nondiff: tuple[Any, ...]) -> None:
+        self.found = ClosureCells(roots, _is_wrapped, _custom_parts)
+        self.tensors = self.found.tensors
+        self.nondiff = [self.found.leaves(v) for v in nondiff]
+        self.forward_levels: list[bool] = []
+
+
+def _custom_parts(obj: Any) -> list[Any] | None:
+    """The functions of a custom function object, whose closures are searched too."""
+    if isinstance(obj, (custom_jvp, custom_vjp)):
+        return [getattr(obj, name, None) for name in ("fun", "fwd", "bwd", "jvp_fn")]
+    return None
+
+
+class _Bound:
+    """While a rule runs: the closure cells and nondiff arguments that held captured tensors
+    hold `values` (the Function's view of them); restored on exit."""
+
+    def __init__(self, spec: _CallSpec, values: Sequence[Any]) -> None:
+        self.spec, self.values = spec, values
+        self.cells = Rebound(spec.captures.found if spec.captures is not None else None, values)
+
+    def __enter__(self) -> None:
+        cap = self.spec.captures
+        if cap is None:
+            return
+        self.cells.__enter__()
+        self.old_nondiff = self.spec.nondiff
+        self.spec.nondiff = tuple(
+            v if entry is None else rebuild(*entry, self.values) for v, entry in zip(self.spec.nondiff, cap.nondiff)
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.spec.captures is None:
+            return
+        self.cells.__exit__(*exc)
+        self.spec.nondiff = self.old_nondiff
+
+
+def _capture(spec: _CallSpec, roots: Sequence[Any]) -> None:
+    """Find the tensors to lift into the Function's inputs (only under a torch.func transform,
+    eagerly: traced, tfun.jit refuses the transforms around a custom function)."""
+    spec.captures = None
+    if _context.is_tracing() or not _context.functorch_active():
+        return
+    cap = _Captures(roots, spec.nondiff)
+    if cap.tensors:
+        spec.captures = cap
+        cap.forward_levels = [_jvp_wrapped(t) for t in cap.tensors]
+
+
+def _jvp_wrapped(t: torch.Tensor) -> bool:
+    """Whether `t` carries a tangent of an enclosing forward-mode transform (looked up
+    through its batching wrappers). Under `vmap`, torch.func hands the `jvp` rule zero
+    tangents for the inputs that have none, so which captured tensors can have one is
+    decided here, before the Function is applied."""
+    import torch.autograd.forward_ad as fwAD
+    from torch._C import _functorch as F
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    kinds = {i.level(): i.key() for i in retrieve_all_functorch_interpreters()}
+    while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
+        if kinds.get(F.maybe_get_level(t)) == TransformType.Jvp:
+            try:
+                if fwAD.unpack_dual(t).tangent is not None:
+                    return True
+            except (RuntimeError, TypeError, ValueError):  # cannot tell: assume it has one
+                return True
+        t = F.get_unwrapped(t)
+    return False
+
+
+def _captured_values(spec: _CallSpec, inputs: Sequence[Any]) -> list[Any]:
+    return list(inputs[len(spec.tensors) :])
+
+
+def _refuse_closure_derivative(spec: _CallSpec, rule: Callable[..., Any], what: str) -> None:
+    raise ArgumentValueError(
+        format_message(
+            f"{spec.op}: the function is differentiated with respect to a tensor that it or its rules close over "
+            f"(or a nondiff argument), by the {what}: the custom rule gives derivatives with respect to the "
+            "differentiable positional arguments only (as in JAX).",
+            function=describe(rule),
+            revise="Pass that tensor as a positional (differentiable) argument of the custom function, so its rule "
+            "says how to differentiate it.",
+        )
+    )
+
 
 
 def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False) -> None:
@@ -218,6 +333,8 @@ class _CallSpec:
                         function=describe(fun),
                     )
                 )
+        self.op = op
+        self.captures: _Captures | None = None
         self.nargs = len(args)
         self.nondiff_argnums = nondiff_argnums
         self.diff_argnums = tuple(i for i in range(len(args)) if i not in nondiff_argnums)
@@ -228,7 +345,7 @@ class _CallSpec:
         self.out_td: Any = None
 
     def diff_args(self, tensors: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(self.diff.combine(tensors))
+        return tuple(self.diff.combine(tensors[: len(self.tensors)]))
 
     def all_args(self, tensors: Sequence[Any]) -> list[Any]:
         diff = self.diff_args(tensors)
@@ -261,6 +378,12 @@ def _ks(p: Any) -> str:
     return keystr(p)
 
 
+class _CotangentMismatchError(TensorMismatchError, ValueError):
+    """A `custom_vjp` bwd cotangent whose shape or dtype is not its argument's: a
+    `TensorMismatchError` (so a `TypeError`, as every tfun shape/dtype mismatch) that is
+    also a `ValueError`, the class JAX raises there."""
+
+
 def _check_cotangents(
     op: str,
     rule: Callable[..., Any],
@@ -270,6 +393,7 @@ def _check_cotangents(
     expected_desc: str,
     shapes: Sequence[tuple[torch.Size, torch.dtype] | None],
     revise: str,
+    mismatch: type[TensorMismatchError] = TensorMismatchError,
 ) -> list[Any]:
     """Match `returned` (None allowed at any prefix position = zero) against `expected`.
 
@@ -304,7 +428,7 @@ def _check_cotangents(
             continue
         out.append(got)
     if bullets:
-        raise TensorMismatchError(
+        raise mismatch(
             format_message(
                 f"{op}: each leaf of the {what} must have the shape and dtype of {expected_desc}.",
                 bullets,
@@ -335,8 +459,9 @@ class _CustomVjpFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _VjpSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         op = "tfun.custom_vjp"
-        with _InsideForward():
-            pair = spec.fwd(*spec.all_args(tensors))
+        n = len(spec.tensors)
+        with _Bound(spec, tensors[n:]), _InsideForward():
+            pair = spec.fwd(*spec.all_args(tensors[:n]))
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise StructureMismatchError(
                 format_message(
@@ -362,7 +487,7 @@ class _CustomVjpFunction(torch.autograd.Function):
             else:
                 spec.res_src.append(("res", len(extra)))
                 extra.append(r)
-        spec.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors]
+        spec.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors[:n]]
         out_leaves = [o.view_as(o) if any(o is t for t in tensors) else o for o in out_leaves]
         return tuple(out_leaves) + tuple(extra)
 
@@ -389,29 +514,33 @@ class _CustomVjpFunction(torch.autograd.Function):
             ctx.res_slots.append(len(to_save))
             to_save.append(src)
         ctx.n_res_saved = len(to_save)
-        if extra:
-            to_save.extend(tensors)  # to recompute fwd's residuals if they are differentiated
+        # the inputs, to recompute fwd's residuals if they are differentiated; the captured
+        # tensors (see _Captures) always, for the rules that close over them
+        ctx.saved_all = bool(extra)
+        to_save.extend(tensors if extra else tensors[len(spec.tensors) :])
         ctx.save_for_backward(*to_save)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:  # type: ignore[override]
-        spec: _VjpSpec = ctx.spec
-        raise ArgumentTypeError(
-            format_message(
-                "tfun.custom_vjp: forward-mode differentiation (jvp, jacfwd, hessian) of a custom_vjp "
-                "function is not supported, as in JAX.",
-                function=describe(spec.fwd),
-                revise="Differentiate it in reverse mode (grad, vjp, jacrev), or give it a forward-mode rule "
-                "with tfun.custom_jvp instead.",
-            )
-        )
+        _refuse_forward_mode(ctx.spec.fwd)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         spec: _VjpSpec = ctx.spec
         saved = ctx.saved_tensors
-        inputs = saved[ctx.n_res_saved :]
+        n = len(spec.tensors)
+        rest = saved[ctx.n_res_saved :]
+        inputs, caps = (rest[:n], rest[n:]) if ctx.saved_all else ((), rest)
         saved = saved[: ctx.n_res_saved]
+        if caps and any(g is not None for g in grads) and any(ctx.needs_input_grad[1 + n :]):
+            _refuse_closure_derivative(spec, spec.bwd, "reverse-mode derivative (grad, vjp)")
+        with _Bound(spec, caps):
+            result = _CustomVjpFunction._backward(ctx, spec, saved, inputs, grads)
+        return (*result, *(None,) * len(caps))
+
+    @staticmethod
+    def _backward(ctx: Any, spec: _VjpSpec, saved: Sequence[Any], inputs: Sequence[Any], grads: Any) -> tuple[Any, ...]:
+        n_inputs = len(spec.tensors)
         res_leaves = [
             v if slot is None else saved[slot] for (kind, v), slot in zip(spec.res_src, ctx.res_slots)
         ]
@@ -421,7 +550,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         pulled = _residual_pullback(spec, inputs, res_grads) if any(r is not None for r in res_grads) else None
         if all(o is None for o in out_grads):
             if pulled is None:
-                return (None,) * (1 + ctx.n_inputs)
+                return (None,) * (1 + n_inputs)
             return (None, *pulled)
         out_meta = ctx.out_meta
         out_grads = [
@@ -463,12 +592,32 @@ class _CustomVjpFunction(torch.autograd.Function):
             meta_per_leaf[k] = m
         expected = tree_unflatten(spec.diff.treedef, list(range(len(spec.diff.leaves))))
         flat = _check_cotangents(
-            op, spec.bwd, "bwd output", tuple(cts), expected, "the differentiable arguments", meta_per_leaf, revise
+            op,
+            spec.bwd,
+            "bwd output",
+            tuple(cts),
+            expected,
+            "the differentiable arguments",
+            meta_per_leaf,
+            revise,
+            _CotangentMismatchError,
         )
         result = [conj_ct(flat[k]) for k in spec.tensor_pos]
         if pulled is not None:
             result = [a if b is None else b if a is None else a + b for a, b in zip(result, pulled)]
         return (None, *result)
+
+
+def _refuse_forward_mode(fwd: Callable[..., Any]) -> None:
+    raise ArgumentTypeError(
+        format_message(
+            "tfun.custom_vjp: forward-mode differentiation (jvp, jacfwd, hessian) of a custom_vjp "
+            "function is not supported, as in JAX.",
+            function=describe(fwd),
+            revise="Differentiate it in reverse mode (grad, vjp, jacrev), or give it a forward-mode rule "
+            "with tfun.custom_jvp instead.",
+        )
+    )
 
 
 class _CustomVjpTracedFunction(torch.autograd.Function):
@@ -561,6 +710,12 @@ class custom_vjp:
     Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
     the rule; a call inside a `torch.func` transform that `tfun.jit` traces (`tfun.vmap`,
     `tfun.jvp`) is a `JitError`: apply the transform outside `tfun.jit`.
+
+    `fun`, `fwd` and `bwd` may close over tensors of enclosing transforms (batched by a
+    `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun
+    lifts them into inputs of its `autograd.Function`. They are constants of the custom
+    function: a derivative through one of them is an `ArgumentValueError` (as in JAX); pass
+    such a tensor as a differentiable argument instead.
     """
 
     def __init__(
@@ -617,6 +772,11 @@ class custom_vjp:
         if not _needs_rule(spec.tensors):
             return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
+        if not _context.is_tracing() and _context.functorch_active() and any(_jvp_wrapped(t) for t in spec.tensors):
+            # refused before torch.func applies the function: under vmap its generated
+            # batching rule fails on forward mode before the Function's `jvp` is reached
+            _refuse_forward_mode(self.fwd)
+        _capture(spec, (self.fun, self.fwd, self.bwd))
         fn: Any = _CustomVjpFunction
         if _context.is_tracing():
             if _context.functorch_active():
@@ -698,8 +858,9 @@ class _CustomJvpFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(spec: _JvpSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        with _InsideForward():
-            out = spec.fun(*spec.all_args(tensors))
+        n = len(spec.tensors)
+        with _Bound(spec, tensors[n:]), _InsideForward():
+            out = spec.fun(*spec.all_args(tensors[:n]))
         leaves, spec.out_td = _flatten_outputs("tfun.custom_jvp", spec.fun, "output", out)
         spec.n_out = len(leaves)
         spec.out_meta = [(o.shape, o.dtype) for o in leaves]
@@ -716,9 +877,14 @@ class _CustomJvpFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _spec_tangent: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         spec: _JvpSpec = ctx.spec
-        primals = ctx.saved_tensors
+        n = len(spec.tensors)
+        primals, caps = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        fwd_levels = spec.captures.forward_levels if spec.captures is not None else []
+        if any(t is not None and w for t, w in zip(tangents[n:], fwd_levels)):
+            _refuse_closure_derivative(spec, spec.jvp_fn, "forward-mode derivative (jvp, jacfwd)")
         tans = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
-        flat = _call_jvp_rule(spec, primals, tans)
+        with _Bound(spec, caps):
+            flat = _call_jvp_rule(spec, primals, tans)
         return tuple(
             None
             if not (m[1].is_floating_point or m[1].is_complex)
@@ -732,7 +898,16 @@ class _CustomJvpFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         # The tangent map t -> jvp_rule(primals, t)[1] is linear; its VJP is the transpose.
         spec: _JvpSpec = ctx.spec
-        primals = ctx.saved_tensors
+        n = len(spec.tensors)
+        primals, caps = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        if caps and any(g is not None for g in grads) and any(ctx.needs_input_grad[1 + n :]):
+            _refuse_closure_derivative(spec, spec.jvp_fn, "reverse-mode derivative (grad, vjp)")
+        with _Bound(spec, caps):
+            result = _CustomJvpFunction._transpose(spec, primals, grads)
+        return (*result, *(None,) * len(caps))
+
+    @staticmethod
+    def _transpose(spec: _JvpSpec, primals: Sequence[torch.Tensor], grads: Any) -> tuple[Any, ...]:
         diff_in = [k for k, p in enumerate(primals) if is_inexact(p)]
         diff_out = [k for k, m in enumerate(spec.out_meta) if m[1].is_floating_point or m[1].is_complex]
 
@@ -806,7 +981,15 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
             tans = [torch.zeros_like(p) for p in primals]
             for k, t in zip(diff_in, t_diff):
                 tans[k] = t
-            flat = _call_jvp_rule(spec, list(primals), tans)
+            if higher:
+                flat = _call_jvp_rule(spec, list(primals), tans)
+            else:
+                # first order: the rule's primal output and its coefficients (functions of the
+                # primals) are not differentiated, so custom functions the rule calls run their
+                # primal function. Through their own rule, a rule that calls its function (the
+                # usual `return f(x), ...`) would have Dynamo trace this backward again, forever.
+                with _InsideForward():
+                    flat = _call_jvp_rule(spec, list(primals), tans)
             outs = [flat[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
             gs = [grads[k] for k in diff_out if flat[k] is not None and flat[k].requires_grad]
             if not outs:
@@ -850,6 +1033,12 @@ class custom_jvp:
     `.defjvp(jvp_fn)` where `jvp_fn(primals, tangents) -> (primal_out, tangent_out)`,
     `primals` and `tangents` being tuples of the differentiable arguments and
     `tangent_out` having the output's structure (`None` marks a zero).
+
+    `fun` and the rule may close over tensors of enclosing transforms (batched by a `vmap`,
+    tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun lifts them
+    into inputs of its `autograd.Function`. They are constants of the custom function: a
+    derivative through one of them is an `ArgumentValueError` (JAX raises there too); pass
+    such a tensor as a differentiable argument instead.
     """
 
     def __init__(
@@ -929,6 +1118,7 @@ class custom_jvp:
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
+        _capture(spec, (self.fun, self.jvp_fn))
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
             if _context.functorch_active():

@@ -270,24 +270,54 @@ class _DiffArgs:
 
     - `leaves`, `paths`: the differentiated leaves in order, and each one's path (`args[i]...`);
     - `rebuild_args(flat)`: the positional arguments with `flat` in place of those leaves;
-    - `split(flat)`: one tree per entry of `argnums` (the gradients' structure)."""
+    - `split(flat)`: one tree per entry of `argnums` (the gradients' structure).
 
-    def __init__(self, op: str, fun: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]):
+    With `allow_int` (JAX's `grad(..., allow_int=True)`), integer and boolean leaves are
+    not differentiated: they stay constants, and their gradient is a zero tensor of their
+    own dtype (torch has no `float0`)."""
+
+    def __init__(
+        self, op: str, fun: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...], allow_int: bool = False
+    ):
         self.args = tuple(args)
         self.argnums = argnums
         pl, treedef = tree_flatten_with_path(tuple(args[i] for i in argnums))
-        self.paths = [f"args[{argnums[p[0].entry]}]{keystr(p[1:])}" for p, _ in pl]
-        self.leaves = [_as_diff_leaf(op, fun, path, leaf) for path, (_, leaf) in zip(self.paths, pl)]
-        self.part = Partition(treedef, tuple(self.leaves), tuple(range(len(self.leaves))))
+        paths = [f"args[{argnums[p[0].entry]}]{keystr(p[1:])}" for p, _ in pl]
+        all_leaves: list[Any] = []
+        zeros: list[Any] = []
+        dyn: list[int] = []
+        for k, (path, (_, leaf)) in enumerate(zip(paths, pl)):
+            if allow_int and _is_int_leaf(leaf):
+                all_leaves.append(leaf)
+                zeros.append(torch.zeros_like(leaf) if isinstance(leaf, torch.Tensor) else torch.zeros((), dtype=torch.bool if isinstance(leaf, bool) else torch.int64))
+                continue
+            all_leaves.append(_as_diff_leaf(op, fun, path, leaf))
+            zeros.append(None)
+            dyn.append(k)
+        self.paths = [paths[k] for k in dyn]
+        self.leaves = [all_leaves[k] for k in dyn]
+        self.part = Partition(treedef, tuple(all_leaves), tuple(dyn))
+        self.grad_part = Partition(treedef, tuple(zeros), tuple(dyn))
 
     def split(self, flat: Sequence[Any]) -> list[Any]:
-        return list(self.part.combine(flat))
+        return list(self.grad_part.combine(flat))
 
     def rebuild_args(self, flat: Sequence[Any]) -> list[Any]:
         new_args = list(self.args)
         for i, tree in zip(self.argnums, self.part.combine(flat)):
             new_args[i] = tree
         return new_args
+
+
+def _is_int_leaf(leaf: Any) -> bool:
+    if isinstance(leaf, torch.Tensor):
+        return not is_inexact(leaf)
+    return isinstance(leaf, (bool, int))
+
+
+def _check_allow_int_flag(op: str, allow_int: Any) -> None:
+    if not isinstance(allow_int, bool):
+        raise ArgumentTypeError(format_message(f"{op}: allow_int must be a bool, got {describe_value(allow_int)}."))
 
 
 def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
@@ -398,9 +428,10 @@ def _value_and_grad_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     holomorphic: bool = False,
+    allow_int: bool = False,
 ) -> tuple[Any, Any, Any]:
     argnums = resolve_argnums(op, fun, argnums, len(args))
-    fl = _DiffArgs(op, fun, args, argnums)
+    fl = _DiffArgs(op, fun, args, argnums, allow_int)
     if holomorphic:
         _check_complex_inputs(op, fun, fl.paths, fl.leaves)
     box: dict[str, Any] = {}
@@ -514,7 +545,11 @@ def _refuse_second_order(op: str, fun: Callable[..., Any], closed: bool = False)
 
 
 def value_and_grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
 ) -> Callable[..., Any]:
     """The function's value and its gradient, as `jax.value_and_grad`.
 
@@ -526,7 +561,7 @@ def value_and_grad(
       Their leaves must be floating-point or complex tensors (or Python floats).
     - `has_aux`: whether `fun` returns `(output, aux)`; `aux` is returned, not
       differentiated.
-    - `holomorphic`: as in `grad`.
+    - `holomorphic`, `allow_int`: as in `grad`.
 
     **Returns:** a function with `fun`'s signature returning `(value, grads)`, or
     `((value, aux), grads)` with `has_aux=True`. `grads` has the structure of argument
@@ -535,17 +570,22 @@ def value_and_grad(
     op = "tfun.value_and_grad"
     nums, single = normalize_argnums(op, argnums)
     _check_holomorphic_flag(op, holomorphic)
+    _check_allow_int_flag(op, allow_int)
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
-        value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic)
+        value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return ((value, aux), g) if has_aux else (value, g)
 
     return value_and_grad_fun
 
 
 def grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
 ) -> Callable[..., Any]:
     """The gradient of a scalar function, as `jax.grad`.
 
@@ -561,11 +601,15 @@ def grad(
       (or `(output, aux)` with `has_aux=True`). Arguments may be pytrees of tensors.
     - `argnums`: an int or a tuple of ints: which positional arguments to differentiate.
       Their leaves must be floating-point or complex tensors (or Python floats, which
-      become 0-d tensors of the default dtype); integer leaves raise `ArgumentTypeError`.
+      become 0-d tensors of the default dtype); integer leaves raise `ArgumentTypeError`
+      unless `allow_int`.
     - `has_aux`: whether `fun` returns `(output, aux)`.
     - `holomorphic`: whether `fun` is holomorphic (complex inputs, complex scalar output);
       the gradient is then the complex derivative `f'(z)` (`grad(lambda z: z**2,
       holomorphic=True)(z) == 2*z`), as in JAX. Without it the output must be real.
+    - `allow_int`: as in JAX, accept integer (and boolean) leaves in the arguments
+      `argnums` names: they are not differentiated, and their gradient is a zero tensor of
+      their dtype (JAX gives `float0` zeros, a dtype torch does not have).
 
     **Returns:** a function with `fun`'s signature returning the gradient, with the
     structure of argument `argnums` (a tuple of those when `argnums` is a tuple), or
@@ -574,10 +618,11 @@ def grad(
     op = "tfun.grad"
     nums, single = normalize_argnums(op, argnums)
     _check_holomorphic_flag(op, holomorphic)
+    _check_allow_int_flag(op, allow_int)
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> Any:
-        _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic)
+        _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return (g, aux) if has_aux else g
 
     return grad_fun

@@ -823,7 +823,6 @@ class TestLaxControlFlow:
             assert_all_close(tfun.grad(f)(x), tfun.grad(f_ref)(x))
             check_grads(f, (x,), order=2, modes=["fwd", "rev"])
 
-    @skip("vmap-cond-nan")
     def testCondGradVmapNan(self):
         eps = 1e-3
 

@@ -145,3 +145,60 @@ def test_vmap_while_loop_forwarded_carry_stays_unbatched():
     )
     gw_ref = torch.func.grad(lambda w: sum(foo(w, xi, int(n))[1].sum() for xi, n in zip(xs.double(), ns)))(w.double())
     torch.testing.assert_close(gw, gw_ref)
+
+
+# A batched predicate evaluates every branch; as in JAX, each branch sees its operands and
+# the tensors it closes over with their derivatives stopped for the examples that do not
+# take it, so an untaken branch's infinite derivative does not become NaN (0 * inf).
+
+EPS = 1e-3
+XS_NAN = torch.tensor([0.0, 1e-4, 0.25, 4.0, 0.0], dtype=torch.float64)
+
+
+def _safe_sqrt_oracle(xs):
+    # float64, analytic: eps below eps, sqrt(x) above; derivative 0 and 1 / (2 sqrt(x))
+    val = torch.where(xs < EPS, torch.full_like(xs, EPS), xs.clamp_min(EPS).sqrt())
+    der = torch.where(xs < EPS, torch.zeros_like(xs), 0.5 / xs.clamp_min(EPS).sqrt())
+    return val, der
+
+
+def test_grad_vmap_cond_closure_untaken_branch_is_not_nan():
+    import tfun
+
+    def safe(x):  # x reaches the branches through their closure, as in JAX's testCondGradVmapNan
+        return lax.cond(x < EPS, lambda: torch.tensor(EPS, dtype=torch.float64), lambda: torch.sqrt(x))
+
+    val, der = _safe_sqrt_oracle(XS_NAN)
+    torch.testing.assert_close(tfun.vmap(safe)(XS_NAN), val)
+    torch.testing.assert_close(tfun.grad(lambda xs: tfun.vmap(safe)(xs).sum())(XS_NAN), der)
+    torch.testing.assert_close(tfun.vmap(tfun.grad(safe))(XS_NAN), der)
+    _, tan = tfun.jvp(tfun.vmap(safe), (XS_NAN,), (torch.ones_like(XS_NAN),))
+    torch.testing.assert_close(tan, der)
+
+
+def test_grad_vmap_switch_operand_untaken_branches_are_not_nan():
+    import tfun
+
+    def f(x):
+        i = (x >= EPS).long() + (x > 1.0).long()
+        return lax.switch(i, [lambda v: v * 0 + EPS, torch.sqrt, lambda v: torch.log(v)], x)
+
+    xs = torch.tensor([0.0, 0.25, 4.0, 0.0, 9.0], dtype=torch.float64)
+    want = torch.tensor([0.0, 0.5 / 0.5, 1 / 4.0, 0.0, 1 / 9.0], dtype=torch.float64)
+    g = tfun.grad(lambda xs: tfun.vmap(f)(xs).sum())(xs)
+    torch.testing.assert_close(g, want)
+
+
+def test_grad_vmap_cond_shared_closed_over_parameter():
+    # an unbatched parameter closed over by both branches: each example contributes the
+    # derivative of the branch it takes (analytic oracle, float64)
+    import tfun
+
+    xs = torch.tensor([1.5, -2.0, 0.5, -0.25], dtype=torch.float64)
+
+    def loss(w):
+        return tfun.vmap(lambda x: lax.cond(x > 0, lambda: w * x, lambda: w**2 * x))(xs).sum()
+
+    w = torch.tensor(3.0, dtype=torch.float64)
+    torch.testing.assert_close(loss(w), (w * xs[xs > 0]).sum() + (w**2 * xs[xs <= 0]).sum())
+    torch.testing.assert_close(tfun.grad(loss)(w), xs[xs > 0].sum() + (2 * w * xs[xs <= 0]).sum())

@@ -9,8 +9,9 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _context, _funcinfo, _rules
+from .._closures import ClosureCells, Rebound
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
-from .._tree import tree_flatten, tree_structure, tree_unflatten
+from .._tree import tree_flatten, tree_map, tree_structure, tree_unflatten
 from . import _batching, _hop
 
 T = TypeVar("T")
@@ -229,11 +230,50 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         return _lower_cond(p, _hop.remat_body(true_fun), _hop.remat_body(false_fun), operands)
     if _batching.is_batched(p):
         # vmap over a data-dependent predicate: both branches, then a per-example select.
-        outs = [_run_branch(op, (true_fun, false_fun), k, operands, ("true_fun", "false_fun")) for k in (0, 1)]
+        names = ("true_fun", "false_fun")
+        outs = [_run_guarded(op, (true_fun, false_fun), k, operands, names, p if k == 0 else ~p) for k in (0, 1)]
         return _select_tree(p, outs[0], outs[1])
     _rules.check_concrete(op, "pred", p)
     taken = 0 if bool(p) else 1
     return _run_branch(op, (true_fun, false_fun), taken, operands, ("true_fun", "false_fun"))
+
+
+def _may_be_differentiated(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and (t.requires_grad or _context.functorch_level(t) != -1)
+
+
+def _run_guarded(
+    op: str,
+    branches: Sequence[Callable[..., Any]],
+    k: int,
+    operands: tuple[Any, ...],
+    names: Sequence[str],
+    taken: torch.Tensor,
+) -> Any:
+    """Branch `k` under a batched predicate, evaluated for every example, where `taken`
+    (batched) says which examples take it. As JAX does (google/jax#1052), the branch sees
+    its operands, and the tensors it closes over, with their derivatives stopped for the
+    examples that do not take it: the untaken branch's output is discarded by the select,
+    and its derivative, multiplied by zero there, would otherwise still be NaN where it is
+    infinite (`grad(vmap(cond(x < eps, ..., sqrt(x))))` at 0). Outputs that are a guarded
+    tensor itself are returned as the original (forwarded, as without the guard)."""
+    back: dict[int, torch.Tensor] = {}
+
+    def guard(x: Any) -> Any:
+        if not (isinstance(x, torch.Tensor) and _may_be_differentiated(x)):
+            return x
+        g = torch.where(taken, x, x.detach())
+        back[id(g)] = x
+        return g
+
+    guarded = tuple(tree_map(guard, o) for o in operands)
+    cells = ClosureCells([branches[k]], _may_be_differentiated)
+    values = [guard(t) for t in cells.tensors]
+    with Rebound(cells if cells.tensors else None, values):
+        out = _run_branch(op, branches, k, guarded, names)
+    if not back:
+        return out
+    return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
 
 def _select_tree(pred: torch.Tensor, on_true: Any, on_false: Any) -> Any:
@@ -302,7 +342,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
     if _batching.is_batched(index):
         # vmap over a data-dependent index: every branch, then a per-example select.
         idx = index.clamp(0, n - 1)
-        outs = [_run_branch(op, branches, k, operands, names) for k in range(n)]
+        outs = [_run_guarded(op, branches, k, operands, names, idx == k) for k in range(n)]
         result = outs[0]
         for k in range(1, n):
             result = _select_tree(idx == k, outs[k], result)
