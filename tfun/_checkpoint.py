@@ -591,8 +591,8 @@ def checkpoint(
     checkpointing; values and gradients are those of eager mode. torch's op refuses
     control flow inside it: where `fun` contains `tfun.lax` control flow, each branch and
     loop body is checkpointed instead (with a `policy` that is a `JitError`). With
-    `tfun.grad` inside `tfun.jit`, `fun` may not draw torch random numbers (use
-    `tfun.random`): a `JitError`. See "`tfun.checkpoint` under `tfun.jit`" in
+    `tfun.grad` inside `tfun.jit`, torch 2.13 and later refuse torch random draws in
+    `fun` (use `tfun.random`): a `JitError`. See "`tfun.checkpoint` under `tfun.jit`" in
     docs/concepts/tracing.md.
 
     **Arguments:**

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "dynamo_code_name", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -549,6 +549,23 @@ def _spec_fields_equal(a: Any, b: Any) -> bool:
         if not _spec_fields_equal(x, y):
             return False
     return True
+
+
+def dynamo_inspects_wrapped_functions() -> bool:
+    """Whether Dynamo can look at a function it wraps, as tfun's trace-time rules do.
+
+    Dynamo stands in for some functions with a `WrapperUserFunctionVariable`: a
+    `torch.compile`d function, a `functools.lru_cache`d one, a `torch.jit.script_if_tracing`
+    one. torch 2.13's is a `BaseUserFunctionVariable`, which `callable`, `isinstance` and
+    `getattr` accept. torch 2.11's is not: each of them fails to trace on it ("Failed to trace
+    builtin operator `callable`"), and nothing traceable tells such a function apart from
+    another to route around it. So on torch 2.11 a `torch.compile`d or `lru_cache`d function
+    passed as a `tfun.lax` body inside `tfun.jit` is a `JitError` (eagerly it works): pass the
+    plain function (docs/compatibility.md). Used by the tests to expect that error."""
+    functions = importlib.import_module("torch._dynamo.variables.functions")
+    wrapper = getattr(functions, "WrapperUserFunctionVariable", None)
+    base = getattr(functions, "BaseUserFunctionVariable", None)
+    return wrapper is None or base is None or issubclass(wrapper, base)
 
 
 _CODE_NAMES = itertools.count()
