@@ -41,15 +41,50 @@ __all__ = ["custom_vjp", "custom_jvp"]
 _STATE = threading.local()
 
 
+# The state below is trace-time state: under `tfun.jit`, Dynamo runs these functions as plain
+# Python (a constant result) instead of tracing them. Traced, a write to `_STATE` inside an
+# `autograd.Function` (tfun's rule) is a side effect Dynamo refuses ("HOP: Unsafe side
+# effect", torch 2.11), and a value Dynamo read before another write could be stale.
+
+
+def _depth() -> int:
+    return getattr(_STATE, "depth", 0)
+
+
+def _add_depth(delta: int) -> None:
+    _STATE.depth = getattr(_STATE, "depth", 0) + delta
+
+
+def _push_transposing(level: int) -> None:
+    stack = getattr(_STATE, "transposing", None)
+    if stack is None:
+        stack = _STATE.transposing = []
+    stack.append(level)
+
+
+def _pop_transposing() -> None:
+    _STATE.transposing.pop()
+
+
+def _transposing_level() -> int | None:
+    stack = getattr(_STATE, "transposing", None)
+    return stack[-1] if stack else None
+
+
+for _f in (_depth, _add_depth, _push_transposing, _pop_transposing, _transposing_level):
+    _f._dynamo_marked_constant = True  # type: ignore[attr-defined]
+del _f
+
+
 class _InsideForward:
     """While an autograd.Function's forward runs, its body is not differentiated, so a
     custom function called there (typically `f` inside its own `fwd`) just runs its primal."""
 
     def __enter__(self) -> None:
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        _add_depth(1)
 
     def __exit__(self, *exc: Any) -> None:
-        _STATE.depth -= 1
+        _add_depth(-1)
 
 
 _tensor_level = _context.functorch_level
@@ -67,27 +102,23 @@ class _Transposing:
         self.level = level
 
     def __enter__(self) -> None:
-        stack = getattr(_STATE, "transposing", None)
-        if stack is None:
-            stack = _STATE.transposing = []
-        stack.append(self.level)
+        _push_transposing(self.level)
 
     def __exit__(self, *exc: Any) -> None:
-        _STATE.transposing.pop()
+        _pop_transposing()
 
 
 def _on_tangent_path(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether some tensor depends on the tangents of a custom_jvp rule being transposed."""
-    stack = getattr(_STATE, "transposing", None)
-    if not stack:
+    level = _transposing_level()
+    if level is None:
         return False
-    level = stack[-1]
     return any(_tensor_level(t) >= level for t in tensors)
 
 
 def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the custom rule can matter: autograd or a torch.func transform may see it."""
-    if getattr(_STATE, "depth", 0) > 0:
+    if _depth() > 0:
         return False
     if _context.functorch_active():
         return True
@@ -516,8 +547,9 @@ class _CustomVjpFunction(torch.autograd.Function):
         ctx.n_res_saved = len(to_save)
         # the inputs, to recompute fwd's residuals if they are differentiated; the captured
         # tensors (see _Captures) always, for the rules that close over them
-        ctx.saved_all = bool(extra)
-        to_save.extend(tensors if extra else tensors[len(spec.tensors) :])
+        # (`len(extra) > 0`, not `bool(extra)`: Dynamo 2.11 cannot trace `bool` of a tuple)
+        ctx.saved_all = len(extra) > 0
+        to_save.extend(tensors if ctx.saved_all else tensors[len(spec.tensors) :])
         ctx.save_for_backward(*to_save)
 
     @staticmethod

@@ -14,6 +14,7 @@ import inspect
 import itertools
 import re
 import threading
+import traceback
 import types
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -634,6 +635,16 @@ def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     return err
 
 
+def _fake_tensor_assert(e: AssertionError) -> bool:
+    """Whether `e` is Dynamo's assertion that a traced tensor has a fake value, which fails
+    for a torch.func transform around some ops. torch 2.13 words it ("Expected FakeTensor");
+    torch 2.11's is a bare `assert isinstance(fake_tensor, FakeTensor)`: its source line says."""
+    if "Expected FakeTensor" in str(e):
+        return True
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and "FakeTensor" in (frames[-1].line or "") and "torch" in frames[-1].filename
+
+
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
@@ -658,7 +669,7 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         )
         err.dynamo_error = e  # type: ignore[attr-defined]
         return err
-    if isinstance(e, AssertionError) and "Expected FakeTensor" in str(e):
+    if isinstance(e, AssertionError) and _fake_tensor_assert(e):
         err = JitError(
             format_message(
                 f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
