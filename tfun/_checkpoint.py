@@ -119,7 +119,12 @@ class _Mode(TorchFunctionMode):
     - `subst`: `id(external) -> replacement` applied to every op's arguments.
     - `policy`: in a saving run, op outputs for which it answers True are collected.
     - `replay`: in a recomputing run, `{op index: saved outputs}` stand in for those ops.
+
+    A `tfun.jit` function called inside runs eagerly (`_context.in_op_recording_mode`), so
+    that every op it runs is seen and numbered here.
     """
+
+    tfun_records_ops = True
 
     def __init__(
         self,

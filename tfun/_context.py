@@ -21,6 +21,7 @@ __all__ = [
     "reverse_mode_active",
     "functorch_level",
     "in_functorch_transform",
+    "in_op_recording_mode",
     "current_trace",
 ]
 
@@ -83,6 +84,18 @@ def in_functorch_transform() -> bool:
     empty). Not meaningful while tracing: Dynamo models the stack itself."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
+
+
+def in_op_recording_mode() -> bool:
+    """Whether eager code runs under a torch function mode that records each op it sees (an
+    eager `tfun.checkpoint` run: the mode numbers ops to replay the saved ones). A compiled
+    graph would run its ops past such a mode, and torch 2.11's Dynamo fails its own guard on
+    the mode's counter ("Guard failed on the same frame it was created"): `tfun.jit` runs
+    the function eagerly there. A mode says so with `tfun_records_ops = True`."""
+    stack_of = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+    if stack_of is None:  # pragma: no cover - every supported torch has it
+        return False
+    return any(getattr(m, "tfun_records_ops", False) for m in stack_of())
 
 
 def functorch_level(t: torch.Tensor) -> int:

@@ -337,6 +337,13 @@ def _refuse_closure_derivative(spec: _CallSpec, rule: Callable[..., Any], what: 
 
 
 
+def _wraps(obj: Any, fun: Callable[..., Any]) -> None:
+    """`functools.update_wrapper(obj, fun)`; while Dynamo traces (a custom function made
+    inside `tfun.jit`), without copying `fun.__dict__`, whose `dict.update` Dynamo 2.11 cannot
+    trace."""
+    functools.update_wrapper(obj, fun, updated=() if _context.is_tracing() else functools.WRAPPER_UPDATES)
+
+
 def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False) -> None:
     for name, v in (("symbolic_zeros", symbolic_zeros), ("optimize_remat", optimize_remat)):
         if not isinstance(v, bool):
@@ -753,7 +760,7 @@ class custom_vjp:
     def __init__(
         self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
     ) -> None:
-        functools.update_wrapper(self, fun)
+        _wraps(self, fun)
         self.fun = fun
         nums = tuple(_normalize_nondiff("tfun.custom_vjp", nondiff_argnums))
         self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_vjp", fun, nondiff_argnames))))
@@ -1076,7 +1083,7 @@ class custom_jvp:
     def __init__(
         self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = (), nondiff_argnames: Sequence[str] = ()
     ) -> None:
-        functools.update_wrapper(self, fun)
+        _wraps(self, fun)
         self.fun = fun
         nums = tuple(_normalize_nondiff("tfun.custom_jvp", nondiff_argnums))
         self.nondiff_argnums = tuple(sorted(set(nums + _argnames_to_nums("tfun.custom_jvp", fun, nondiff_argnames))))

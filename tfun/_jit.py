@@ -93,6 +93,12 @@ def jit(
         # graph (see `Jitted.__call__`), so `f` itself is that call; Dynamo cannot build a
         # `Jitted` (its lock and caches) while tracing.
         return fun
+    if isinstance(fun, Jitted) and not (fun._static_nums or fun._static_names or fun._donate_argnums):
+        # `jit(jit(f))` is `jit(f)`, as in JAX: a call of the inner one would be inlined into
+        # the outer graph anyway (see `Jitted.__call__`). Compiling `f` itself also spares
+        # Dynamo the inner `Jitted` object, whose attributes Dynamo 2.11 cannot always read
+        # ("could not find name in object's mro" when `f` is a custom_jvp function).
+        fun = fun._fun
     return Jitted(fun, static_argnums, static_argnames, donate_argnums, fullgraph, cache_size, compile_options)
 
 
@@ -375,10 +381,11 @@ class Jitted:
             if self._static_nums or self._static_names:
                 self._check_static_traced(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
-        if _context.in_functorch_transform():
+        if _context.in_functorch_transform() or _context.in_op_recording_mode():
             # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
             # transform (pytorch#128711), so f runs eagerly there; values and gradients are
-            # those of f. Put the transform inside instead: tfun.jit(tfun.grad(f)).
+            # those of f. Put the transform inside instead: tfun.jit(tfun.grad(f)). Likewise
+            # inside an eager tfun.checkpoint, whose op-numbering mode must see f's ops.
             if self._static_nums or self._static_names:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
