@@ -718,7 +718,7 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "them outside the checkpointed function and pass them in, or jit only the forward pass and "
             "call .backward() on its result."
         )
-    elif "disjoint backward regions that require recomputation" in str(e):
+    elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
         revise = (
             "The graph computes two gradients through tfun.checkpoint functions (tfun.grad of tfun.grad, "
