@@ -90,6 +90,7 @@ __all__ = [
     "check_state",
     "check_result",
     "promote_weak",
+    "promote_weak_init",
     "unwrap_dynamo_error",
 ]
 
@@ -575,6 +576,40 @@ def promote_weak(c_leaves: list[Any], weak: Any, out_carry: Any) -> list[Any]:
     the body gives them, where JAX's weak-type promotion allows it (as eagerly)."""
     expected = _rules.promote_weak_init(c_leaves, weak, out_carry)
     return [t if t.dtype == m.dtype else t.to(m.dtype) for t, m in zip(c_leaves, expected)]
+
+
+def promote_weak_init(
+    c_leaves: list[Any], weak: Any, new_carry: Callable[..., Any], args: tuple[Any, ...] = ()
+) -> list[Any]:
+    """The flat carry `c_leaves` of a loop, with the leaves that were Python scalars in its
+    `init` (`weak`, by flat index) converted to the dtype the body gives them, as JAX
+    promotes a weakly typed `init`: `new_carry(leaves, *args)` (the body's new carry, or
+    None where the body returns something else: the loop's own checks report it) runs once
+    with those leaves weakly typed (`_weak.WeakMode`), and its result is discarded. Eagerly
+    that run is on fake tensors (nothing is computed, and a loop that runs zero times is
+    promoted as under tracing), or for real where fake tensors cannot follow the body
+    (`.item()`), as zero-length loops find their outputs; traced, it is dead code."""
+    if not weak:
+        return c_leaves
+    from ._weak import WeakMode
+
+    n = len(c_leaves)
+    positions = sorted(weak)
+
+    def run(*flat: Any) -> Any:
+        leaves = list(flat[:n])
+        with WeakMode([leaves[i] for i in positions]):
+            return new_carry(leaves, *flat[n:])
+
+    if _context.is_tracing():
+        out = run(*c_leaves, *args)
+    else:
+        try:
+            out_leaves, out_def = _rules.abstract_eval(run, (*c_leaves, *args))
+            out = tree_unflatten(out_def, out_leaves)
+        except _rules.AbstractEvalUnavailable:
+            out = run(*c_leaves, *args)
+    return promote_weak(c_leaves, weak, out)
 
 
 

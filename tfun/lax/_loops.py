@@ -64,6 +64,9 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     _rules.check_callable(op, "body_fun", body_fun)
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
+    if weak:
+        # Python scalars in init_val take the dtype the body gives them (JAX's weak types)
+        leaves = _hop.promote_weak_init(leaves, weak, lambda ls: body_fun(tree_unflatten(treedef, ls)))
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
@@ -232,6 +235,11 @@ def fori_loop(
         device = tensors[0].device
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
+    if weak:
+        # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body at index `lower` (eagerly, on fake tensors)
+        i0 = torch.as_tensor(lower, dtype=dtype, device=device)
+        leaves = _hop.promote_weak_init(leaves, weak, lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)), (i0,))
     val: Any = tree_unflatten(treedef, leaves)
 
     tracing = _context.is_tracing()
@@ -253,10 +261,6 @@ def fori_loop(
                 return val
             check_export_constants(op, body_fun)
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
-            if weak:
-                # Python scalars in init_val take the dtype the body gives them (JAX's weak
-                # types): learned from one traced call outside the loop (dead code)
-                val = tree_unflatten(treedef, _hop.promote_weak(leaves, weak, body_fun(idx[0], val)))
             val, _ = scan(step, val, idx, length=n, unroll=1 if unroll is None else unroll)
             return val
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
@@ -372,8 +376,6 @@ def _lower_while_loop(
     if not leaves:
         # nothing is carried: the loop cannot change anything observable
         return init_val
-    if weak:
-        leaves = _hop.promote_weak(leaves, weak, body_fun(tree_unflatten(td, leaves)))
 
     carrier = _hop.carrier(td, leaves)
 

@@ -261,6 +261,18 @@ def scan(
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
     if x_def.num_leaves and any(not isinstance(x, torch.Tensor) for x in tree_flatten(xs)[0]):
         xs = tree_unflatten(x_def, x_leaves)
+    if weak:
+        # Python scalars in init take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body on the first step's x (eagerly, on fake tensors)
+        i0 = n - 1 if reverse else 0
+        x0 = tree_unflatten(x_def, [x[i0] if n else x.new_empty(x.shape[1:]) for x in x_leaves])
+
+        def new_carry(leaves: list[Any], x: Any) -> Any:
+            res = f(tree_unflatten(carry_def, leaves), x)
+            return res[0] if isinstance(res, (tuple, list)) and len(res) == 2 else None
+
+        carry_leaves = _hop.promote_weak_init(carry_leaves, weak, new_carry, (x0,))
+        init = tree_unflatten(carry_def, carry_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
         f = _hop.remat_body(f)
@@ -414,18 +426,14 @@ def _lower_scan(
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
 
     `weak`: the flat indices of `init`'s leaves that were Python scalars (see
-    `_rules.as_tensor_leaves`); the body is traced once outside the HOP to learn their dtypes
-    (its ops are dead code), as JAX traces a loop body twice to promote a weak `init`."""
+    `_rules.as_tensor_leaves`), already converted to the dtype the body gives them by
+    `scan` (`_hop.promote_weak_init`, whose traced body run is dead code, as JAX traces a
+    loop body twice to promote a weak `init`)."""
     _hop.begin_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
     x_leaves, x_td = tree_flatten(xs)
-    if weak and length > 0:
-        x0 = tree_unflatten(x_td, [x[0] for x in x_leaves])
-        res = f(tree_unflatten(c_td, c_leaves), x0)
-        if isinstance(res, (tuple, list)) and len(res) == 2:
-            c_leaves = _hop.promote_weak(c_leaves, weak, res[0])
     n_c = len(c_leaves)
     revise = REVISE_CARRY
 
