@@ -579,16 +579,23 @@ def promote_weak(c_leaves: list[Any], weak: Any, out_carry: Any) -> list[Any]:
 
 
 def promote_weak_init(
-    c_leaves: list[Any], weak: Any, new_carry: Callable[..., Any], args: tuple[Any, ...] = ()
+    c_leaves: list[Any],
+    weak: Any,
+    new_carry: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    runs: bool = True,
 ) -> list[Any]:
     """The flat carry `c_leaves` of a loop, with the leaves that were Python scalars in its
     `init` (`weak`, by flat index) converted to the dtype the body gives them, as JAX
     promotes a weakly typed `init`: `new_carry(leaves, *args)` (the body's new carry, or
     None where the body returns something else: the loop's own checks report it) runs once
-    with those leaves weakly typed (`_weak.WeakMode`), and its result is discarded. Eagerly
-    that run is on fake tensors (nothing is computed, and a loop that runs zero times is
-    promoted as under tracing), or for real where fake tensors cannot follow the body
-    (`.item()`), as zero-length loops find their outputs; traced, it is dead code."""
+    with those leaves weakly typed (`_weak.WeakMode`), and its result is discarded, as JAX
+    traces a loop body twice. Traced, that run is dead code. Eagerly it is one real step
+    when the loop `runs` (the first step's inputs are real values); for a loop that runs
+    zero times it is on fake tensors (nothing is computed on values the loop never sees),
+    or, where fake tensors cannot follow the body (`.item()`), for real, as zero-length
+    loops find their outputs (`_scan.zero_length_outputs`)."""
     if not weak:
         return c_leaves
     from ._weak import WeakMode
@@ -601,14 +608,15 @@ def promote_weak_init(
         with WeakMode([leaves[i] for i in positions]):
             return new_carry(leaves, *flat[n:])
 
-    if _context.is_tracing():
+    if runs or _context.is_tracing():
         out = run(*c_leaves, *args)
     else:
         try:
             out_leaves, out_def = _rules.abstract_eval(run, (*c_leaves, *args))
             out = tree_unflatten(out_def, out_leaves)
         except _rules.AbstractEvalUnavailable:
-            out = run(*c_leaves, *args)
+            with torch.no_grad():
+                out = run(*c_leaves, *args)
     return promote_weak(c_leaves, weak, out)
 
 

@@ -55,7 +55,8 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
 
     - `cond_fun`: `val -> bool scalar`.
     - `body_fun`: `val -> val`.
-    - `init_val`: the initial loop value, a pytree.
+    - `init_val`: the initial loop value, a pytree; a Python scalar in it is weakly typed,
+      as in JAX, and takes the dtype the body gives it (as `scan`'s `init`).
 
     **Returns:** the final loop value.
     """
@@ -65,13 +66,20 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     if weak:
-        # Python scalars in init_val take the dtype the body gives them (JAX's weak types)
-        leaves = _hop.promote_weak_init(leaves, weak, lambda ls: body_fun(tree_unflatten(treedef, ls)))
+        # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body on init_val (on fake tensors where the loop runs
+        # zero times)
+        runs = True
+        if not _context.is_tracing():
+            pred = cond_fun(tree_unflatten(treedef, leaves))
+            _check_pred(op, cond_fun, pred)
+            runs = _batching.is_batched(pred) or bool(pred)
+        leaves = _hop.promote_weak_init(leaves, weak, lambda ls: body_fun(tree_unflatten(treedef, ls)), runs=runs)
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
-        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val, weak)
+        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val)
     sig = _rules.leaf_signature(leaves)
     rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
     # What has been checked for this signature: None, nothing; "cond", cond_fun for real and
@@ -214,7 +222,8 @@ def fori_loop(
 
     - `lower`, `upper`: Python ints or integer tensors of shape `()`.
     - `body_fun`: `(i, val) -> val`.
-    - `init_val`: the initial loop value, a pytree.
+    - `init_val`: the initial loop value, a pytree; a Python scalar in it is weakly typed,
+      as in JAX, and takes the dtype the body gives it (as `scan`'s `init`).
     - `unroll`: with Python-int bounds, the steps per iteration of the compiled loop under
       `tfun.jit`, as in `scan` (an int `k >= 1`, or `True` / `0` for all). Eagerly, and with
       tensor bounds (a `while_loop`), it changes nothing.
@@ -237,9 +246,13 @@ def fori_loop(
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
     if weak:
         # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
-        # learned from one run of the body at index `lower` (eagerly, on fake tensors)
+        # learned from one run of the body at index `lower` (on fake tensors where the loop
+        # runs zero times)
+        runs = bool(tensors) or int(upper) > int(lower)
         i0 = torch.as_tensor(lower, dtype=dtype, device=device)
-        leaves = _hop.promote_weak_init(leaves, weak, lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)), (i0,))
+        leaves = _hop.promote_weak_init(
+            leaves, weak, lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)), (i0,), runs=runs
+        )
     val: Any = tree_unflatten(treedef, leaves)
 
     tracing = _context.is_tracing()
@@ -363,9 +376,10 @@ def _check_fori_body_once(
 
 
 def _lower_while_loop(
-    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any, weak: Any = None
+    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any
 ) -> Any:
-    """`torch.while_loop` over the flat leaves of `init_val` (`weak`: see `_scan._lower_scan`)."""
+    """`torch.while_loop` over the flat leaves of `init_val` (whose Python scalars
+    `while_loop` has converted: see `_scan._lower_scan`)."""
     _hop.begin_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)

@@ -12,7 +12,7 @@ JAX's weak-type rule, but Python cannot make a wrapped-number tensor.
 `WeakMode` restores the rule for that first run. It tracks which tensors are weak: the
 weak `init` leaves, and every tensor an op computes from weak tensors and Python scalars
 only (a conversion with an explicit dtype, `x.to(torch.int8)`, gives a strong tensor, as
-`astype` does in JAX). An elementwise op (`ELEMENTWISE`) that mixes weak and strong
+`astype` does in JAX). An elementwise op (`ELEMENTWISE`, by name) that mixes weak and strong
 tensors first converts its weak operands to the dtype torch would give if they were Python
 scalars of their kind, so `c + x` computes in `x`'s dtype exactly as `0 + x` would; every
 other op runs as it is. The loop then converts the weak `init` leaves to the dtypes the
@@ -52,20 +52,9 @@ _DUNDERS = (
 _JOINS = "stack cat concat concatenate hstack vstack".split()
 
 
-def _collect(names: Sequence[str]) -> set[Any]:
-    out: set[Any] = set()
-    for n in names:
-        for owner in (torch, torch.Tensor):
-            f = getattr(owner, n, None)
-            if f is not None:
-                out.add(f)
-    return out
-
-
-ELEMENTWISE: frozenset[Any] = frozenset(
-    _collect(_BINARY) | _collect([f"__{n}__" for n in _DUNDERS]) | _collect(_JOINS)
-)
-_WHERE: frozenset[Any] = frozenset(_collect(["where"]))
+# By name, not by function object: strict `torch.export` hands the mode other objects
+# for the same op (torch 2.13) than eager code and `torch.compile` do.
+ELEMENTWISE: frozenset[str] = frozenset(_BINARY + [f"__{n}__" for n in _DUNDERS] + _JOINS)
 
 # Conversions: their result has the dtype asked for, not a weak one (JAX's `astype`).
 _CONVERSIONS = frozenset(
@@ -88,6 +77,9 @@ def _promote(a: torch.dtype | None, b: torch.dtype) -> torch.dtype:
     return b if a is None else torch.promote_types(a, b)
 
 
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
 def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
     """torch's `combine_categories` (c10's type promotion of dimensioned tensors over 0-d
     tensors over wrapped numbers): the lower-priority dtype only counts when its kind is
@@ -99,8 +91,8 @@ def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dty
     if higher.is_complex:
         return higher
     if lower.is_complex:
-        # a complex of the higher priority's precision where it has one
-        return torch.promote_types(higher, lower) if higher.is_floating_point else lower
+        # the complex dtype of the higher priority's precision where it is floating
+        return _COMPLEX_OF.get(higher, torch.complex64) if higher.is_floating_point else lower
     if higher.is_floating_point:
         return higher
     if higher == torch.bool or lower.is_floating_point:
@@ -155,7 +147,7 @@ class WeakMode(TorchFunctionMode):
         if not any(flags):
             return func(*args, **kwargs)
         if not all(flags):
-            if func in ELEMENTWISE:
+            if getattr(func, "__name__", "") in ELEMENTWISE:
                 args, kwargs = self._promote_operands(func, args, kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -167,7 +159,7 @@ class WeakMode(TorchFunctionMode):
 
     def _promote_operands(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
         # `where`'s condition is not an operand of the promotion
-        head, operands = ((args[0],), args[1:]) if func in _WHERE and args else ((), args)
+        head, operands = ((args[0],), args[1:]) if getattr(func, "__name__", "") == "where" and args else ((), args)
         tensors = [a for a in tree_flatten((operands, kwargs))[0] if isinstance(a, torch.Tensor)]
         strong = [t for t in tensors if not self.is_weak(t)]
         weak = [t for t in tensors if self.is_weak(t)]
