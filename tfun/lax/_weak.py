@@ -25,14 +25,14 @@ trace (the dtype-deciding body run there is dead code, as in `_scan._lower_scan`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["WeakMode", "run_weak", "ELEMENTWISE"]
+__all__ = ["WeakMode", "ELEMENTWISE", "common_dtype"]
 
 
 # Elementwise ops whose operands type promotion combines (a Python scalar operand is a
@@ -176,9 +176,3 @@ class WeakMode(TorchFunctionMode):
 
         return head + tuple(tree_map(cast, list(operands))), tree_map(cast, kwargs)
 
-
-def run_weak(fn: Callable[..., Any], args: tuple[Any, ...], weak: Sequence[torch.Tensor]) -> Any:
-    """`fn(*args)` with the tensors in `weak` (leaves of `args`) weakly typed, as JAX's
-    Python scalars are."""
-    with WeakMode(weak):
-        return fn(*args)
