@@ -589,3 +589,20 @@ def dynamo_code_name(name: str) -> str:
     if fields is None or "closure_hash" in fields:
         return name
     return f"{name}{next(_CODE_NAMES)}"
+
+
+def inductor_backend(options: dict[str, Any] | None, dynamic: Any) -> Callable[..., Any] | None:
+    """torch.compile's own Inductor backend object (what `backend="inductor"` becomes), with
+    Inductor `options` applied to every graph it compiles (the forward and, under AOTAutograd,
+    the backward), or None where torch has no such object or Inductor no `cpp_wrapper` option.
+
+    `tfun.jit`'s default backend holds two of them, one with `{"cpp_wrapper": True}`, and
+    picks one per graph (`_jit._InductorDefault`); where this returns None, `tfun.jit`
+    passes `backend="inductor"` as given and makes no per-graph choice."""
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if wrapper is None:
+        return None
+    config = importlib.import_module("torch._inductor.config")
+    if "cpp_wrapper" not in config.get_config_copy():
+        return None
+    return wrapper(None, options, dynamic)
