@@ -606,3 +606,19 @@ def inductor_backend(options: dict[str, Any] | None, dynamic: Any) -> Callable[.
     if "cpp_wrapper" not in config.get_config_copy():
         return None
     return wrapper(None, options, dynamic)
+
+
+def cpp_wrapper_differentiates_while_loop() -> bool:
+    """Whether Inductor's C++ wrapper compiles `while_loop_stack_output`, the forward of a
+    `while_loop` whose gradient is taken (it saves every step's carry). torch 2.13's raises
+    `NotImplementedError("NYI cpp wrapper for while_loop_stack_output")` from
+    `CppWrapperCpu.codegen_while_loop` when it meets one; that code's own text says whether it
+    still does. Where it does, `tfun.jit`'s default backend keeps the Python wrapper for a
+    graph whose while_loop may be differentiated (`_jit._InductorDefault.wants_cpp_wrapper`)."""
+    import inspect
+
+    module = importlib.import_module("torch._inductor.codegen.cpp_wrapper_cpu")
+    codegen = getattr(getattr(module, "CppWrapperCpu", None), "codegen_while_loop", None)
+    if codegen is None:
+        return False
+    return "NYI cpp wrapper for while_loop_stack_output" not in inspect.getsource(codegen)

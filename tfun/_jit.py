@@ -489,18 +489,21 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
 _LOOP_HOPS = frozenset({"scan", "while_loop"})
 
 
-def _loop_hops(gm: torch.fx.GraphModule) -> bool:
-    """Whether `gm`, or a HOP body nested in it, calls a loop HOP (`_LOOP_HOPS`)."""
+def _loop_hops(gm: torch.fx.GraphModule) -> tuple[set[str], bool]:
+    """The loop HOPs (`_LOOP_HOPS`) that `gm`, or a HOP body nested in it, calls, and whether
+    it calls `torch.autograd.grad` (`tfun.grad` traced under `tfun.jit`)."""
+    found = set()
+    differentiates = False
     for mod in gm.modules():
         if isinstance(mod, torch.fx.GraphModule):
             for node in mod.graph.nodes:
-                if (
-                    node.op == "call_function"
-                    and isinstance(node.target, torch._ops.HigherOrderOperator)
-                    and node.target.name() in _LOOP_HOPS
-                ):
-                    return True
-    return False
+                if node.op != "call_function":
+                    continue
+                if node.target is torch.autograd.grad:
+                    differentiates = True
+                elif isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() in _LOOP_HOPS:
+                    found.add(node.target.name())
+    return found, differentiates
 
 
 class _InductorDefault:
@@ -542,9 +545,20 @@ class _InductorDefault:
     @staticmethod
     def wants_cpp_wrapper(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
         """A graph gets the C++ wrapper when it runs a loop HOP and its tensor inputs are all
-        on the CPU."""
+        on the CPU, except a graph with a `while_loop` that may be differentiated (grad mode
+        on and an input that requires grad) where torch's C++ wrapper cannot compile the
+        forward of a differentiated while_loop (torch 2.13: "NYI cpp wrapper for
+        while_loop_stack_output"; see `_compat.cpp_wrapper_differentiates_while_loop`). Such a
+        graph either has an input that requires grad (a `.backward()` after the call) or
+        calls `torch.autograd.grad` (`tfun.grad` inside `tfun.jit`)."""
         tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-        return bool(tensors) and all(t.device.type == "cpu" for t in tensors) and _loop_hops(gm)
+        if not tensors or any(t.device.type != "cpu" for t in tensors):
+            return False
+        hops, differentiates = _loop_hops(gm)
+        differentiates = differentiates or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        if "while_loop" in hops and differentiates and not _compat.cpp_wrapper_differentiates_while_loop():
+            return False
+        return bool(hops)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         cpp = self.wants_cpp_wrapper(gm, example_inputs)
