@@ -72,7 +72,14 @@ def jit(
     - Nested: a `tfun.jit` function called inside another (or as a control-flow body
       under it) is inlined, as `jax.jit` inlines.
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
-      `options`).
+      `options`). With no `backend` (or `backend="inductor"`), no `mode` and no
+      `options`, tfun picks Inductor's options per captured graph: a graph that runs a
+      loop (`scan`, `fori_loop`, `while_loop`) with all its tensor inputs on the CPU is
+      compiled with `cpp_wrapper=True` (the loop runs from C++: about 4x less overhead per
+      step, a few seconds more compilation), every other graph with torch's defaults
+      (torch 2.13: not a `while_loop` whose gradient is taken, which its C++ wrapper
+      cannot compile). `options={"cpp_wrapper": False}` opts out; any `mode` or
+      `options` of yours is used as given.
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
     introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
