@@ -589,36 +589,3 @@ def dynamo_code_name(name: str) -> str:
     if fields is None or "closure_hash" in fields:
         return name
     return f"{name}{next(_CODE_NAMES)}"
-
-
-def inductor_backend(options: dict[str, Any] | None, dynamic: Any) -> Callable[..., Any] | None:
-    """torch.compile's own Inductor backend object (what `backend="inductor"` becomes), with
-    Inductor `options` applied to every graph it compiles (the forward and, under AOTAutograd,
-    the backward), or None where torch has no such object or Inductor no `cpp_wrapper` option.
-
-    `tfun.jit`'s default backend holds two of them, one with `{"cpp_wrapper": True}`, and
-    picks one per graph (`_jit._InductorDefault`); where this returns None, `tfun.jit`
-    passes `backend="inductor"` as given and makes no per-graph choice."""
-    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
-    if wrapper is None:
-        return None
-    config = importlib.import_module("torch._inductor.config")
-    if "cpp_wrapper" not in config.get_config_copy():
-        return None
-    return wrapper(None, options, dynamic)
-
-
-def cpp_wrapper_differentiates_while_loop() -> bool:
-    """Whether Inductor's C++ wrapper compiles `while_loop_stack_output`, the forward of a
-    `while_loop` whose gradient is taken (it saves every step's carry). torch 2.13's raises
-    `NotImplementedError("NYI cpp wrapper for while_loop_stack_output")` from
-    `CppWrapperCpu.codegen_while_loop` when it meets one; that code's own text says whether it
-    still does. Where it does, `tfun.jit`'s default backend keeps the Python wrapper for a
-    graph whose while_loop may be differentiated (`_jit._InductorDefault.wants_cpp_wrapper`)."""
-    import inspect
-
-    module = importlib.import_module("torch._inductor.codegen.cpp_wrapper_cpu")
-    codegen = getattr(getattr(module, "CppWrapperCpu", None), "codegen_while_loop", None)
-    if codegen is None:
-        return False
-    return "NYI cpp wrapper for while_loop_stack_output" not in inspect.getsource(codegen)

@@ -72,14 +72,10 @@ def jit(
     - Nested: a `tfun.jit` function called inside another (or as a control-flow body
       under it) is inlined, as `jax.jit` inlines.
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
-      `options`). With no `backend` (or `backend="inductor"`), no `mode` and no
-      `options`, tfun picks Inductor's options per captured graph: a graph that runs a
-      loop (`scan`, `fori_loop`, `while_loop`) with all its tensor inputs on the CPU is
-      compiled with `cpp_wrapper=True` (the loop runs from C++: about 4x less overhead per
-      step, a few seconds more compilation), every other graph with torch's defaults
-      (torch 2.13: not a `while_loop` whose gradient is taken, which its C++ wrapper
-      cannot compile). `options={"cpp_wrapper": False}` opts out; any `mode` or
-      `options` of yours is used as given.
+      `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
+      steps from C++ (about 4x less overhead per step, a few seconds more compilation);
+      it is not the default because torch 2.13's C++ wrapper fails on some loop programs
+      (docs/performance.md).
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
     introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
@@ -276,9 +272,6 @@ class Jitted:
         self._cache: collections.OrderedDict[Hashable, Callable[..., Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._plain: Callable[..., Any] | None = None
-        #: per graph compiled by the default backend, whether it got Inductor's C++ wrapper
-        #: (`_InductorDefault`); read by the tests of that choice
-        self._cpp_wrapper_graphs: list[bool] = []
         functools.update_wrapper(self, _funcinfo.unwrap_callable(fun) if not isinstance(fun, torch.nn.Module) else fun.forward, updated=())
 
     @property
@@ -312,12 +305,8 @@ class Jitted:
     def _compile(self, run: Callable[..., Any], name: str) -> Callable[..., Any]:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, name)
-        options = self._options
-        default = _InductorDefault.for_options(options, self._cpp_wrapper_graphs)
-        if default is not None:
-            options = {**options, "backend": default}
         try:
-            return torch.compile(run, fullgraph=self._fullgraph, **options)
+            return torch.compile(run, fullgraph=self._fullgraph, **self._options)
         except Exception as e:
             if type(e).__name__ != "InvalidBackend":  # torch._dynamo.exc.InvalidBackend
                 raise
@@ -489,94 +478,6 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
 
     g = {"__builtins__": builtins, "_tfun_static_scalar_pos": scalar_pos, "_tfun_static_scalar_kw": scalar_kw}
     return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
-
-
-#: The HOPs that Inductor compiles to a loop run by its wrapper code, one iteration per step
-#: (torch 2.11-2.13 on the CPU; `map_impl` is unrolled at trace time, `cond` runs once).
-_LOOP_HOPS = frozenset({"scan", "while_loop"})
-
-
-def _loop_hops(gm: torch.fx.GraphModule) -> tuple[set[str], bool]:
-    """The loop HOPs (`_LOOP_HOPS`) that `gm`, or a HOP body nested in it, calls, and whether
-    it calls `torch.autograd.grad` (`tfun.grad` traced under `tfun.jit`)."""
-    found = set()
-    differentiates = False
-    for mod in gm.modules():
-        if isinstance(mod, torch.fx.GraphModule):
-            for node in mod.graph.nodes:
-                if node.op != "call_function":
-                    continue
-                if node.target is torch.autograd.grad:
-                    differentiates = True
-                elif isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() in _LOOP_HOPS:
-                    found.add(node.target.name())
-    return found, differentiates
-
-
-class _InductorDefault:
-    """`tfun.jit`'s backend when the user chose none (or `"inductor"`) and passed no `mode`
-    and no `options`: Inductor, with its C++ wrapper (`cpp_wrapper=True`) for a graph that
-    runs a loop HOP on the CPU, and torch's defaults for every other graph.
-
-    Inductor runs a CPU scan/while_loop from its wrapper code, one wrapper iteration per
-    step: about 13 us a step from the Python wrapper, about 3 us from the C++ one, at about
-    3 s more compilation per graph (benchmarks/RESULTS.md, "cpp_wrapper by default"). Only
-    loops gain, so only graphs with a loop pay. The choice is made per Dynamo graph; the
-    Inductor options it picks apply to that graph's forward and to its backward, which
-    AOTAutograd compiles later with the same options. A user's own `mode` or `options`
-    (`options={"cpp_wrapper": False}` to opt out) bypass this class entirely.
-    """
-
-    compiler_name = "inductor"
-
-    def __init__(self, plain: Callable[..., Any], cpp: Callable[..., Any], log: list[bool]) -> None:
-        self._plain = plain
-        self._cpp = cpp
-        self._log = log
-
-    @classmethod
-    def for_options(cls, options: dict[str, Any], log: list[bool]) -> _InductorDefault | None:
-        """The default backend for `tfun.jit`'s `**compile_options`, or None where the user
-        chose the backend, mode or options (or torch has no per-graph Inductor options)."""
-        if options.get("backend", "inductor") != "inductor":
-            return None
-        if options.get("mode") is not None or options.get("options") is not None:
-            return None
-        dynamic = options.get("dynamic")
-        plain = _compat.inductor_backend(None, dynamic)
-        cpp = _compat.inductor_backend({"cpp_wrapper": True}, dynamic)
-        if plain is None or cpp is None:
-            return None
-        return cls(plain, cpp, log)
-
-    @staticmethod
-    def wants_cpp_wrapper(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-        """A graph gets the C++ wrapper when it runs a loop HOP and its tensor inputs are all
-        on the CPU, except a graph with a `while_loop` that may be differentiated (grad mode
-        on and an input that requires grad) where torch's C++ wrapper cannot compile the
-        forward of a differentiated while_loop (torch 2.13: "NYI cpp wrapper for
-        while_loop_stack_output"; see `_compat.cpp_wrapper_differentiates_while_loop`). Such a
-        graph either has an input that requires grad (a `.backward()` after the call) or
-        calls `torch.autograd.grad` (`tfun.grad` inside `tfun.jit`)."""
-        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-        if not tensors or any(t.device.type != "cpu" for t in tensors):
-            return False
-        hops, differentiates = _loop_hops(gm)
-        differentiates = differentiates or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        if "while_loop" in hops and differentiates and not _compat.cpp_wrapper_differentiates_while_loop():
-            return False
-        return bool(hops)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        cpp = self.wants_cpp_wrapper(gm, example_inputs)
-        self._log.append(cpp)
-        return (self._cpp if cpp else self._plain)(gm, example_inputs, **kwargs)
-
-    def get_compiler_config(self) -> Any:
-        return self._plain.get_compiler_config()  # type: ignore[attr-defined]
-
-    def reset(self) -> None:
-        self._plain.reset()  # type: ignore[attr-defined]  # the same for both: cudagraph trees
 
 
 #: Numbers the code objects of static specializations (see `Jitted._compile`).
