@@ -19,7 +19,9 @@ CPP = {"cpp_wrapper": True}
 RTOL_OUT, RTOL_GRAD = 2e-4, 1e-3
 
 
-def rnn(W: torch.Tensor, h0: torch.Tensor, xs: torch.Tensor, reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rnn(
+    W: torch.Tensor, h0: torch.Tensor, xs: torch.Tensor, reverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     def step(h, x):
         h = torch.tanh(h @ W + x)
         return h, h
@@ -27,7 +29,9 @@ def rnn(W: torch.Tensor, h0: torch.Tensor, xs: torch.Tensor, reverse: bool = Fal
     return lax.scan(step, h0, xs, reverse=reverse)
 
 
-def rnn_reverse(W: torch.Tensor, h0: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rnn_reverse(
+    W: torch.Tensor, h0: torch.Tensor, xs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rnn(W, h0, xs, reverse=True)
 
 
@@ -40,7 +44,9 @@ def while_(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         i, c = state
         return i + 1, torch.tanh(c @ W) + 0.5 * c
 
-    return lax.while_loop(lambda s: s[0] < 7, body, (torch.zeros((), dtype=torch.int64), x))
+    return lax.while_loop(
+        lambda s: s[0] < 7, body, (torch.zeros((), dtype=torch.int64), x)
+    )
 
 
 def _args(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -48,8 +54,12 @@ def _args(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     W = torch.randn(8, 8, generator=g, dtype=torch.float64) / 3
     if name.startswith("scan"):
         xs = torch.randn(13, 3, 8, generator=g, dtype=torch.float64)
-        return tuple(t.to(dtype) for t in (W, torch.zeros(3, 8, dtype=torch.float64), xs))
-    return tuple(t.to(dtype) for t in (W, torch.randn(3, 8, generator=g, dtype=torch.float64)))
+        return tuple(
+            t.to(dtype) for t in (W, torch.zeros(3, 8, dtype=torch.float64), xs)
+        )
+    return tuple(
+        t.to(dtype) for t in (W, torch.randn(3, 8, generator=g, dtype=torch.float64))
+    )
 
 
 def _outs_and_grads(fn, args, grad: bool = True):  # type: ignore[no-untyped-def]
@@ -65,7 +75,9 @@ def _outs_and_grads(fn, args, grad: bool = True):  # type: ignore[no-untyped-def
     return [t.detach().double() for t in outs], [t.double() for t in grads]
 
 
-def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], rtol: float) -> None:
+def _assert_close(
+    got: list[torch.Tensor], want: list[torch.Tensor], rtol: float
+) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want):
         scale = max(float(b.abs().max()), 1e-6)
@@ -87,7 +99,8 @@ PROGRAMS = {
     "while_loop_grad": pytest.param(
         (while_, True),
         marks=pytest.mark.xfail(
-            strict=True, reason="torch 2.13 cpp_wrapper: NYI cpp wrapper for while_loop_stack_output"
+            strict=True,
+            reason="torch 2.13 cpp_wrapper: NYI cpp wrapper for while_loop_stack_output",
         ),
     ),
 }
@@ -97,7 +110,9 @@ PROGRAMS = {
 def test_cpp_wrapper_opt_in_matches_float64_oracle(program: tuple) -> None:
     fn, grad = program
     name = "scan" if fn in (rnn, rnn_reverse) else "loop"
-    outs, grads = _outs_and_grads(tfun.jit(fn, options=CPP), _args(name, torch.float32), grad)
+    outs, grads = _outs_and_grads(
+        tfun.jit(fn, options=CPP), _args(name, torch.float32), grad
+    )
     want_outs, want_grads = _outs_and_grads(fn, _args(name, torch.float64), grad)
     _assert_close(outs, want_outs, RTOL_OUT)
     _assert_close(grads, want_grads, RTOL_GRAD)
