@@ -18,7 +18,12 @@ import torch
 import tfun
 from tfun import lax
 
-T, B, H, I = 7, 3, 5, 4  # distinct sizes, so a (T, H, H) or (T, H, I) stack is recognisable
+T, B, H, I = (
+    7,
+    3,
+    5,
+    4,
+)  # distinct sizes, so a (T, H, H) or (T, H, I) stack is recognisable
 
 
 def _graph_shapes(backend_graphs: list[torch.fx.GraphModule]) -> set[tuple[int, ...]]:
@@ -45,9 +50,13 @@ def _capturing_backend(graphs: list[torch.fx.GraphModule]) -> Any:
     return aot_autograd(fw_compiler=capture, bw_compiler=capture)
 
 
-def _rnn_loss(W: torch.Tensor, U: torch.Tensor, xs: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+def _rnn_loss(
+    W: torch.Tensor, U: torch.Tensor, xs: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:
     def cell(h: torch.Tensor, x: torch.Tensor) -> Any:
-        n = torch.tanh(h @ W + x @ U.t())  # W closed over as (H, H), U as (H, I), x a (B, I) slice
+        n = torch.tanh(
+            h @ W + x @ U.t()
+        )  # W closed over as (H, H), U as (H, I), x a (B, I) slice
         return n, n
 
     h, ys = lax.scan(cell, h0, xs)
@@ -64,13 +73,17 @@ def _data(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("how", ["tfun.grad", "backward"])
-def test_no_per_step_copy_of_closed_over_weights_and_gradients_are_eager(how: str) -> None:
+def test_no_per_step_copy_of_closed_over_weights_and_gradients_are_eager(
+    how: str,
+) -> None:
     graphs: list[torch.fx.GraphModule] = []
     backend = _capturing_backend(graphs)
     oracle = tfun.grad(_rnn_loss, argnums=(0, 1, 2, 3))(*_data(torch.float64))
     args = _data(torch.float32)
     if how == "tfun.grad":
-        got = tfun.jit(tfun.grad(_rnn_loss, argnums=(0, 1, 2, 3)), backend=backend)(*args)
+        got = tfun.jit(tfun.grad(_rnn_loss, argnums=(0, 1, 2, 3)), backend=backend)(
+            *args
+        )
     else:
         leaves = [a.clone().requires_grad_(True) for a in args]
         tfun.jit(_rnn_loss, backend=backend)(*leaves).backward()
@@ -79,4 +92,6 @@ def test_no_per_step_copy_of_closed_over_weights_and_gradients_are_eager(how: st
         torch.testing.assert_close(g, o.to(torch.float32), rtol=1e-4, atol=1e-5)
     shapes = _graph_shapes(graphs)
     assert (T, B, H) in shapes  # the per-step stacks the backward needs are there
-    assert (T, H, H) not in shapes and (T, I, H) not in shapes and (T, H, I) not in shapes
+    assert (
+        (T, H, H) not in shapes and (T, I, H) not in shapes and (T, H, I) not in shapes
+    )
