@@ -89,3 +89,46 @@ def test_cond_autograd_fixes_is_idempotent_and_keeps_values():
     gx, gw = torch.autograd.grad((y * torch.tensor([1.0, 2.0], dtype=y.dtype)).sum(), (x, w))
     torch.testing.assert_close(gx, torch.tensor([5.0, 10.0], dtype=torch.float64))
     torch.testing.assert_close(gw, torch.full((2,), 0.5 * 1 + -1.0 * 2, dtype=torch.float64))
+
+
+def test_wrap_backward_once_wraps_once_and_only_where_torch_lacks_the_fix(monkeypatch):
+    """`_wrap_backward_once`, which installs the while_loop and cond backward fixes: it wraps
+    a HOP's backward once per process, and not at all where `fixed` says torch already does
+    the work (the feature detection) or where the class is missing."""
+    import types
+
+    class Op:
+        @staticmethod
+        def backward(ctx, *grads):
+            return tuple(g.is_contiguous() for g in grads)
+
+    module = types.ModuleType("tfun_test_fake_hop")
+    module.Op = Op
+    monkeypatch.setitem(__import__("sys").modules, "tfun_test_fake_hop", module)
+    monkeypatch.setattr(_compat, "_PATCHED", set())
+    original = Op.backward
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: True)
+    assert Op.backward is original  # torch already has the fix: nothing is wrapped
+    monkeypatch.setattr(_compat, "_PATCHED", set())
+    assert _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: False)
+    wrapped = Op.backward
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: False)
+    assert Op.backward is wrapped  # once
+    g = torch.ones(3).expand(2, 3)  # stride 0, as the gradient of `out.sum()`
+    assert Op.backward(None, g) == (True,)  # the wrapped backward sees dense gradients
+    assert original(None, g) == (False,)
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Missing", _compat._dense_grads, lambda b: False)
+
+
+def test_the_backward_fixes_detect_whether_torch_makes_gradients_contiguous():
+    """The detection `while_loop_autograd_fixes` and `cond_autograd_fixes` use: a backward whose
+    code names `contiguous`/`contiguous_format` already densifies and is left alone."""
+
+    def densifies(ctx, g):
+        return g.clone(memory_format=torch.contiguous_format)
+
+    def does_not(ctx, g):
+        return g
+
+    assert _compat._names_contiguous(densifies)
+    assert not _compat._names_contiguous(does_not)

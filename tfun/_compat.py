@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -268,14 +268,7 @@ def _densify_scan_backward(scan_mod: Any) -> None:
     backward = getattr(fn, "backward", None)
     if backward is None:  # pragma: no cover - neither 2.11's nor 2.13's layout
         return
-
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
-        return backward(ctx, *grads)
-
-    fn.backward = staticmethod(dense_backward)
+    fn.backward = staticmethod(_dense_grads(backward))
     _SCAN_BACKWARD_DENSE = True
 
 
@@ -383,7 +376,52 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-_WHILE_AUTOGRAD_PATCHED = False
+_PATCHED: set[str] = set()
+
+
+def _dense_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`backward` (an autograd Function's) called with its incoming gradients cloned into
+    contiguous tensors (a view such as the stride-0 gradient of `out.sum()` becomes dense)."""
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    return dense_backward
+
+
+def _wrap_backward_once(
+    module: str,
+    class_name: str,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    fixed: Callable[[Callable[..., Any]], bool],
+) -> bool:
+    """Replace `module.class_name.backward` (a HOP's autograd Function) by `wrap(backward)`,
+    once per process, unless that class is missing (a torch whose HOP moved: nothing to patch)
+    or `fixed(backward)` says this torch already does what the wrapper would. Returns whether
+    it wrapped (False on every later call)."""
+    key = f"{module}.{class_name}.backward"
+    if key in _PATCHED:
+        return False
+    _PATCHED.add(key)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - a torch whose HOP moved: nothing to patch
+        return False
+    cls = getattr(mod, class_name, None)
+    backward = getattr(cls, "backward", None)
+    if backward is None or fixed(backward):
+        return False
+    cls.backward = staticmethod(wrap(backward))
+    return True
+
+
+def _names_contiguous(backward: Callable[..., Any]) -> bool:
+    """Whether a backward's code (or code nested in it) makes tensors contiguous itself."""
+    code = getattr(backward, "__code__", None)
+    return code is not None and bool({"contiguous", "contiguous_format"} & _code_names(code))
 
 
 def while_loop_autograd_fixes() -> None:
@@ -398,32 +436,11 @@ def while_loop_autograd_fixes() -> None:
     gradients into contiguous tensors first; where it does not (its code never names
     `contiguous_format`: torch 2.11), it is wrapped by one that does. Idempotent.
     """
-    global _WHILE_AUTOGRAD_PATCHED
-    if _WHILE_AUTOGRAD_PATCHED:
-        return
-    _WHILE_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.while_loop")
-    except ImportError:  # pragma: no cover - a torch whose while_loop moved: nothing to patch
-        return
-    fn = getattr(mod, "WhileLoopAutogradOp", None)
-    backward = getattr(fn, "backward", None)
-    if backward is None or "contiguous_format" in _code_names(backward.__code__):
-        return
-
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
-        return backward(ctx, *grads)
-
-    fn.backward = staticmethod(dense_backward)
+    _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_grads, _names_contiguous)
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-_COND_AUTOGRAD_PATCHED = False
 
 
 def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -437,31 +454,8 @@ def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     return dense
 
 
-def cond_autograd_fixes() -> None:
-    """Make torch.cond's backward branches return dense (contiguous) gradients.
-
-    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
-    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
-    merges the two branches' outputs into one and asserts that their strides agree. Where one
-    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
-    the other's a dense tensor (or a zero), torch 2.13 fails to compile ("AssertionError:
-    expected b_val == 0 when a_val == 0", `_merge_output` in torch/_higher_order_ops/cond.py).
-    `CondAutogradOp.backward` is wrapped by one that makes every gradient the branches return
-    contiguous first (a no-op for those already dense). Idempotent; Dynamo runs it as plain
-    Python under tfun.jit.
-    """
-    global _COND_AUTOGRAD_PATCHED
-    if _COND_AUTOGRAD_PATCHED:
-        return
-    _COND_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.cond")
-    except ImportError:  # pragma: no cover - a torch whose cond moved: nothing to patch
-        return
-    op = getattr(mod, "CondAutogradOp", None)
-    backward = getattr(op, "backward", None)
-    if backward is None:  # pragma: no cover
-        return
+def _dense_branch_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`CondAutogradOp.backward` whose two backward branches return contiguous gradients."""
 
     def dense_backward(ctx: Any, *grads: Any) -> Any:
         for name in ("_true_bw_fn", "_false_bw_fn"):
@@ -470,7 +464,25 @@ def cond_autograd_fixes() -> None:
                 setattr(ctx, name, _dense_outputs(fn))
         return backward(ctx, *grads)
 
-    op.backward = staticmethod(dense_backward)
+    return dense_backward
+
+
+def cond_autograd_fixes() -> None:
+    """Make torch.cond's backward branches return dense (contiguous) gradients.
+
+    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
+    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
+    merges the two branches' outputs into one and asserts that their strides agree. Where one
+    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
+    the other's a dense tensor (or a zero), torch 2.11 through 2.14 fail to compile
+    ("AssertionError: expected b_val == 0 when a_val == 0", `_merge_output` in
+    torch/_higher_order_ops/cond.py). Where `CondAutogradOp.backward` does not make the
+    gradients contiguous itself (its code never names `contiguous`: every torch tfun supports
+    so far), it is wrapped by one that makes every gradient the branches return contiguous
+    first (a no-op for those already dense). Idempotent; Dynamo runs it as plain Python under
+    tfun.jit.
+    """
+    _wrap_backward_once("torch._higher_order_ops.cond", "CondAutogradOp", _dense_branch_grads, _names_contiguous)
 
 
 cond_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
