@@ -43,22 +43,11 @@ def test_same_treedef_under_dynamo_answers_as_eq_does():
     assert table(torch.ones(1)) == expected
 
 
-def test_dynamo_code_name_is_the_name_where_dynamo_keys_by_closure():
-    import torch._dynamo.pgo as pgo
-
-    name = _compat.dynamo_code_name("tfun_jit_call")
-    if "closure_hash" in pgo.CodeId.__dataclass_fields__:
-        assert name == "tfun_jit_call"
-    else:
-        assert name.startswith("tfun_jit_call") and name != "tfun_jit_call"
-        assert _compat.dynamo_code_name("tfun_jit_call") != name
-
-
 def test_one_jit_functions_shapes_do_not_make_anothers_sizes_symbolic():
     # torch 2.11 kept Dynamo's automatic-dynamic state per (file, line, name) of tfun.jit's
     # frame, shared by every tfun.jit function: after `a` saw (3,), `b`'s first compile at (2,)
     # had symbolic sizes and its carry mismatch failed to compile instead of raising tfun's
-    # error (see `_compat.dynamo_code_name`)
+    # error (see `Jitted._runner`)
     import tfun
     from tfun import lax
     from tfun.errors import StructureMismatchError
@@ -72,6 +61,45 @@ def test_one_jit_functions_shapes_do_not_make_anothers_sizes_symbolic():
     tfun.jit(a, backend="eager")(torch.ones(3))
     with pytest.raises(StructureMismatchError, match=r"carry: input is a leaf, output is a tuple of 2"):
         tfun.jit(b, backend="eager")(torch.ones(2))
+
+
+@pytest.mark.parametrize("make", ["grad", "checkpoint", "module", "same_code"])
+def test_jit_functions_of_one_code_object_keep_their_own_dynamic_state(make):
+    """Two tfun.jit functions whose wrapped callables share a code object (two `tfun.grad` or
+    `tfun.checkpoint` results, two modules, two closures of one `def`): after the first ran at
+    one shape, the second's first compile at another shape has static sizes. torch 2.13's
+    Dynamo keys its automatic-dynamic state by a hash of the closure's code objects only, so
+    before each tfun.jit frame got a name of its own the second compile was symbolic (and on
+    torch 2.12 a checkpointed dropout then failed to compile in Inductor)."""
+    import tfun
+
+    def scale(k):
+        return lambda x: (torch.sin(x) * k).sum()
+
+    if make == "grad":
+        f1, f2 = tfun.grad(scale(2.0)), tfun.grad(scale(3.0))
+    elif make == "checkpoint":
+        f1, f2 = tfun.checkpoint(scale(2.0)), tfun.checkpoint(scale(3.0))
+    elif make == "module":
+        f1, f2 = torch.nn.Linear(3, 2).double(), torch.nn.Linear(4, 2).double()
+    else:
+        f1, f2 = scale(2.0), scale(3.0)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    x1 = torch.randn(5, 3, dtype=torch.float64)
+    x2 = torch.randn(7, 4, dtype=torch.float64)
+    tfun.jit(f1, backend=backend)(x1)
+    tfun.jit(f2, backend=backend)(x2)
+    assert len(graphs) == 2
+    for value in graphs[1]:
+        if isinstance(value, torch.Tensor):
+            assert all(isinstance(s, int) for s in value.shape), f"symbolic sizes in the second compile: {value.shape}"
+        else:
+            assert not isinstance(value, torch.SymInt), "a symbolic size in the second compile"
 
 
 def test_cond_autograd_fixes_is_idempotent_and_keeps_values():

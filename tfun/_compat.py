@@ -11,14 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
-import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -580,24 +579,3 @@ def dynamo_inspects_wrapped_functions() -> bool:
     return wrapper is None or base is None or issubclass(wrapper, base)
 
 
-_CODE_NAMES = itertools.count()
-
-
-def dynamo_code_name(name: str) -> str:
-    """The name to give a new code object of `tfun.jit`'s frame (`tfun_jit_call`), so that
-    each `tfun.jit` function has Dynamo's "automatic dynamic" state to itself.
-
-    Dynamo keeps that state (which sizes it has seen change, and so compiles symbolic) per
-    `pgo.CodeId`. torch 2.13's `CodeId` holds a hash of the frame's closure, which holds the
-    user's function, so two `tfun.jit` functions keep separate state. torch 2.11's holds only
-    (file, line, name), the same for every `tfun.jit` function: the shapes one of them was
-    called with made another's first compile symbolic (even across ranks), and what ran
-    earlier in the process decided whether a tfun error in traced code could be worded (a
-    symbolic size cannot be passed to an escape hatch). Where `CodeId` has no closure hash,
-    each call returns a name of its own; elsewhere `name`, as it is.
-    """
-    pgo = importlib.import_module("torch._dynamo.pgo")
-    fields = getattr(getattr(pgo, "CodeId", None), "__dataclass_fields__", None)
-    if fields is None or "closure_hash" in fields:
-        return name
-    return f"{name}{next(_CODE_NAMES)}"
