@@ -401,7 +401,7 @@ def _wrap_backward_once(
     once per process, unless that class is missing (a torch whose HOP moved: nothing to patch)
     or `fixed(backward)` says this torch already does what the wrapper would. Returns whether
     it wrapped (False on every later call)."""
-    key = f"{module}.{class_name}.backward"
+    key = f"{module}.{class_name}.backward:{getattr(wrap, '__name__', wrap)}"
     if key in _PATCHED:
         return False
     _PATCHED.add(key)
@@ -436,6 +436,39 @@ def while_loop_autograd_fixes() -> None:
     `contiguous_format`: torch 2.11), it is wrapped by one that does. Idempotent.
     """
     _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_grads, _names_contiguous)
+    _wrap_backward_once(
+        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _differentiate_every_carry, lambda backward: False
+    )
+
+
+def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` that differentiates each step through every floating carry.
+
+    torch's while_loop backward (2.11 through 2.14, and so on every torch tfun supports) is a
+    reverse while_loop whose step is the body's joint graph, built with each carry requiring
+    grad only if the loop's *initial* carry did (`fw_carry.requires_grad_(carry.requires_grad)`);
+    for a carry that does not, the step's gradient through it is a zero. But a carry that
+    starts constant becomes a function of the parameters after one step (`c = tanh(c @ W)`
+    from a zero or data `c`, the usual recurrent state): the gradient reaching earlier steps
+    was cut, and the parameters' gradient silently wrong (measured: an error as large as the
+    gradient, with `torch.compile` of torch's own while_loop and under `tfun.jit`). The
+    wrapper makes every floating carry of the saved forward a leaf that requires grad before
+    torch's backward reads it; carries that did require grad are left as they are. Exact
+    (a gradient is only added where it was wrongly zero), and it applies whatever torch's
+    version, as no torch so far differentiates every carry itself."""
+
+    def backward_every_carry(ctx: Any, *grads: Any) -> Any:
+        carries = getattr(ctx, "carries", None)
+        if carries is not None:
+            ctx.carries = tuple(
+                c.detach().requires_grad_()
+                if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex()) and not c.requires_grad
+                else c
+                for c in carries
+            )
+        return backward(ctx, *grads)
+
+    return backward_every_carry
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
