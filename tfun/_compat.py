@@ -11,14 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
-import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -279,14 +278,7 @@ def _densify_scan_backward(scan_mod: Any) -> None:
     backward = getattr(fn, "backward", None)
     if backward is None:  # pragma: no cover - neither 2.11's nor 2.13's layout
         return
-
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
-        return backward(ctx, *grads)
-
-    fn.backward = staticmethod(dense_backward)
+    fn.backward = staticmethod(_dense_grads(backward))
     _SCAN_BACKWARD_DENSE = True
 
 
@@ -505,7 +497,52 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-_WHILE_AUTOGRAD_PATCHED = False
+_PATCHED: set[str] = set()
+
+
+def _dense_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`backward` (an autograd Function's) called with its incoming gradients cloned into
+    contiguous tensors (a view such as the stride-0 gradient of `out.sum()` becomes dense)."""
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    return dense_backward
+
+
+def _wrap_backward_once(
+    module: str,
+    class_name: str,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    fixed: Callable[[Callable[..., Any]], bool],
+) -> bool:
+    """Replace `module.class_name.backward` (a HOP's autograd Function) by `wrap(backward)`,
+    once per process, unless that class is missing (a torch whose HOP moved: nothing to patch)
+    or `fixed(backward)` says this torch already does what the wrapper would. Returns whether
+    it wrapped (False on every later call)."""
+    key = f"{module}.{class_name}.backward:{getattr(wrap, '__name__', wrap)}"
+    if key in _PATCHED:
+        return False
+    _PATCHED.add(key)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - a torch whose HOP moved: nothing to patch
+        return False
+    cls = getattr(mod, class_name, None)
+    backward = getattr(cls, "backward", None)
+    if backward is None or fixed(backward):
+        return False
+    cls.backward = staticmethod(wrap(backward))
+    return True
+
+
+def _names_contiguous(backward: Callable[..., Any]) -> bool:
+    """Whether a backward's code (or code nested in it) makes tensors contiguous itself."""
+    code = getattr(backward, "__code__", None)
+    return code is not None and bool({"contiguous", "contiguous_format"} & _code_names(code))
 
 
 def while_loop_autograd_fixes() -> None:
@@ -520,32 +557,44 @@ def while_loop_autograd_fixes() -> None:
     gradients into contiguous tensors first; where it does not (its code never names
     `contiguous_format`: torch 2.11), it is wrapped by one that does. Idempotent.
     """
-    global _WHILE_AUTOGRAD_PATCHED
-    if _WHILE_AUTOGRAD_PATCHED:
-        return
-    _WHILE_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.while_loop")
-    except ImportError:  # pragma: no cover - a torch whose while_loop moved: nothing to patch
-        return
-    fn = getattr(mod, "WhileLoopAutogradOp", None)
-    backward = getattr(fn, "backward", None)
-    if backward is None or "contiguous_format" in _code_names(backward.__code__):
-        return
+    _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_grads, _names_contiguous)
+    _wrap_backward_once(
+        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _differentiate_every_carry, lambda backward: False
+    )
 
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
+
+def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` that differentiates each step through every floating carry.
+
+    torch's while_loop backward (2.11 through 2.14, and so on every torch tfun supports) is a
+    reverse while_loop whose step is the body's joint graph, built with each carry requiring
+    grad only if the loop's *initial* carry did (`fw_carry.requires_grad_(carry.requires_grad)`);
+    for a carry that does not, the step's gradient through it is a zero. But a carry that
+    starts constant becomes a function of the parameters after one step (`c = tanh(c @ W)`
+    from a zero or data `c`, the usual recurrent state): the gradient reaching earlier steps
+    was cut, and the parameters' gradient silently wrong (measured: an error as large as the
+    gradient, with `torch.compile` of torch's own while_loop and under `tfun.jit`). The
+    wrapper makes every floating carry of the saved forward a leaf that requires grad before
+    torch's backward reads it; carries that did require grad are left as they are. Exact
+    (a gradient is only added where it was wrongly zero), and it applies whatever torch's
+    version, as no torch so far differentiates every carry itself."""
+
+    def backward_every_carry(ctx: Any, *grads: Any) -> Any:
+        carries = getattr(ctx, "carries", None)
+        if carries is not None:
+            ctx.carries = tuple(
+                c.detach().requires_grad_()
+                if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex()) and not c.requires_grad
+                else c
+                for c in carries
+            )
         return backward(ctx, *grads)
 
-    fn.backward = staticmethod(dense_backward)
+    return backward_every_carry
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-_COND_AUTOGRAD_PATCHED = False
 
 
 def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -559,31 +608,8 @@ def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     return dense
 
 
-def cond_autograd_fixes() -> None:
-    """Make torch.cond's backward branches return dense (contiguous) gradients.
-
-    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
-    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
-    merges the two branches' outputs into one and asserts that their strides agree. Where one
-    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
-    the other's a dense tensor (or a zero), torch 2.13 fails to compile ("AssertionError:
-    expected b_val == 0 when a_val == 0", `_merge_output` in torch/_higher_order_ops/cond.py).
-    `CondAutogradOp.backward` is wrapped by one that makes every gradient the branches return
-    contiguous first (a no-op for those already dense). Idempotent; Dynamo runs it as plain
-    Python under tfun.jit.
-    """
-    global _COND_AUTOGRAD_PATCHED
-    if _COND_AUTOGRAD_PATCHED:
-        return
-    _COND_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.cond")
-    except ImportError:  # pragma: no cover - a torch whose cond moved: nothing to patch
-        return
-    op = getattr(mod, "CondAutogradOp", None)
-    backward = getattr(op, "backward", None)
-    if backward is None:  # pragma: no cover
-        return
+def _dense_branch_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`CondAutogradOp.backward` whose two backward branches return contiguous gradients."""
 
     def dense_backward(ctx: Any, *grads: Any) -> Any:
         for name in ("_true_bw_fn", "_false_bw_fn"):
@@ -592,7 +618,25 @@ def cond_autograd_fixes() -> None:
                 setattr(ctx, name, _dense_outputs(fn))
         return backward(ctx, *grads)
 
-    op.backward = staticmethod(dense_backward)
+    return dense_backward
+
+
+def cond_autograd_fixes() -> None:
+    """Make torch.cond's backward branches return dense (contiguous) gradients.
+
+    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
+    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
+    merges the two branches' outputs into one and asserts that their strides agree. Where one
+    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
+    the other's a dense tensor (or a zero), torch 2.11 through 2.14 fail to compile
+    ("AssertionError: expected b_val == 0 when a_val == 0", `_merge_output` in
+    torch/_higher_order_ops/cond.py). Where `CondAutogradOp.backward` does not make the
+    gradients contiguous itself (its code never names `contiguous`: every torch tfun supports
+    so far), it is wrapped by one that makes every gradient the branches return contiguous
+    first (a no-op for those already dense). Idempotent; Dynamo runs it as plain Python under
+    tfun.jit.
+    """
+    _wrap_backward_once("torch._higher_order_ops.cond", "CondAutogradOp", _dense_branch_grads, _names_contiguous)
 
 
 cond_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -690,24 +734,3 @@ def dynamo_inspects_wrapped_functions() -> bool:
     return wrapper is None or base is None or issubclass(wrapper, base)
 
 
-_CODE_NAMES = itertools.count()
-
-
-def dynamo_code_name(name: str) -> str:
-    """The name to give a new code object of `tfun.jit`'s frame (`tfun_jit_call`), so that
-    each `tfun.jit` function has Dynamo's "automatic dynamic" state to itself.
-
-    Dynamo keeps that state (which sizes it has seen change, and so compiles symbolic) per
-    `pgo.CodeId`. torch 2.13's `CodeId` holds a hash of the frame's closure, which holds the
-    user's function, so two `tfun.jit` functions keep separate state. torch 2.11's holds only
-    (file, line, name), the same for every `tfun.jit` function: the shapes one of them was
-    called with made another's first compile symbolic (even across ranks), and what ran
-    earlier in the process decided whether a tfun error in traced code could be worded (a
-    symbolic size cannot be passed to an escape hatch). Where `CodeId` has no closure hash,
-    each call returns a name of its own; elsewhere `name`, as it is.
-    """
-    pgo = importlib.import_module("torch._dynamo.pgo")
-    fields = getattr(getattr(pgo, "CodeId", None), "__dataclass_fields__", None)
-    if fields is None or "closure_hash" in fields:
-        return name
-    return f"{name}{next(_CODE_NAMES)}"
