@@ -209,6 +209,15 @@ def scan_autograd_fixes() -> None:
        `requires_grad` on for such `init` tensors while it partitions the body (and off
        again); where `scan_autograd` does not (its code calls no `requires_grad_`), scan's
        autograd kernel is replaced by one that does.
+
+    And one speed fix, which no torch release has (2.11 - 2.13 at least):
+
+    3. The partitioner saves, as a per-step intermediate, a transposed copy of a tensor the
+       body closes over (`W.t()` for the gradient of `h @ W`): scan's forward writes a
+       `(length, *W.shape)` stack of identical copies, the backward flips (copies) it and
+       reads it, which made `tfun.jit` of an RNN's gradient slower than eager (see
+       `_add_invariant_rematerialization`). Such intermediates are recomputed in the
+       backward step from the tensor itself, which the backward then reads in place.
     """
     global _SCAN_AUTOGRAD_PATCHED
     if _SCAN_AUTOGRAD_PATCHED:
@@ -230,6 +239,8 @@ def scan_autograd_fixes() -> None:
     if autograd is not None and "requires_grad_" not in autograd.__code__.co_names:
         _replace_scan_autograd(scan_mod)
         _densify_scan_backward(scan_mod)
+    if impl is not None and hasattr(impl, "_optimize_forward_intermediates"):
+        _add_invariant_rematerialization(impl)
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
@@ -312,6 +323,117 @@ def _add_break_bw_aliasing(impl: Any) -> None:
         self._break_bw_input_output_aliasing()
 
     impl._break_bw_input_output_aliasing = _break_bw_input_output_aliasing
+    impl._optimize_forward_intermediates = _optimize_forward_intermediates
+
+
+#: Ops that the backward step may recompute from a scan input for free, or nearly: views
+#: (as traced, and as functionalized into `*_copy` ops), layout copies, and tensors that
+#: depend on their input's shape only.
+_REMAT_OPS = frozenset(
+    name
+    for name in (
+        "t.default", "t_copy.default", "permute.default", "permute_copy.default", "transpose.int",
+        "transpose_copy.int", "view.default", "view_copy.default", "_unsafe_view.default",
+        "expand.default", "expand_copy.default", "unsqueeze.default", "unsqueeze_copy.default",
+        "squeeze.dim", "squeeze_copy.dim", "alias.default", "alias_copy.default", "detach.default",
+        "detach_copy.default", "clone.default", "zeros_like.default", "ones_like.default",
+    )
+)
+#: Consumers that take any strides, so a trailing layout `clone` in front of them is not recomputed.
+_STRIDED_OK = frozenset(("mm.default", "addmm.default", "bmm.default", "baddbmm.default"))
+
+
+def _aten_name(node: torch.fx.Node) -> str | None:
+    """`"t_copy.default"` for a call of `torch.ops.aten.t_copy.default`, else None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "aten":
+        return None
+    return f"{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
+
+
+def _recomputable_chain(node: torch.fx.Node, sources: set[torch.fx.Node]) -> tuple[Any, list[torch.fx.Node]]:
+    """(`src`, ops) when `node` is `src` (a placeholder in `sources`) through a chain of
+    `_REMAT_OPS` whose only tensor argument is the previous link; else (None, [])."""
+    chain: list[torch.fx.Node] = []
+    while _aten_name(node) in _REMAT_OPS:
+        nodes: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), nodes.append)
+        if len(nodes) != 1 or not node.args or node.args[0] is not nodes[0]:
+            return None, []
+        chain.append(node)
+        node = nodes[0]
+    if not chain or node not in sources:
+        return None, []
+    return node, chain[::-1]
+
+
+def _rematerialize_invariants(impl_self: Any) -> None:
+    """Fix 3 of `scan_autograd_fixes`, on one `ScanAutogradImpl` before it sorts its forward
+    intermediates.
+
+    Its forward graph `fw_gm` takes (*init, *x_t, *additional_inputs) and returns the body's
+    outputs followed by the intermediates its backward graph `bw_gm` takes first. An
+    intermediate that is a view-like chain (`_REMAT_OPS`) of one xs or additional-input
+    placeholder is replaced by that placeholder, and the chain is rebuilt in `bw_gm` on the
+    input it now receives. torch's scan then saves the placeholder as it is (the policies
+    REMOVE_XS / REMOVE_ADDITIONAL_INPUTS: no per-step stack, no flip) instead of stacking a
+    copy per step. The values `bw_gm` computes are the same ops on the same values: gradients
+    are unchanged. A trailing layout `clone` whose every consumer is a matmul is not rebuilt
+    (the matmul reads the strided view, as the eager backward does). Carry placeholders are left
+    alone: a carry changes every step, so torch stacks it anyway.
+    """
+    graph = impl_self.hop_partitioned_graph
+    fw_gm, bw_gm, n_out = graph.fw_gm, graph.bw_gm, graph.n_fw_outputs
+    phs = list(fw_gm.graph.find_nodes(op="placeholder"))
+    n_init = len(impl_self.init)
+    sources = set(phs[n_init:])  # the step's xs slices and the additional inputs
+    out_node = next(iter(fw_gm.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    bw_phs = list(bw_gm.graph.find_nodes(op="placeholder"))
+    changed = False
+    for i in range(n_out, len(outs)):
+        if not isinstance(outs[i], torch.fx.Node):
+            continue
+        src, chain = _recomputable_chain(outs[i], sources)
+        if src is None:
+            continue
+        ph = bw_phs[i - n_out]
+        users = list(ph.users)
+        if all(_aten_name(u) in _STRIDED_OK for u in users):
+            while chain and _aten_name(chain[-1]) == "clone.default":
+                chain.pop()
+        value, at = ph, ph
+        for op in chain:
+            with bw_gm.graph.inserting_after(at):
+                value = bw_gm.graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs))
+            value.meta = dict(op.meta)
+            at = value
+        for user in users:
+            user.replace_input_with(ph, value)
+        ph.meta = dict(ph.meta)
+        ph.meta["val"] = src.meta.get("val")
+        outs[i] = src
+        changed = True
+    if changed:
+        out_node.args = (tuple(outs),)
+        fw_gm.graph.eliminate_dead_code()
+        fw_gm.graph.lint()
+        fw_gm.recompile()
+        bw_gm.graph.lint()
+        bw_gm.recompile()
+
+
+def _add_invariant_rematerialization(impl: Any) -> None:
+    """Install fix 3 of `scan_autograd_fixes` (`_rematerialize_invariants`) in front of
+    `ScanAutogradImpl._optimize_forward_intermediates`."""
+    optimize = impl._optimize_forward_intermediates
+
+    def _optimize_forward_intermediates(self: Any) -> None:
+        _rematerialize_invariants(self)
+        optimize(self)
+
     impl._optimize_forward_intermediates = _optimize_forward_intermediates
 
 
