@@ -214,9 +214,15 @@ def test_cond_pred_must_be_scalar():
     assert str(e.value).splitlines()[0] == "tfun.lax.cond: pred must be a scalar (shape ()), but it is bool[2] on cpu."
 
 
-def test_cond_pred_float_rejected():
-    with pytest.raises(ArgumentTypeError, match="pred must be a boolean or integer scalar"):
-        lax.cond(torch.tensor(1.0), lambda: 0, lambda: 1)
+def test_cond_pred_complex_or_non_numeric_rejected():
+    # JAX accepts bool and real numbers (`pred != 0`) and refuses the rest.
+    with pytest.raises(ArgumentTypeError) as e:
+        lax.cond(torch.tensor(1.0 + 0j), lambda: 0, lambda: 1)
+    assert str(e.value).splitlines()[0].startswith("tfun.lax.cond: pred must be a boolean or a real number")
+    assert "complex64[] on cpu" in str(e.value)
+    for bad in (1j, "yes", None):
+        with pytest.raises(ArgumentTypeError, match="tfun.lax.cond: pred must be a boolean or a real number"):
+            lax.cond(bad, lambda: 0, lambda: 1)
 
 
 def test_while_cond_fun_must_return_bool_scalar():

@@ -1030,7 +1030,6 @@ class TestLaxControlFlow:
 
         tfun.vmap(g)(random.split(random.PRNGKey(0), 3), torch.ones((3, 4)))  # doesn't crash
 
-    @skip("float-pred")
     def testIssue1379FloatPred(self):
         """The float-predicate half of JAX's testIssue1379: `cond(0.0, ...)`."""
 

@@ -42,10 +42,20 @@ BRANCHES = [br_a, br_b, br_c, br_d]
 # ----------------------------------------------------------------------------------------
 
 
+# Float predicates exactly representable in every floating dtype (so rounding cannot change
+# the truth value), with both zeros, NaN and infinity.
+FLOAT_PREDS = [0.0, -0.0, 0.5, -2.0, 2.0**-10, float("nan"), float("inf"), float("-inf")]
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
 def preds() -> st.SearchStrategy[tuple[Any, bool]]:
-    """(pred, its truth value): Python bools and ints, bool and integer 0-d tensors."""
+    """(pred, its truth value): Python bools, ints and floats, bool, integer and floating 0-d
+    tensors. A number's truth value is Python's `pred != 0` (NaN is true), as in JAX."""
     ints = st.integers(-3, 3)
+    floats = st.sampled_from(FLOAT_PREDS)
     return st.one_of(
+        floats.map(lambda v: (v, v != 0)),
+        st.tuples(floats, st.sampled_from(FLOAT_DTYPES)).map(lambda t: (torch.tensor(t[0], dtype=t[1]), t[0] != 0)),
         st.booleans().map(lambda b: (b, b)),
         st.booleans().map(lambda b: (torch.tensor(b), b)),
         ints.map(lambda i: (i, i != 0)),
@@ -235,7 +245,7 @@ def _jx_branches(lib: Any) -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize("pred", [True, False, 0, 3, -2])
+@pytest.mark.parametrize("pred", [True, False, 0, 3, -2, 0.0, -0.0, 0.25, -3.5, float("nan"), float("inf")])
 def test_cond_matches_jax(jax, pred):
     jnp = jax.numpy
     x = np.linspace(-1, 1, 4)
@@ -357,3 +367,88 @@ def test_gradient_broadcast_in_one_branch_only_under_jit(op, how):
             got = tfun.jit(tfun.grad(f, argnums=(0, 1)), backend="aot_eager")(x, w)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------
+# Float predicates: `pred != 0`, as in JAX, on every path
+# ----------------------------------------------------------------------------------------
+
+
+def _float_pred_branches():
+    return (lambda x: torch.sin(x) * 2, lambda x: x * x - 1)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("value", FLOAT_PREDS)
+def test_float_pred_is_pred_ne_zero_eager_and_under_jit(dtype, value):
+    tb, fb = _float_pred_branches()
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64)
+    want = tb(x) if value != 0 else fb(x)  # the oracle: Python's `if pred != 0` in float64
+    p = torch.tensor(value, dtype=dtype)
+    torch.testing.assert_close(lax.cond(p, tb, fb, x), want, rtol=0, atol=0)
+    f = tfun.jit(lambda p, x: lax.cond(p, tb, fb, x), backend="aot_eager")
+    torch.testing.assert_close(f(p, x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_float_pred_under_jit_backends(backend):
+    tb, fb = _float_pred_branches()
+    f = tfun.jit(lambda p, x: lax.cond(p, tb, fb, x), backend=backend)
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64)
+    for value in (0.0, -0.0, 1.5, float("nan")):
+        want = tb(x) if value != 0 else fb(x)
+        torch.testing.assert_close(f(torch.tensor(value, dtype=torch.float32), x), want)
+
+
+def test_float_pred_batched_under_vmap_matches_jax(jax):
+    jnp = jax.numpy
+    ps = np.array([0.0, -0.0, 0.5, float("nan"), -1.0, float("inf")])
+    x = np.linspace(-1, 1, 6)
+    tb, fb = _float_pred_branches()
+    ours = tfun.vmap(lambda p, x: lax.cond(p, tb, fb, x))(torch.from_numpy(ps), torch.from_numpy(x))
+    theirs = jax.vmap(lambda p, x: jax.lax.cond(p, jnp.sin(x) * 2, lambda v: v, x * x - 1, lambda v: v))(ps, x)
+    assert_matches_jax(ours, theirs)
+    want = torch.from_numpy(np.where(ps != 0, np.sin(x) * 2, x * x - 1))
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("how", ["eager", "vmap", "jit"])
+def test_float_pred_gets_no_gradient_and_operands_do(how):
+    """tfun.grad through the operands of a cond with a float pred; a pred that requires grad
+    (or is differentiated) changes nothing and gets a zero gradient, as in JAX."""
+
+    def loss(p, x):
+        return lax.cond(p, lambda v: (v * v).sum(), lambda v: torch.sin(v).sum(), x)
+
+    x = torch.tensor([0.3, -0.7], dtype=torch.float64)
+    g = tfun.grad(loss, argnums=(0, 1))
+    if how == "vmap":
+        g = tfun.vmap(g)
+        ps, xs = torch.tensor([0.0, 2.5], dtype=torch.float64), torch.stack([x, x])
+        gp, gx = g(ps, xs)
+        assert gp.tolist() == [0.0, 0.0]
+        torch.testing.assert_close(gx, torch.stack([torch.cos(x), 2 * x]))
+        return
+    if how == "jit":
+        g = tfun.jit(g, backend="aot_eager")
+    for value, want in ((0.0, torch.cos(x)), (2.5, 2 * x), (float("nan"), 2 * x)):
+        gp, gx = g(torch.tensor(value, dtype=torch.float64), x)
+        assert gp.item() == 0.0
+        torch.testing.assert_close(gx, want)
+    # A pred that requires grad: the output's graph runs through the operands only.
+    p = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    xr = x.clone().requires_grad_()
+    out = (tfun.jit(loss, backend="aot_eager") if how == "jit" else loss)(p, xr)
+    out.backward()
+    assert p.grad is None
+    torch.testing.assert_close(xr.grad, 2 * x)
+
+
+@pytest.mark.parametrize("index", [torch.tensor(0.5), torch.tensor(1.0), 1.0, torch.tensor(True)])
+def test_switch_index_must_be_an_integer_as_in_jax(jax, index):
+    # JAX: "Index type must be an integer"; cond's float pred does not extend to switch.
+    with pytest.raises(tfun.errors.ArgumentTypeError, match=r"tfun\.lax\.switch: index must be an integer scalar"):
+        lax.switch(index, [lambda: 0, lambda: 1])
+    jindex = jax.numpy.asarray(index.numpy()) if isinstance(index, torch.Tensor) else index
+    with pytest.raises(TypeError, match="Index type must be an integer"):
+        jax.lax.switch(jindex, [lambda: 0, lambda: 1])

@@ -147,9 +147,12 @@ def _run_branch(
 
 
 def _as_pred(op: str, pred: Any) -> Any:
-    """JAX's `cond` predicate: a scalar bool, or a scalar number (nonzero is true)."""
-    if isinstance(pred, (bool, int)):
-        return bool(pred)
+    """JAX's `cond` predicate: a scalar bool, or a real scalar number meaning `pred != 0`
+    (so NaN is true), exactly as JAX converts it; a complex or non-numeric pred is refused."""
+    if isinstance(pred, bool):
+        return pred
+    if isinstance(pred, (int, float)):
+        return pred != 0
     if isinstance(pred, torch.Tensor):
         if pred.dim() != 0:
             raise ArgumentTypeError(
@@ -161,15 +164,23 @@ def _as_pred(op: str, pred: Any) -> Any:
             )
         if pred.dtype == torch.bool:
             return pred
-        if pred.is_complex() or pred.is_floating_point():
+        if pred.is_complex():
             raise ArgumentTypeError(
-                f"{op}: pred must be a boolean or integer scalar, but it is {_rules.describe_leaf(pred)}.\n"
-                "Compare it explicitly, e.g. `x > 0`."
+                format_message(
+                    f"{op}: pred must be a boolean or a real number (JAX: \"Pred type must be either boolean or "
+                    f"number\"), but it is {_rules.describe_leaf(pred)}.",
+                    revise="Compare it explicitly, e.g. `x != 0` or `x.real > 0`.",
+                )
             )
+        # A number means `pred != 0`, as in JAX. The comparison has no derivative, so a
+        # pred that requires grad contributes none.
         return pred != 0
     raise ArgumentTypeError(
-        f"{op}: pred must be a boolean scalar (a bool tensor of shape () or a Python bool), "
-        f"but got {_rules.describe_leaf(pred)}."
+        format_message(
+            f"{op}: pred must be a boolean or a real number (JAX: \"Pred type must be either boolean or number\"): "
+            f"a Python bool, int or float, or a tensor of shape (), but got {_rules.describe_leaf(pred)}.",
+            revise="Pass a bool tensor of shape (), e.g. `x > 0`.",
+        )
     )
 
 
@@ -198,8 +209,9 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
 
     **Arguments:**
 
-    - `pred`: a boolean scalar: a Python bool, or a tensor of shape `()` of dtype bool or an
-      integer dtype (nonzero is true, as in JAX).
+    - `pred`: a scalar: a Python bool, int or float, or a tensor of shape `()` of dtype
+      bool, an integer or a floating dtype. A number means `pred != 0`, as in JAX (so NaN
+      is true); it gets no derivative. Complex preds are refused, as in JAX.
     - `true_fun`, `false_fun`: functions of `*operands` with matching outputs.
     - `*operands`: pytrees passed to the branch (Python scalars become 0-d tensors).
     - `operand`: the deprecated single-operand keyword form of JAX, accepted for porting.
