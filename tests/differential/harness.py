@@ -164,7 +164,7 @@ def _forward_then_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -
     weights = _weights(_cpu64(outs))
     wrt = [a for a in args if a.requires_grad]
     grads = dict(zip(map(id, wrt), torch.autograd.grad(_loss(outs, weights), wrt, allow_unused=True)))
-    return Result(_cpu64(outs), _cpu64([grads.get(id(a)) if grads.get(id(a)) is not None else torch.zeros_like(a) for a in args]))
+    return Result(_cpu64(outs), _cpu64([g if (g := grads.get(id(a))) is not None else torch.zeros_like(a) for a in args]))
 
 
 def _jit_value_and_grad(
