@@ -291,11 +291,12 @@ def test_checkpoint_forward_over_forward():
     assert torch.allclose(tfun.jacfwd(tfun.grad(f))(x), -torch.sin(x))
 
 
-def test_jit_function_called_inside_an_eager_checkpoint():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_function_called_inside_an_eager_checkpoint(backend):
     # the checkpoint's op-numbering mode must see the jitted function's ops: it runs eagerly
     # there (torch 2.11's Dynamo failed its own guard on the mode's counter); gradients equal
     # those of the plain function, on the first call and the cached ones
-    mul = tfun.jit(lambda a, b: a * torch.sin(b), backend="aot_eager")
+    mul = tfun.jit(lambda a, b: a * torch.sin(b), backend=backend)
 
     def f(w, x):
         a = mul(w, x)

@@ -43,22 +43,11 @@ def test_same_treedef_under_dynamo_answers_as_eq_does():
     assert table(torch.ones(1)) == expected
 
 
-def test_dynamo_code_name_is_the_name_where_dynamo_keys_by_closure():
-    import torch._dynamo.pgo as pgo
-
-    name = _compat.dynamo_code_name("tfun_jit_call")
-    if "closure_hash" in pgo.CodeId.__dataclass_fields__:
-        assert name == "tfun_jit_call"
-    else:
-        assert name.startswith("tfun_jit_call") and name != "tfun_jit_call"
-        assert _compat.dynamo_code_name("tfun_jit_call") != name
-
-
 def test_one_jit_functions_shapes_do_not_make_anothers_sizes_symbolic():
     # torch 2.11 kept Dynamo's automatic-dynamic state per (file, line, name) of tfun.jit's
     # frame, shared by every tfun.jit function: after `a` saw (3,), `b`'s first compile at (2,)
     # had symbolic sizes and its carry mismatch failed to compile instead of raising tfun's
-    # error (see `_compat.dynamo_code_name`)
+    # error (see `Jitted._runner`)
     import tfun
     from tfun import lax
     from tfun.errors import StructureMismatchError
@@ -72,6 +61,45 @@ def test_one_jit_functions_shapes_do_not_make_anothers_sizes_symbolic():
     tfun.jit(a, backend="eager")(torch.ones(3))
     with pytest.raises(StructureMismatchError, match=r"carry: input is a leaf, output is a tuple of 2"):
         tfun.jit(b, backend="eager")(torch.ones(2))
+
+
+@pytest.mark.parametrize("make", ["grad", "checkpoint", "module", "same_code"])
+def test_jit_functions_of_one_code_object_keep_their_own_dynamic_state(make):
+    """Two tfun.jit functions whose wrapped callables share a code object (two `tfun.grad` or
+    `tfun.checkpoint` results, two modules, two closures of one `def`): after the first ran at
+    one shape, the second's first compile at another shape has static sizes. torch 2.13's
+    Dynamo keys its automatic-dynamic state by a hash of the closure's code objects only, so
+    before each tfun.jit frame got a name of its own the second compile was symbolic (and on
+    torch 2.12 a checkpointed dropout then failed to compile in Inductor)."""
+    import tfun
+
+    def scale(k):
+        return lambda x: (torch.sin(x) * k).sum()
+
+    if make == "grad":
+        f1, f2 = tfun.grad(scale(2.0)), tfun.grad(scale(3.0))
+    elif make == "checkpoint":
+        f1, f2 = tfun.checkpoint(scale(2.0)), tfun.checkpoint(scale(3.0))
+    elif make == "module":
+        f1, f2 = torch.nn.Linear(3, 2).double(), torch.nn.Linear(4, 2).double()
+    else:
+        f1, f2 = scale(2.0), scale(3.0)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    x1 = torch.randn(5, 3, dtype=torch.float64)
+    x2 = torch.randn(7, 4, dtype=torch.float64)
+    tfun.jit(f1, backend=backend)(x1)
+    tfun.jit(f2, backend=backend)(x2)
+    assert len(graphs) == 2
+    for value in graphs[1]:
+        if isinstance(value, torch.Tensor):
+            assert all(isinstance(s, int) for s in value.shape), f"symbolic sizes in the second compile: {value.shape}"
+        else:
+            assert not isinstance(value, torch.SymInt), "a symbolic size in the second compile"
 
 
 def test_cond_autograd_fixes_is_idempotent_and_keeps_values():
@@ -89,3 +117,46 @@ def test_cond_autograd_fixes_is_idempotent_and_keeps_values():
     gx, gw = torch.autograd.grad((y * torch.tensor([1.0, 2.0], dtype=y.dtype)).sum(), (x, w))
     torch.testing.assert_close(gx, torch.tensor([5.0, 10.0], dtype=torch.float64))
     torch.testing.assert_close(gw, torch.full((2,), 0.5 * 1 + -1.0 * 2, dtype=torch.float64))
+
+
+def test_wrap_backward_once_wraps_once_and_only_where_torch_lacks_the_fix(monkeypatch):
+    """`_wrap_backward_once`, which installs the while_loop and cond backward fixes: it wraps
+    a HOP's backward once per process, and not at all where `fixed` says torch already does
+    the work (the feature detection) or where the class is missing."""
+    import types
+
+    class Op:
+        @staticmethod
+        def backward(ctx, *grads):
+            return tuple(g.is_contiguous() for g in grads)
+
+    module = types.ModuleType("tfun_test_fake_hop")
+    module.Op = Op
+    monkeypatch.setitem(__import__("sys").modules, "tfun_test_fake_hop", module)
+    monkeypatch.setattr(_compat, "_PATCHED", set())
+    original = Op.backward
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: True)
+    assert Op.backward is original  # torch already has the fix: nothing is wrapped
+    monkeypatch.setattr(_compat, "_PATCHED", set())
+    assert _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: False)
+    wrapped = Op.backward
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Op", _compat._dense_grads, lambda b: False)
+    assert Op.backward is wrapped  # once
+    g = torch.ones(3).expand(2, 3)  # stride 0, as the gradient of `out.sum()`
+    assert Op.backward(None, g) == (True,)  # the wrapped backward sees dense gradients
+    assert original(None, g) == (False,)
+    assert not _compat._wrap_backward_once("tfun_test_fake_hop", "Missing", _compat._dense_grads, lambda b: False)
+
+
+def test_the_backward_fixes_detect_whether_torch_makes_gradients_contiguous():
+    """The detection `while_loop_autograd_fixes` and `cond_autograd_fixes` use: a backward whose
+    code names `contiguous`/`contiguous_format` already densifies and is left alone."""
+
+    def densifies(ctx, g):
+        return g.clone(memory_format=torch.contiguous_format)
+
+    def does_not(ctx, g):
+        return g
+
+    assert _compat._names_contiguous(densifies)
+    assert not _compat._names_contiguous(does_not)

@@ -427,6 +427,24 @@ def test_grad_allow_int_integer_leaves_get_integer_zeros():
     assert tfun.grad(lambda x, k: x * k, argnums=(0, 1), allow_int=True)(torch.tensor(2.0), 3)[1].item() == 0
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_grad_allow_int_under_jit_matches_eager(backend):
+    """`allow_int` through tfun.jit gives eager's gradients: floats against the float64
+    analytic oracle, integer zeros of each integer leaf's dtype."""
+
+    def f(x, n, p):
+        return (x**n).sum() * p["w"] + p["k"].sum()
+
+    x = torch.tensor([0.5, 1.5, -2.0], dtype=torch.float64)
+    n = torch.tensor(3)
+    p = {"w": torch.tensor(0.7, dtype=torch.float64), "k": torch.tensor([1, 2], dtype=torch.int32)}
+    gx, gn, gp = tfun.jit(tfun.grad(f, argnums=(0, 1, 2), allow_int=True), backend=backend)(x, n, p)
+    torch.testing.assert_close(gx, 3 * x**2 * 0.7)
+    torch.testing.assert_close(gp["w"], (x**3).sum())
+    assert gn.dtype == torch.int64 and gn.shape == () and gn.item() == 0
+    assert gp["k"].dtype == torch.int32 and torch.equal(gp["k"], torch.zeros(2, dtype=torch.int32))
+
+
 def test_grad_allow_int_off_and_bad_flag_are_tfun_errors():
     with pytest.raises(ArgumentTypeError, match="integer or boolean leaf"):
         tfun.grad(lambda x, n: x * n, argnums=(0, 1))(torch.tensor(2.0), torch.tensor(3))

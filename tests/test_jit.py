@@ -382,7 +382,8 @@ def test_jit_created_inside_traced_code_is_inlined():
     torch.testing.assert_close(g, g_ref)
 
 
-def test_jit_of_jit_of_a_custom_function_is_jit():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_of_jit_of_a_custom_function_is_jit(backend):
     # jit(jit(f)) compiles f once (the inner jit is the outer's function); torch 2.11's
     # Dynamo could not read the inner Jitted's attributes when f is a custom_jvp function
     @tfun.custom_jvp
@@ -391,15 +392,16 @@ def test_jit_of_jit_of_a_custom_function_is_jit():
 
     f.defjvp(lambda p, t: (f(p[0]), 3 * torch.cos(p[0]) * t[0]))  # not the true derivative
     x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
-    jj = tfun.jit(tfun.jit(f, backend="aot_eager"), backend="aot_eager")
+    jj = tfun.jit(tfun.jit(f, backend=backend), backend=backend)
     torch.testing.assert_close(jj(x), torch.sin(x), rtol=0, atol=0)
     torch.testing.assert_close(tfun.grad(lambda x: jj(x).sum())(x), 3 * torch.cos(x))
     # an inner jit with static arguments stays a jit of its own, inlined when traced
-    inner = tfun.jit(lambda x, n: x * n, static_argnums=1, backend="aot_eager")
-    torch.testing.assert_close(tfun.jit(lambda x: inner(x, 3), backend="aot_eager")(x), 3 * x)
+    inner = tfun.jit(lambda x, n: x * n, static_argnums=1, backend=backend)
+    torch.testing.assert_close(tfun.jit(lambda x: inner(x, 3), backend=backend)(x), 3 * x)
 
 
-def test_custom_vjp_defined_inside_jit():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_custom_vjp_defined_inside_jit(backend):
     # a custom function made in traced code (torch 2.11's Dynamo cannot trace the copy of
     # the function's __dict__ that functools.update_wrapper makes)
     def g(x):
@@ -411,5 +413,5 @@ def test_custom_vjp_defined_inside_jit():
         return f(x).sum()
 
     x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
-    torch.testing.assert_close(tfun.jit(g, backend="aot_eager")(x), torch.sin(x).sum())
-    torch.testing.assert_close(tfun.jit(tfun.grad(g), backend="aot_eager")(x), 2 * torch.cos(x))
+    torch.testing.assert_close(tfun.jit(g, backend=backend)(x), torch.sin(x).sum())
+    torch.testing.assert_close(tfun.jit(tfun.grad(g), backend=backend)(x), 2 * torch.cos(x))

@@ -11,14 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
-import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "dynamo_code_name", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -210,6 +209,15 @@ def scan_autograd_fixes() -> None:
        `requires_grad` on for such `init` tensors while it partitions the body (and off
        again); where `scan_autograd` does not (its code calls no `requires_grad_`), scan's
        autograd kernel is replaced by one that does.
+
+    And one speed fix, which no torch release has (2.11 - 2.13 at least):
+
+    3. The partitioner saves, as a per-step intermediate, a transposed copy of a tensor the
+       body closes over (`W.t()` for the gradient of `h @ W`): scan's forward writes a
+       `(length, *W.shape)` stack of identical copies, the backward flips (copies) it and
+       reads it, which made `tfun.jit` of an RNN's gradient slower than eager (see
+       `_add_invariant_rematerialization`). Such intermediates are recomputed in the
+       backward step from the tensor itself, which the backward then reads in place.
     """
     global _SCAN_AUTOGRAD_PATCHED
     if _SCAN_AUTOGRAD_PATCHED:
@@ -231,6 +239,8 @@ def scan_autograd_fixes() -> None:
     if autograd is not None and "requires_grad_" not in autograd.__code__.co_names:
         _replace_scan_autograd(scan_mod)
         _densify_scan_backward(scan_mod)
+    if impl is not None and hasattr(impl, "_optimize_forward_intermediates"):
+        _add_invariant_rematerialization(impl)
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
@@ -268,14 +278,7 @@ def _densify_scan_backward(scan_mod: Any) -> None:
     backward = getattr(fn, "backward", None)
     if backward is None:  # pragma: no cover - neither 2.11's nor 2.13's layout
         return
-
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
-        return backward(ctx, *grads)
-
-    fn.backward = staticmethod(dense_backward)
+    fn.backward = staticmethod(_dense_grads(backward))
     _SCAN_BACKWARD_DENSE = True
 
 
@@ -320,6 +323,117 @@ def _add_break_bw_aliasing(impl: Any) -> None:
         self._break_bw_input_output_aliasing()
 
     impl._break_bw_input_output_aliasing = _break_bw_input_output_aliasing
+    impl._optimize_forward_intermediates = _optimize_forward_intermediates
+
+
+#: Ops that the backward step may recompute from a scan input for free, or nearly: views
+#: (as traced, and as functionalized into `*_copy` ops), layout copies, and tensors that
+#: depend on their input's shape only.
+_REMAT_OPS = frozenset(
+    name
+    for name in (
+        "t.default", "t_copy.default", "permute.default", "permute_copy.default", "transpose.int",
+        "transpose_copy.int", "view.default", "view_copy.default", "_unsafe_view.default",
+        "expand.default", "expand_copy.default", "unsqueeze.default", "unsqueeze_copy.default",
+        "squeeze.dim", "squeeze_copy.dim", "alias.default", "alias_copy.default", "detach.default",
+        "detach_copy.default", "clone.default", "zeros_like.default", "ones_like.default",
+    )
+)
+#: Consumers that take any strides, so a trailing layout `clone` in front of them is not recomputed.
+_STRIDED_OK = frozenset(("mm.default", "addmm.default", "bmm.default", "baddbmm.default"))
+
+
+def _aten_name(node: torch.fx.Node) -> str | None:
+    """`"t_copy.default"` for a call of `torch.ops.aten.t_copy.default`, else None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "aten":
+        return None
+    return f"{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
+
+
+def _recomputable_chain(node: torch.fx.Node, sources: set[torch.fx.Node]) -> tuple[Any, list[torch.fx.Node]]:
+    """(`src`, ops) when `node` is `src` (a placeholder in `sources`) through a chain of
+    `_REMAT_OPS` whose only tensor argument is the previous link; else (None, [])."""
+    chain: list[torch.fx.Node] = []
+    while _aten_name(node) in _REMAT_OPS:
+        nodes: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), nodes.append)
+        if len(nodes) != 1 or not node.args or node.args[0] is not nodes[0]:
+            return None, []
+        chain.append(node)
+        node = nodes[0]
+    if not chain or node not in sources:
+        return None, []
+    return node, chain[::-1]
+
+
+def _rematerialize_invariants(impl_self: Any) -> None:
+    """Fix 3 of `scan_autograd_fixes`, on one `ScanAutogradImpl` before it sorts its forward
+    intermediates.
+
+    Its forward graph `fw_gm` takes (*init, *x_t, *additional_inputs) and returns the body's
+    outputs followed by the intermediates its backward graph `bw_gm` takes first. An
+    intermediate that is a view-like chain (`_REMAT_OPS`) of one xs or additional-input
+    placeholder is replaced by that placeholder, and the chain is rebuilt in `bw_gm` on the
+    input it now receives. torch's scan then saves the placeholder as it is (the policies
+    REMOVE_XS / REMOVE_ADDITIONAL_INPUTS: no per-step stack, no flip) instead of stacking a
+    copy per step. The values `bw_gm` computes are the same ops on the same values: gradients
+    are unchanged. A trailing layout `clone` whose every consumer is a matmul is not rebuilt
+    (the matmul reads the strided view, as the eager backward does). Carry placeholders are left
+    alone: a carry changes every step, so torch stacks it anyway.
+    """
+    graph = impl_self.hop_partitioned_graph
+    fw_gm, bw_gm, n_out = graph.fw_gm, graph.bw_gm, graph.n_fw_outputs
+    phs = list(fw_gm.graph.find_nodes(op="placeholder"))
+    n_init = len(impl_self.init)
+    sources = set(phs[n_init:])  # the step's xs slices and the additional inputs
+    out_node = next(iter(fw_gm.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    bw_phs = list(bw_gm.graph.find_nodes(op="placeholder"))
+    changed = False
+    for i in range(n_out, len(outs)):
+        if not isinstance(outs[i], torch.fx.Node):
+            continue
+        src, chain = _recomputable_chain(outs[i], sources)
+        if src is None:
+            continue
+        ph = bw_phs[i - n_out]
+        users = list(ph.users)
+        if all(_aten_name(u) in _STRIDED_OK for u in users):
+            while chain and _aten_name(chain[-1]) == "clone.default":
+                chain.pop()
+        value, at = ph, ph
+        for op in chain:
+            with bw_gm.graph.inserting_after(at):
+                value = bw_gm.graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs))
+            value.meta = dict(op.meta)
+            at = value
+        for user in users:
+            user.replace_input_with(ph, value)
+        ph.meta = dict(ph.meta)
+        ph.meta["val"] = src.meta.get("val")
+        outs[i] = src
+        changed = True
+    if changed:
+        out_node.args = (tuple(outs),)
+        fw_gm.graph.eliminate_dead_code()
+        fw_gm.graph.lint()
+        fw_gm.recompile()
+        bw_gm.graph.lint()
+        bw_gm.recompile()
+
+
+def _add_invariant_rematerialization(impl: Any) -> None:
+    """Install fix 3 of `scan_autograd_fixes` (`_rematerialize_invariants`) in front of
+    `ScanAutogradImpl._optimize_forward_intermediates`."""
+    optimize = impl._optimize_forward_intermediates
+
+    def _optimize_forward_intermediates(self: Any) -> None:
+        _rematerialize_invariants(self)
+        optimize(self)
+
     impl._optimize_forward_intermediates = _optimize_forward_intermediates
 
 
@@ -383,7 +497,52 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-_WHILE_AUTOGRAD_PATCHED = False
+_PATCHED: set[str] = set()
+
+
+def _dense_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`backward` (an autograd Function's) called with its incoming gradients cloned into
+    contiguous tensors (a view such as the stride-0 gradient of `out.sum()` becomes dense)."""
+
+    def dense_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    return dense_backward
+
+
+def _wrap_backward_once(
+    module: str,
+    class_name: str,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    fixed: Callable[[Callable[..., Any]], bool],
+) -> bool:
+    """Replace `module.class_name.backward` (a HOP's autograd Function) by `wrap(backward)`,
+    once per process, unless that class is missing (a torch whose HOP moved: nothing to patch)
+    or `fixed(backward)` says this torch already does what the wrapper would. Returns whether
+    it wrapped (False on every later call)."""
+    key = f"{module}.{class_name}.backward:{getattr(wrap, '__name__', wrap)}"
+    if key in _PATCHED:
+        return False
+    _PATCHED.add(key)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - a torch whose HOP moved: nothing to patch
+        return False
+    cls = getattr(mod, class_name, None)
+    backward = getattr(cls, "backward", None)
+    if backward is None or fixed(backward):
+        return False
+    cls.backward = staticmethod(wrap(backward))
+    return True
+
+
+def _names_contiguous(backward: Callable[..., Any]) -> bool:
+    """Whether a backward's code (or code nested in it) makes tensors contiguous itself."""
+    code = getattr(backward, "__code__", None)
+    return code is not None and bool({"contiguous", "contiguous_format"} & _code_names(code))
 
 
 def while_loop_autograd_fixes() -> None:
@@ -398,32 +557,44 @@ def while_loop_autograd_fixes() -> None:
     gradients into contiguous tensors first; where it does not (its code never names
     `contiguous_format`: torch 2.11), it is wrapped by one that does. Idempotent.
     """
-    global _WHILE_AUTOGRAD_PATCHED
-    if _WHILE_AUTOGRAD_PATCHED:
-        return
-    _WHILE_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.while_loop")
-    except ImportError:  # pragma: no cover - a torch whose while_loop moved: nothing to patch
-        return
-    fn = getattr(mod, "WhileLoopAutogradOp", None)
-    backward = getattr(fn, "backward", None)
-    if backward is None or "contiguous_format" in _code_names(backward.__code__):
-        return
+    _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_grads, _names_contiguous)
+    _wrap_backward_once(
+        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _differentiate_every_carry, lambda backward: False
+    )
 
-    def dense_backward(ctx: Any, *grads: Any) -> Any:
-        grads = tuple(
-            g.clone(memory_format=torch.contiguous_format) if isinstance(g, torch.Tensor) else g for g in grads
-        )
+
+def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` that differentiates each step through every floating carry.
+
+    torch's while_loop backward (2.11 through 2.14, and so on every torch tfun supports) is a
+    reverse while_loop whose step is the body's joint graph, built with each carry requiring
+    grad only if the loop's *initial* carry did (`fw_carry.requires_grad_(carry.requires_grad)`);
+    for a carry that does not, the step's gradient through it is a zero. But a carry that
+    starts constant becomes a function of the parameters after one step (`c = tanh(c @ W)`
+    from a zero or data `c`, the usual recurrent state): the gradient reaching earlier steps
+    was cut, and the parameters' gradient silently wrong (measured: an error as large as the
+    gradient, with `torch.compile` of torch's own while_loop and under `tfun.jit`). The
+    wrapper makes every floating carry of the saved forward a leaf that requires grad before
+    torch's backward reads it; carries that did require grad are left as they are. Exact
+    (a gradient is only added where it was wrongly zero), and it applies whatever torch's
+    version, as no torch so far differentiates every carry itself."""
+
+    def backward_every_carry(ctx: Any, *grads: Any) -> Any:
+        carries = getattr(ctx, "carries", None)
+        if carries is not None:
+            ctx.carries = tuple(
+                c.detach().requires_grad_()
+                if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex()) and not c.requires_grad
+                else c
+                for c in carries
+            )
         return backward(ctx, *grads)
 
-    fn.backward = staticmethod(dense_backward)
+    return backward_every_carry
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 while_loop_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-_COND_AUTOGRAD_PATCHED = False
 
 
 def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -437,31 +608,8 @@ def _dense_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     return dense
 
 
-def cond_autograd_fixes() -> None:
-    """Make torch.cond's backward branches return dense (contiguous) gradients.
-
-    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
-    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
-    merges the two branches' outputs into one and asserts that their strides agree. Where one
-    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
-    the other's a dense tensor (or a zero), torch 2.13 fails to compile ("AssertionError:
-    expected b_val == 0 when a_val == 0", `_merge_output` in torch/_higher_order_ops/cond.py).
-    `CondAutogradOp.backward` is wrapped by one that makes every gradient the branches return
-    contiguous first (a no-op for those already dense). Idempotent; Dynamo runs it as plain
-    Python under tfun.jit.
-    """
-    global _COND_AUTOGRAD_PATCHED
-    if _COND_AUTOGRAD_PATCHED:
-        return
-    _COND_AUTOGRAD_PATCHED = True
-    try:
-        mod = importlib.import_module("torch._higher_order_ops.cond")
-    except ImportError:  # pragma: no cover - a torch whose cond moved: nothing to patch
-        return
-    op = getattr(mod, "CondAutogradOp", None)
-    backward = getattr(op, "backward", None)
-    if backward is None:  # pragma: no cover
-        return
+def _dense_branch_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`CondAutogradOp.backward` whose two backward branches return contiguous gradients."""
 
     def dense_backward(ctx: Any, *grads: Any) -> Any:
         for name in ("_true_bw_fn", "_false_bw_fn"):
@@ -470,7 +618,25 @@ def cond_autograd_fixes() -> None:
                 setattr(ctx, name, _dense_outputs(fn))
         return backward(ctx, *grads)
 
-    op.backward = staticmethod(dense_backward)
+    return dense_backward
+
+
+def cond_autograd_fixes() -> None:
+    """Make torch.cond's backward branches return dense (contiguous) gradients.
+
+    The backward of `torch.cond` is a cond of the branches' backward functions, whose outputs
+    are the gradients of the operands (closed-over tensors included); its fake-tensor rule
+    merges the two branches' outputs into one and asserts that their strides agree. Where one
+    branch's gradient of an operand is a broadcast (stride 0: the gradient of `w.sum()`) and
+    the other's a dense tensor (or a zero), torch 2.11 through 2.14 fail to compile
+    ("AssertionError: expected b_val == 0 when a_val == 0", `_merge_output` in
+    torch/_higher_order_ops/cond.py). Where `CondAutogradOp.backward` does not make the
+    gradients contiguous itself (its code never names `contiguous`: every torch tfun supports
+    so far), it is wrapped by one that makes every gradient the branches return contiguous
+    first (a no-op for those already dense). Idempotent; Dynamo runs it as plain Python under
+    tfun.jit.
+    """
+    _wrap_backward_once("torch._higher_order_ops.cond", "CondAutogradOp", _dense_branch_grads, _names_contiguous)
 
 
 cond_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -568,24 +734,3 @@ def dynamo_inspects_wrapped_functions() -> bool:
     return wrapper is None or base is None or issubclass(wrapper, base)
 
 
-_CODE_NAMES = itertools.count()
-
-
-def dynamo_code_name(name: str) -> str:
-    """The name to give a new code object of `tfun.jit`'s frame (`tfun_jit_call`), so that
-    each `tfun.jit` function has Dynamo's "automatic dynamic" state to itself.
-
-    Dynamo keeps that state (which sizes it has seen change, and so compiles symbolic) per
-    `pgo.CodeId`. torch 2.13's `CodeId` holds a hash of the frame's closure, which holds the
-    user's function, so two `tfun.jit` functions keep separate state. torch 2.11's holds only
-    (file, line, name), the same for every `tfun.jit` function: the shapes one of them was
-    called with made another's first compile symbolic (even across ranks), and what ran
-    earlier in the process decided whether a tfun error in traced code could be worded (a
-    symbolic size cannot be passed to an escape hatch). Where `CodeId` has no closure hash,
-    each call returns a name of its own; elsewhere `name`, as it is.
-    """
-    pgo = importlib.import_module("torch._dynamo.pgo")
-    fields = getattr(getattr(pgo, "CodeId", None), "__dataclass_fields__", None)
-    if fields is None or "closure_hash" in fields:
-        return name
-    return f"{name}{next(_CODE_NAMES)}"

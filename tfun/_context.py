@@ -92,6 +92,9 @@ def in_op_recording_mode() -> bool:
     graph would run its ops past such a mode, and torch 2.11's Dynamo fails its own guard on
     the mode's counter ("Guard failed on the same frame it was created"): `tfun.jit` runs
     the function eagerly there. A mode says so with `tfun_records_ops = True`."""
+    depth = getattr(torch._C, "_len_torch_function_stack", None)
+    if depth is not None and depth() == 0:  # the common case, without building the stack's list
+        return False
     stack_of = getattr(torch.overrides, "_get_current_function_mode_stack", None)
     if stack_of is None:  # pragma: no cover - every supported torch has it
         return False

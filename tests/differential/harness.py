@@ -123,10 +123,11 @@ def run(
             return _vmapped(name, spec, dtype, torch.device(device), grad=path.endswith("+grad"), backend=backend)
         except TfunError as e:
             return Refused(e)
+    path, frozen = _frozen(path)
     fn, args = ALL_CASES[name](spec, dtype, torch.device(device))
     if rounded_to is not None:
         args = tuple(a.to(rounded_to).to(dtype) if a.is_floating_point() else a for a in args)
-    args = tuple(a.detach().requires_grad_() for a in args)
+    args = tuple(a.detach().requires_grad_(i not in frozen) for i, a in enumerate(args))
     try:
         if path == "eager":
             return _forward_then_grad(fn, args)
@@ -140,20 +141,39 @@ def run(
         if mode == "":
             return _forward_then_grad(tfun.jit(fn, backend=backend), args)
         if mode == "grad":
-            return _jit_value_and_grad(fn, args, backend)
+            return _jit_value_and_grad(fn, args, backend, frozen=frozen)
         raise ValueError(f"unknown path {path!r}")
     except TfunError as e:
         return Refused(e)
 
 
+def _frozen(path: str) -> tuple[str, frozenset[int]]:
+    """A path with the suffix `/frozen0` runs with the case's first argument not requiring grad
+    (an RNN's initial state, a batch of data): only the other arguments are differentiated,
+    and only their gradients are compared (see `compare`)."""
+    base, sep, suffix = path.partition("/")
+    if not sep:
+        return path, frozenset()
+    if suffix != "frozen0":
+        raise ValueError(f"unknown path suffix {suffix!r} in {path!r}")
+    return base, frozenset({0})
+
+
 def _forward_then_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> Result:
     outs = tree_leaves(fn(*args))
     weights = _weights(_cpu64(outs))
-    grads = torch.autograd.grad(_loss(outs, weights), args, allow_unused=True)
-    return Result(_cpu64(outs), _cpu64([torch.zeros_like(a) if g is None else g for a, g in zip(args, grads)]))
+    wrt = [a for a in args if a.requires_grad]
+    grads = dict(zip(map(id, wrt), torch.autograd.grad(_loss(outs, weights), wrt, allow_unused=True)))
+    return Result(_cpu64(outs), _cpu64([g if (g := grads.get(id(a))) is not None else torch.zeros_like(a) for a in args]))
 
 
-def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str, jit_inside: bool = False) -> Result:
+def _jit_value_and_grad(
+    fn: Callable[..., Any],
+    args: tuple[torch.Tensor, ...],
+    backend: str,
+    jit_inside: bool = False,
+    frozen: frozenset[int] = frozenset(),
+) -> Result:
     # the loss weights depend only on the output shapes: take them from an eager call
     with torch.no_grad():
         weights = _weights(_cpu64(tree_leaves(fn(*args))))
@@ -164,11 +184,13 @@ def _jit_value_and_grad(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], 
         outs = tree_leaves(inner(*xs))
         return _loss(outs, weights), outs
 
-    step = tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+    argnums = tuple(i for i in range(len(args)) if i not in frozen)
+    step = tfun.value_and_grad(loss, argnums=argnums, has_aux=True)
     if not jit_inside:
         step = tfun.jit(step, backend=backend)
     (_, outs), grads = step(*(a.detach() for a in args))
-    return Result(_cpu64(outs), _cpu64(grads))
+    by_arg = dict(zip(argnums, grads))
+    return Result(_cpu64(outs), _cpu64([by_arg.get(i, torch.zeros_like(a)) for i, a in enumerate(args)]))
 
 
 def _slice_specs(spec: Spec) -> list[Spec]:
@@ -268,11 +290,16 @@ def max_rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> 
 def compare(name: str, spec: Spec, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[float, float] | Refused:
     """(output error, gradient error) of a path against the float64 eager oracle on the CPU."""
     # the oracle runs the pure-torch algorithms (a spec's `impl` picks the path under test)
-    oracle = _oracle(name, spec, path, dtype)
+    _, frozen = _frozen(path)
+    oracle = _oracle(name, spec, path.partition("/")[0], dtype)
     got = run(name, spec, path, dtype, device)
     if isinstance(got, Refused):
         return got
-    return max_rel_error(got.outs, oracle.outs), max_rel_error(got.grads, oracle.grads)
+    # a frozen argument's gradient is not asked for: the others' must match the oracle's,
+    # which differentiates every argument (the same numbers, mathematically)
+    keep = [i for i in range(len(oracle.grads)) if i not in frozen]
+    got_grads = [got.grads[i] for i in keep] if len(got.grads) == len(oracle.grads) else got.grads
+    return max_rel_error(got.outs, oracle.outs), max_rel_error(got_grads, [oracle.grads[i] for i in keep])
 
 
 def assert_matches(name: str, spec: Spec, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:

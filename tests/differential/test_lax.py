@@ -70,7 +70,7 @@ def test_eager_bfloat16(name: str, data: st.DataObject) -> None:
 
 def _check_path(name: str, spec: dict, path: str) -> None:
     torch._dynamo.reset()  # each cell compiles from scratch, as a new program would
-    why = REFUSED.get((name, path))
+    why = REFUSED.get((name, path.partition("/")[0]))
     if why is None:
         harness.assert_matches(name, spec, path, torch.float32)
         return
@@ -100,6 +100,27 @@ def _xfail_known(name: str, path: str, spec_id: str) -> None:
 @pytest.mark.parametrize("name", ["scan", "scan_stacked", "cond", "while_loop", "map", "linear_scan"])
 def test_jit_inductor(name: str, path: str) -> None:
     _xfail_known(name, path, "")
+    _check_path(name, {"T": 5, "C": 2, "seed": 5, "reverse": True}, path)
+
+
+#: the cases with more than one argument (with one, freezing it leaves nothing to differentiate)
+SEVERAL_ARGS = sorted(n for n in CASES if len(CASES[n](JIT_SPECS[1], torch.float32, torch.device("cpu"))[1]) > 1)
+
+
+@pytest.mark.parametrize("path", ["aot_eager/frozen0", "aot_eager+grad/frozen0"])
+@pytest.mark.parametrize("name", SEVERAL_ARGS)
+def test_jit_with_an_input_that_does_not_require_grad(name: str, path: str) -> None:
+    """The case's first argument (a loop's initial carry, the data) does not require grad; the
+    others (closed-over parameters) do. torch's while_loop backward then dropped the gradient
+    through the carry chain (silently wrong parameter gradients); every argument requiring
+    grad, as the other cells run, cannot show it."""
+    _xfail_known(name, path, "T9")
+    _check_path(name, JIT_SPECS[1], path)
+
+
+@pytest.mark.parametrize("path", ["inductor/frozen0", "inductor+grad/frozen0"])
+@pytest.mark.parametrize("name", ["scan", "while_loop", "cond"])
+def test_jit_inductor_with_an_input_that_does_not_require_grad(name: str, path: str) -> None:
     _check_path(name, {"T": 5, "C": 2, "seed": 5, "reverse": True}, path)
 
 
