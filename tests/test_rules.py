@@ -665,8 +665,12 @@ def test_empty_fori_loop_checks_the_body():
     def body(i, v):
         return {"a": v["a"], "b": v["b"] * 1.5}
 
+    # a Python-scalar init is weakly typed, as in JAX: it takes the body's dtype, even when
+    # the loop runs zero times (JAX: {'a': 0, 'b': Array(1., dtype=float32)})
+    out = lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+    assert out["b"].dtype == torch.float32 and out["b"].item() == 1.0
     with pytest.raises(TensorMismatchError) as e:
-        lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+        lax.fori_loop(5, 2, body, {"a": 0, "b": torch.tensor(1)})
     lines = str(e.value).splitlines()
     assert lines[0] == (
         "tfun.lax.fori_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"

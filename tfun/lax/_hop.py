@@ -585,6 +585,7 @@ def promote_weak_init(
     args: tuple[Any, ...] = (),
     *,
     runs: bool = True,
+    rules: tuple[str, str, Callable[..., Any], tuple[Any, ...]] | None = None,
 ) -> list[Any]:
     """The flat carry `c_leaves` of a loop, with the leaves that were Python scalars in its
     `init` (`weak`, by flat index) converted to the dtype the body gives them, as JAX
@@ -595,7 +596,11 @@ def promote_weak_init(
     when the loop `runs` (the first step's inputs are real values); for a loop that runs
     zero times it is on fake tensors (nothing is computed on values the loop never sees),
     or, where fake tensors cannot follow the body (`.item()`), for real, as zero-length
-    loops find their outputs (`_scan.zero_length_outputs`)."""
+    loops find their outputs (`_scan.zero_length_outputs`).
+
+    `rules`, `(op, role, fn, fn_args)`: eagerly, that run is the first run of the user's
+    `fn` on `fn_args`, so it runs under the side-effect rules (`_rules.checked_call`): a
+    refused side effect is reported from it, before it could happen twice."""
     if not weak:
         return c_leaves
     from ._weak import WeakMode
@@ -608,15 +613,21 @@ def promote_weak_init(
         with WeakMode([leaves[i] for i in positions]):
             return new_carry(leaves, *flat[n:])
 
-    if runs or _context.is_tracing():
-        out = run(*c_leaves, *args)
-    else:
+    def probe() -> Any:
+        if runs or _context.is_tracing():
+            return run(*c_leaves, *args)
         try:
             out_leaves, out_def = _rules.abstract_eval(run, (*c_leaves, *args))
-            out = tree_unflatten(out_def, out_leaves)
+            return tree_unflatten(out_def, out_leaves)
         except _rules.AbstractEvalUnavailable:
             with torch.no_grad():
-                out = run(*c_leaves, *args)
+                return run(*c_leaves, *args)
+
+    if rules is None or _context.is_tracing():
+        out = probe()
+    else:
+        op, role, fn, fn_args = rules
+        out = _rules.checked_call(op, role, fn, fn_args, call=probe)
     return promote_weak(c_leaves, weak, out)
 
 

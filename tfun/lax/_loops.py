@@ -71,10 +71,17 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         # zero times)
         runs = True
         if not _context.is_tracing():
-            pred = cond_fun(tree_unflatten(treedef, leaves))
+            val0 = tree_unflatten(treedef, leaves)
+            pred = _rules.checked_call(op, "cond_fun", cond_fun, (val0,))
             _check_pred(op, cond_fun, pred)
             runs = _batching.is_batched(pred) or bool(pred)
-        leaves = _hop.promote_weak_init(leaves, weak, lambda ls: body_fun(tree_unflatten(treedef, ls)), runs=runs)
+        leaves = _hop.promote_weak_init(
+            leaves,
+            weak,
+            lambda ls: body_fun(tree_unflatten(treedef, ls)),
+            runs=runs,
+            rules=(op, "body_fun", body_fun, (tree_unflatten(treedef, leaves),)),
+        )
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
@@ -251,7 +258,12 @@ def fori_loop(
         runs = bool(tensors) or int(upper) > int(lower)
         i0 = torch.as_tensor(lower, dtype=dtype, device=device)
         leaves = _hop.promote_weak_init(
-            leaves, weak, lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)), (i0,), runs=runs
+            leaves,
+            weak,
+            lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)),
+            (i0,),
+            runs=runs,
+            rules=(op, "body_fun", body_fun, (i0, tree_unflatten(treedef, leaves))),
         )
     val: Any = tree_unflatten(treedef, leaves)
 

@@ -275,7 +275,10 @@ def scan(
             res = f(tree_unflatten(carry_def, leaves), x)
             return res[0] if isinstance(res, (tuple, list)) and len(res) == 2 else None
 
-        carry_leaves = _hop.promote_weak_init(carry_leaves, weak, new_carry, (x0,), runs=n > 0)
+        carry_leaves = _hop.promote_weak_init(
+            carry_leaves, weak, new_carry, (x0,), runs=n > 0,
+            rules=(op, "body function", f, (tree_unflatten(carry_def, carry_leaves), x0)),
+        )
         init = tree_unflatten(carry_def, carry_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
