@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["WeakMode", "ELEMENTWISE", "common_dtype"]
 
@@ -125,6 +124,33 @@ def common_dtype(strong: Sequence[torch.Tensor], weak: Sequence[torch.Tensor]) -
     return _combine(dim, _combine(zero, wrapped))
 
 
+def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in `tree` (an op's arguments: tensors, scalars, and lists, tuples or
+    dicts of them), appended to `out`. Plain loops, not a pytree flatten: this runs for
+    every op of the weak body run."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for a in tree:
+            _tensors(a, out)
+    elif isinstance(tree, dict):
+        for a in tree.values():
+            _tensors(a, out)
+    return out
+
+
+def _cast_weak(tree: Any, mode: "WeakMode", dtype: torch.dtype) -> Any:
+    """`tree` with its weak tensors of another dtype converted to `dtype`."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.dtype != dtype and mode.is_weak(tree) else tree
+    if isinstance(tree, (list, tuple)):
+        cast = [_cast_weak(a, mode, dtype) for a in tree]
+        return cast if isinstance(tree, list) else tuple(cast)
+    if isinstance(tree, dict):
+        return {k: _cast_weak(a, mode, dtype) for k, a in tree.items()}
+    return tree
+
+
 class WeakMode(TorchFunctionMode):
     """JAX's weak-type promotion for the tensors in `weak` and those computed from them
     (see the module docstring). Active for one body run only."""
@@ -142,7 +168,7 @@ class WeakMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = _tensors(kwargs, _tensors(args, []))
         flags = [self.is_weak(t) for t in tensors]
         if not any(flags):
             return func(*args, **kwargs)
@@ -152,15 +178,13 @@ class WeakMode(TorchFunctionMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if getattr(func, "__name__", "") not in _CONVERSIONS and kwargs.get("dtype") is None:
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    self.weak.append(o)
+            self.weak.extend(_tensors(out, []))
         return out
 
     def _promote_operands(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
         # `where`'s condition is not an operand of the promotion
         head, operands = ((args[0],), args[1:]) if getattr(func, "__name__", "") == "where" and args else ((), args)
-        tensors = [a for a in tree_flatten((operands, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = _tensors(kwargs, _tensors(operands, []))
         strong = [t for t in tensors if not self.is_weak(t)]
         weak = [t for t in tensors if self.is_weak(t)]
         if not strong or not weak:
@@ -168,11 +192,5 @@ class WeakMode(TorchFunctionMode):
         dtype = common_dtype(strong, weak)
         if dtype is None:
             return args, kwargs
-
-        def cast(a: Any) -> Any:
-            if isinstance(a, torch.Tensor) and a.dtype != dtype and self.is_weak(a):
-                return a.to(dtype)
-            return a
-
-        return head + tuple(tree_map(cast, list(operands))), tree_map(cast, kwargs)
+        return head + tuple(_cast_weak(list(operands), self, dtype)), _cast_weak(kwargs, self, dtype)
 
