@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _compat
+
 __all__ = ["WeakMode", "ELEMENTWISE", "common_dtype"]
 
 
@@ -76,7 +78,6 @@ def _promote(a: torch.dtype | None, b: torch.dtype) -> torch.dtype:
     return b if a is None else torch.promote_types(a, b)
 
 
-_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
@@ -91,7 +92,7 @@ def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dty
         return higher
     if lower.is_complex:
         # the complex dtype of the higher priority's precision where it is floating
-        return _COMPLEX_OF.get(higher, torch.complex64) if higher.is_floating_point else lower
+        return _compat.complex_of_float.get(higher, torch.complex64) if higher.is_floating_point else lower
     if higher.is_floating_point:
         return higher
     if higher == torch.bool or lower.is_floating_point:
