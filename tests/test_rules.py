@@ -665,8 +665,12 @@ def test_empty_fori_loop_checks_the_body():
     def body(i, v):
         return {"a": v["a"], "b": v["b"] * 1.5}
 
+    # a Python-scalar init is weakly typed, as in JAX: it takes the body's dtype, even when
+    # the loop runs zero times (JAX: {'a': 0, 'b': Array(1., dtype=float32)})
+    out = lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+    assert out["b"].dtype == torch.float32 and out["b"].item() == 1.0
     with pytest.raises(TensorMismatchError) as e:
-        lax.fori_loop(5, 2, body, {"a": 0, "b": 1})
+        lax.fori_loop(5, 2, body, {"a": 0, "b": torch.tensor(1)})
     lines = str(e.value).splitlines()
     assert lines[0] == (
         "tfun.lax.fori_loop: body_fun input and output must have the same dtype, shape and device, but they differ:"
@@ -1273,7 +1277,8 @@ _WEAK_ACCEPTED = {
     "a pytree carry": (
         lambda: lax.fori_loop(0, 3, lambda i, v: (v[0] + 1, 0.5), (_z(_F32), _z(_F32)))[1], torch.tensor(0.5)),
     "int init, int32 body": (
-        lambda: lax.fori_loop(0, 3, lambda i, v: v + torch.tensor(1, dtype=_I32), 0), torch.tensor(3)),
+        # the weak 0 takes the int32 of the body, as in JAX (`0 + int32` is int32)
+        lambda: lax.fori_loop(0, 3, lambda i, v: v + torch.tensor(1, dtype=_I32), 0), torch.tensor(3, dtype=_I32)),
     "int init, float32 body": (
         lambda: lax.fori_loop(0, 3, lambda i, v: v * torch.tensor(2.0), 1), torch.tensor(8.0)),
     "float init, float16 body": (
@@ -1283,7 +1288,8 @@ _WEAK_ACCEPTED = {
     "while_loop: int init, float32 body": (
         lambda: lax.while_loop(lambda v: v < 3, lambda v: v + torch.tensor(1.0), 0), torch.tensor(3.0)),
     "while_loop: int init, int32 body": (
-        lambda: lax.while_loop(lambda v: v < 3, lambda v: v + torch.tensor(1, dtype=_I32), 0), torch.tensor(3)),
+        lambda: lax.while_loop(lambda v: v < 3, lambda v: v + torch.tensor(1, dtype=_I32), 0),
+        torch.tensor(3, dtype=_I32)),  # int32, as in JAX
 }
 
 

@@ -17,9 +17,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
+
+
+def _complex_of_float() -> dict[torch.dtype, torch.dtype]:
+    """The complex dtype torch's type promotion gives each floating dtype with a Python
+    complex scalar (`x_bf16 * 1j`): asked of the installed torch, since releases differ
+    (torch 2.14 added `bcomplex32` for bfloat16; earlier ones give complex64)."""
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        out[dtype] = torch.result_type(torch.empty(0, dtype=dtype), 1j)
+    return out
+
+
+complex_of_float: dict[torch.dtype, torch.dtype] = _complex_of_float()
 
 
 def forward_ad_ready() -> None:

@@ -52,11 +52,6 @@ from tfun import lax
 
 from .conftest import T, assert_all_close, check_grads, jit, linearize, rng
 
-WEAK_INIT = (
-    "docs/porting.md, Differences from JAX: weak-init: a Python-scalar init is a 0-d tensor of "
-    "torch's default dtype when the body first runs, and torch promotes two 0-d integer tensors "
-    "to the wider dtype, where JAX's weakly-typed init yields to the body's narrower one"
-)
 D = "docs/porting.md, Differences from JAX: "
 
 
@@ -1550,13 +1545,7 @@ class TestLaxControlFlow:
         x = torch.arange(3, dtype=torch.float32)
         tfun.jvp(g, (x,), (x,))  # doesn't crash
 
-    @pytest.mark.parametrize(
-        "dtype",
-        [
-            pytest.param(d, marks=pytest.mark.xfail(reason=WEAK_INIT, strict=True)) if d != torch.int64 else d
-            for d in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-        ],
-    )
+    @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8])
     def test_scan_init_weak_type(self, dtype):
         def func(carry, x):
             return carry + x, x

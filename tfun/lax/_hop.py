@@ -90,6 +90,7 @@ __all__ = [
     "check_state",
     "check_result",
     "promote_weak",
+    "promote_weak_init",
     "unwrap_dynamo_error",
 ]
 
@@ -575,6 +576,59 @@ def promote_weak(c_leaves: list[Any], weak: Any, out_carry: Any) -> list[Any]:
     the body gives them, where JAX's weak-type promotion allows it (as eagerly)."""
     expected = _rules.promote_weak_init(c_leaves, weak, out_carry)
     return [t if t.dtype == m.dtype else t.to(m.dtype) for t, m in zip(c_leaves, expected)]
+
+
+def promote_weak_init(
+    c_leaves: list[Any],
+    weak: Any,
+    new_carry: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    runs: bool = True,
+    rules: tuple[str, str, Callable[..., Any], tuple[Any, ...]] | None = None,
+) -> list[Any]:
+    """The flat carry `c_leaves` of a loop, with the leaves that were Python scalars in its
+    `init` (`weak`, by flat index) converted to the dtype the body gives them, as JAX
+    promotes a weakly typed `init`: `new_carry(leaves, *args)` (the body's new carry, or
+    None where the body returns something else: the loop's own checks report it) runs once
+    with those leaves weakly typed (`_weak.WeakMode`), and its result is discarded, as JAX
+    traces a loop body twice. Traced, that run is dead code. Eagerly it is one real step
+    when the loop `runs` (the first step's inputs are real values); for a loop that runs
+    zero times it is on fake tensors (nothing is computed on values the loop never sees),
+    or, where fake tensors cannot follow the body (`.item()`), for real, as zero-length
+    loops find their outputs (`_scan.zero_length_outputs`).
+
+    `rules`, `(op, role, fn, fn_args)`: eagerly, that run is the first run of the user's
+    `fn` on `fn_args`, so it runs under the side-effect rules (`_rules.checked_call`): a
+    refused side effect is reported from it, before it could happen twice."""
+    if not weak:
+        return c_leaves
+    from ._weak import WeakMode
+
+    n = len(c_leaves)
+    positions = sorted(weak)
+
+    def run(*flat: Any) -> Any:
+        leaves = list(flat[:n])
+        with WeakMode([leaves[i] for i in positions]):
+            return new_carry(leaves, *flat[n:])
+
+    def probe() -> Any:
+        if runs or _context.is_tracing():
+            return run(*c_leaves, *args)
+        try:
+            out_leaves, out_def = _rules.abstract_eval(run, (*c_leaves, *args))
+            return tree_unflatten(out_def, out_leaves)
+        except _rules.AbstractEvalUnavailable:
+            with torch.no_grad():
+                return run(*c_leaves, *args)
+
+    if rules is None or _context.is_tracing():
+        out = probe()
+    else:
+        op, role, fn, fn_args = rules
+        out = _rules.checked_call(op, role, fn, fn_args, call=probe)
+    return promote_weak(c_leaves, weak, out)
 
 
 

@@ -55,7 +55,8 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
 
     - `cond_fun`: `val -> bool scalar`.
     - `body_fun`: `val -> val`.
-    - `init_val`: the initial loop value, a pytree.
+    - `init_val`: the initial loop value, a pytree; a Python scalar in it is weakly typed,
+      as in JAX, and takes the dtype the body gives it (as `scan`'s `init`).
 
     **Returns:** the final loop value.
     """
@@ -64,11 +65,28 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     _rules.check_callable(op, "body_fun", body_fun)
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
+    if weak:
+        # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body on init_val (on fake tensors where the loop runs
+        # zero times)
+        runs = True
+        if not _context.is_tracing():
+            val0 = tree_unflatten(treedef, leaves)
+            pred = _rules.checked_call(op, "cond_fun", cond_fun, (val0,))
+            _check_pred(op, cond_fun, pred)
+            runs = _batching.is_batched(pred) or bool(pred)
+        leaves = _hop.promote_weak_init(
+            leaves,
+            weak,
+            lambda ls: body_fun(tree_unflatten(treedef, ls)),
+            runs=runs,
+            rules=(op, "body_fun", body_fun, (tree_unflatten(treedef, leaves),)),
+        )
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
-        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val, weak)
+        return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val)
     sig = _rules.leaf_signature(leaves)
     rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
     # What has been checked for this signature: None, nothing; "cond", cond_fun for real and
@@ -211,7 +229,8 @@ def fori_loop(
 
     - `lower`, `upper`: Python ints or integer tensors of shape `()`.
     - `body_fun`: `(i, val) -> val`.
-    - `init_val`: the initial loop value, a pytree.
+    - `init_val`: the initial loop value, a pytree; a Python scalar in it is weakly typed,
+      as in JAX, and takes the dtype the body gives it (as `scan`'s `init`).
     - `unroll`: with Python-int bounds, the steps per iteration of the compiled loop under
       `tfun.jit`, as in `scan` (an int `k >= 1`, or `True` / `0` for all). Eagerly, and with
       tensor bounds (a `while_loop`), it changes nothing.
@@ -232,6 +251,20 @@ def fori_loop(
         device = tensors[0].device
     weak: dict[int, Any] = {}
     leaves, treedef = _rules.as_tensor_leaves(op, "init_val", init_val, weak)
+    if weak:
+        # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body at index `lower` (on fake tensors where the loop
+        # runs zero times)
+        runs = bool(tensors) or int(upper) > int(lower)
+        i0 = torch.as_tensor(lower, dtype=dtype, device=device)
+        leaves = _hop.promote_weak_init(
+            leaves,
+            weak,
+            lambda ls, i: body_fun(i, tree_unflatten(treedef, ls)),
+            (i0,),
+            runs=runs,
+            rules=(op, "body_fun", body_fun, (i0, tree_unflatten(treedef, leaves))),
+        )
     val: Any = tree_unflatten(treedef, leaves)
 
     tracing = _context.is_tracing()
@@ -253,10 +286,6 @@ def fori_loop(
                 return val
             check_export_constants(op, body_fun)
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
-            if weak:
-                # Python scalars in init_val take the dtype the body gives them (JAX's weak
-                # types): learned from one traced call outside the loop (dead code)
-                val = tree_unflatten(treedef, _hop.promote_weak(leaves, weak, body_fun(idx[0], val)))
             val, _ = scan(step, val, idx, length=n, unroll=1 if unroll is None else unroll)
             return val
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
@@ -359,9 +388,10 @@ def _check_fori_body_once(
 
 
 def _lower_while_loop(
-    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any, weak: Any = None
+    cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any
 ) -> Any:
-    """`torch.while_loop` over the flat leaves of `init_val` (`weak`: see `_scan._lower_scan`)."""
+    """`torch.while_loop` over the flat leaves of `init_val` (whose Python scalars
+    `while_loop` has converted: see `_scan._lower_scan`)."""
     _hop.begin_lowering()
     op = "tfun.lax.while_loop"
     leaves, td = tree_flatten(init_val)
@@ -372,8 +402,6 @@ def _lower_while_loop(
     if not leaves:
         # nothing is carried: the loop cannot change anything observable
         return init_val
-    if weak:
-        leaves = _hop.promote_weak(leaves, weak, body_fun(tree_unflatten(td, leaves)))
 
     carrier = _hop.carrier(td, leaves)
 

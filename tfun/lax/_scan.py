@@ -226,7 +226,11 @@ def scan(
     **Arguments:**
 
     - `f`: the body, `f(carry, x) -> (new_carry, y)`.
-    - `init`: the initial carry, a pytree of tensors (Python scalars become 0-d tensors).
+    - `init`: the initial carry, a pytree of tensors. A Python scalar is weakly typed, as
+      in JAX: it takes the dtype the body gives its carry leaf, decided by one run of the
+      body in which it combines with tensors as a Python scalar would (`scan(lambda c, x:
+      (c + x, x), 0, xs_int8)` carries int8, `0.0` with float16 `xs` a float16), then the
+      loop runs on a 0-d tensor of that dtype (see "Weak types" in the rules docs).
     - `xs`: a pytree of tensors that share the size of their leading axis, or `None`.
     - `length`: the number of steps; required if `xs` is `None`, checked against `xs`
       otherwise.
@@ -261,13 +265,28 @@ def scan(
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
     if x_def.num_leaves and any(not isinstance(x, torch.Tensor) for x in tree_flatten(xs)[0]):
         xs = tree_unflatten(x_def, x_leaves)
+    if weak:
+        # Python scalars in init take the dtype the body gives them (JAX's weak types),
+        # learned from one run of the body on the first step's x
+        i0 = n - 1 if reverse else 0
+        x0 = tree_unflatten(x_def, [x[i0] if n else x.new_empty(x.shape[1:]) for x in x_leaves])
+
+        def new_carry(leaves: list[Any], x: Any) -> Any:
+            res = f(tree_unflatten(carry_def, leaves), x)
+            return res[0] if isinstance(res, (tuple, list)) and len(res) == 2 else None
+
+        carry_leaves = _hop.promote_weak_init(
+            carry_leaves, weak, new_carry, (x0,), runs=n > 0,
+            rules=(op, "body function", f, (tree_unflatten(carry_def, carry_leaves), x0)),
+        )
+        init = tree_unflatten(carry_def, carry_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
         f = _hop.remat_body(f)
         k = unroll_steps(unroll, n)
         if k > 1:
-            return _lower_unrolled(f, init, xs, n, bool(reverse), weak, k)
-        return _lower_scan(f, init, xs, n, bool(reverse), weak)
+            return _lower_unrolled(f, init, xs, n, bool(reverse), k)
+        return _lower_scan(f, init, xs, n, bool(reverse))
     return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
 
@@ -409,23 +428,18 @@ def _check_step(op: str, f: Any, res: Any, in_td: Any, in_leaves: Sequence[Any],
 
 
 def _lower_scan(
-    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any = None
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool
 ) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
 
-    `weak`: the flat indices of `init`'s leaves that were Python scalars (see
-    `_rules.as_tensor_leaves`); the body is traced once outside the HOP to learn their dtypes
-    (its ops are dead code), as JAX traces a loop body twice to promote a weak `init`."""
+    `init`'s leaves that were Python scalars are already converted to the dtype the body
+    gives them by `scan` (`_hop.promote_weak_init`, whose traced body run is dead code, as
+    JAX traces a loop body twice to promote a weak `init`)."""
     _hop.begin_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
     x_leaves, x_td = tree_flatten(xs)
-    if weak and length > 0:
-        x0 = tree_unflatten(x_td, [x[0] for x in x_leaves])
-        res = f(tree_unflatten(c_td, c_leaves), x0)
-        if isinstance(res, (tuple, list)) and len(res) == 2:
-            c_leaves = _hop.promote_weak(c_leaves, weak, res[0])
     n_c = len(c_leaves)
     revise = REVISE_CARRY
 
@@ -513,7 +527,7 @@ def unroll_steps(unroll: int | bool, n: int) -> int:
 
 
 def _lower_unrolled(
-    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, weak: Any, k: int
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, k: int
 ) -> tuple[Any, Any]:
     """`scan` with `unroll=k` under tracing: torch's scan over blocks of `k` steps, whose body
     runs `f` `k` times in Python (so the compiler sees, and fuses, `k` steps at once), then
@@ -550,7 +564,7 @@ def _lower_unrolled(
         return tree_unflatten(y_td, [y.reshape(-1, *y.shape[2:]) for y in y_leaves])
 
     main_lo = r if reverse else 0
-    carry, ys = _lower_scan(block(k), init, blocks(main_lo, main_lo + q * k, k), q, reverse, weak)
+    carry, ys = _lower_scan(block(k), init, blocks(main_lo, main_lo + q * k, k), q, reverse)
     ys = steps(ys)
     if r:
         rest_lo = 0 if reverse else q * k
