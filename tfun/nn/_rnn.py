@@ -51,6 +51,7 @@ def _fused(
     has_biases: bool,
     num_layers: int,
     bidirectional: bool,
+    has_proj: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every layer and direction in one call of torch's fused RNN function (what
     `torch.nn.RNNBase.forward` calls). `x`: (T, B, F); `weights`: `_flat_weights_names` order.
@@ -62,8 +63,15 @@ def _fused(
     """
     train = torch.is_grad_enabled()
     if mode == "LSTM":
-        out, h, c = _VF.lstm(x, (h0, cast(Tensor, c0)), weights, has_biases, num_layers, 0.0, train,
-                             bidirectional, False)
+        hx = (h0, cast(Tensor, c0))
+        if not has_proj:
+            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
+            return out, h, c
+        # with projections torch's CPU kernel warns that oneDNN has none and runs ATen's cells:
+        # a note about torch's own choice of kernel, not about the caller's code
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"LSTM with projections is not supported with oneDNN")
+            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
         return out, h, c
     fn = {"GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
     out, h = fn(x, h0, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
@@ -318,7 +326,8 @@ class _RNNBase(nn.Module):
             c0 = x.new_zeros(self.num_layers * nd, batch, self.hidden_size)
         if fused:
             weights = [getattr(self, n) for n in self._flat_weights_names]
-            return _fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional)
+            return _fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
+                          self.proj_size > 0)
         h_n, c_n = [], []
         k = 0
         for layer in range(self.num_layers):
