@@ -313,7 +313,7 @@ def test_fused_and_scan_match_a_float64_oracle(mode, num_layers, bidirectional, 
                 assert a.dtype == torch.float32 and a.shape == b.shape
                 scale = max(1.0, b.abs().max().item())
                 torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=2e-5 * scale,
-                                           msg=lambda m: f"{name} {what} {k}: {m}")
+                                           msg=lambda m, at=f"{name} {what} {k}": f"{at}: {m}")
 
 
 def _small(mode="lstm", **kw):

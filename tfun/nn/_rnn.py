@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, _VF, nn
+from torch import _VF, Tensor, nn
 
 from .. import _compat, _context, lax
 from .._errors import ArgumentValueError
@@ -430,8 +430,9 @@ class RNN(_RNNBase):
       CUDA, cuDNN's RNN backward has no derivative, so differentiating a gradient taken with
       `torch.autograd.grad(..., create_graph=True)` fails inside torch there; pass
       `fused=False`, or use `tfun.grad` (a `torch.func` transform, so it takes the scan). On
-      CPU double backward works on both paths (oneDNN's layer has a differentiable backward
-      under `create_graph=True`, other dtypes run ATen's composite cells).
+      CPU double backward works on both paths (oneDNN's LSTM layer has a differentiable
+      backward under `create_graph=True`; GRU, RNN, float64 and LSTMs with `proj_size` run
+      ATen's composite cells).
 
     **Returns:** `forward(input, hx=None)` returns `(output, h_n)`: `output` is
     `(seq, batch, D * hidden_size)` (or batch-first, or `(seq, D * hidden_size)` for unbatched
