@@ -416,7 +416,7 @@ def test_fused_path_not_taken_under_forward_ad(fused_calls):
 def test_double_backward(fused, fused_calls):
     # fused=False: the scan is differentiable twice. fused=True on CPU: torch's kernels are too
     # (oneDNN's layer has a differentiable backward under create_graph; float64 runs ATen's
-    # cells). On CUDA cuDNN has no double backward: documented, not tested here.
+    # cells). CUDA takes the scan for now (cuDNN has no double backward).
     x = torch.randn(T, B, IN, dtype=DT)
     results = {}
     for dtype in (torch.float32, DT):

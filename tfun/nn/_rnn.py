@@ -8,9 +8,9 @@ registration order and initialization are torch's, so `state_dict`s move between
 
 Fused eager path: `RNN`, `LSTM` and `GRU` (not the cells) called eagerly, outside any
 `torch.func` transform and forward-AD dual level, with no inter-layer dropout active, on a
-CPU or CUDA floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
+CPU floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
 `gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does: oneDNN's
-`mkldnn_rnn_layer` on CPU, cuDNN on CUDA), since a Python-level scan step costs several
+`mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA, see `_FUSED_DTYPES`), since a Python-level scan step costs several
 dispatches per time step. Traced (`tfun.jit`, `torch.compile`, `torch.export`) or under a
 transform the scan runs, which lowers to torch's scan higher-order op and has every
 transform's rules. `fused=False` always runs the scan. Both paths share `_prepare`
@@ -35,10 +35,11 @@ from ._common import check_input, check_state, check_tensor
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
 
 # The dtypes torch's fused RNN functions run (forward and backward) per device type; anything
-# else (other devices, complex, integer) takes the scan.
+# else (other devices, complex, integer) takes the scan. CUDA (cuDNN) is left out until it is
+# measured on a GPU: cuDNN wants the weights in one flat buffer (`flatten_parameters`, a no-op
+# here) and has no double backward, where the scan has one.
 _FUSED_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-    "cuda": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
 }
 
 
@@ -421,16 +422,14 @@ class RNN(_RNNBase):
     - `device`, `dtype`: factory arguments of the parameters.
     - `fused` (keyword-only, default `True`): eager calls run torch's fused kernels
       (`torch._VF.rnn_tanh` / `rnn_relu` / `lstm` / `gru`, as `torch.nn.RNN` does: oneDNN or
-      ATen's cells on CPU, cuDNN on CUDA) with identical semantics, where all of these hold:
+      ATen's C++ cells) with identical semantics, where all of these hold:
       not traced (`tfun.jit`, `torch.compile`, `torch.export` keep the scan, which lowers to
       torch's scan op), no `torch.func` transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, ...)
       and no `torch.autograd.forward_ad` dual level active, no dropout active (`dropout == 0`
-      or `eval()`), parameters, input and state of one CPU or CUDA floating dtype. Otherwise
-      the scan runs. `fused=False` always runs the scan. The one behavioural difference: on
-      CUDA, cuDNN's RNN backward has no derivative, so differentiating a gradient taken with
-      `torch.autograd.grad(..., create_graph=True)` fails inside torch there; pass
-      `fused=False`, or use `tfun.grad` (a `torch.func` transform, so it takes the scan). On
-      CPU double backward works on both paths (oneDNN's LSTM layer has a differentiable
+      or `eval()`), parameters, input and state of one CPU floating dtype. Otherwise the
+      scan runs: on CUDA too, for now (cuDNN is not yet measured on a GPU; it would need
+      flat weights, and it has no double backward). `fused=False` always runs the scan.
+      Double backward works on both paths (oneDNN's LSTM layer has a differentiable
       backward under `create_graph=True`; GRU, RNN, float64 and LSTMs with `proj_size` run
       ATen's composite cells).
 
@@ -490,8 +489,8 @@ class LSTM(_RNNBase):
     `c_t = σ(f) c_{t-1} + σ(i) tanh(g)`, `h_t = σ(o) tanh(c_t)` (then `h_t W_hr^T` if
     `proj_size > 0`, Sak et al. 2014). Each layer and direction is one `tfun.lax.scan`;
     the input projection of all steps is one matmul before it. Eager calls outside
-    `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on CPU, cuDNN
-    on CUDA; see `fused` in `tfun.nn.RNN`), several times faster on CPU.
+    `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on CPU; the
+    scan on CUDA for now; see `fused` in `tfun.nn.RNN`), several times faster.
 
     **Arguments:**
 
