@@ -57,11 +57,14 @@ def bench_lstm(repeats: int) -> list[str]:
         ref = torch.nn.LSTM(I, H)
         ours = tfun.nn.LSTM(I, H)
         ours.load_state_dict(ref.state_dict())
+        scan = tfun.nn.LSTM(I, H, fused=False)
+        scan.load_state_dict(ref.state_dict())
         x = torch.randn(T, B, I, requires_grad=True)
-        variants = [("torch.nn.LSTM", ref), ("tfun.nn.LSTM (eager)", ours)]
+        variants = [("torch.nn.LSTM", ref), ("tfun.nn.LSTM (eager, fused: torch._VF.lstm)", ours),
+                    ("tfun.nn.LSTM (eager, fused=False: tfun.lax.scan)", scan)]
         if hasattr(tfun, "jit"):
             try:
-                jitted = tfun.jit(ours)
+                jitted = tfun.jit(scan)  # traced: the scan path, whatever `fused` says
                 t0 = time.perf_counter()
                 fwd_bwd(jitted, x)()
                 compile_s = time.perf_counter() - t0
@@ -79,6 +82,23 @@ def bench_lstm(repeats: int) -> list[str]:
                     with torch.backends.mkldnn.flags(enabled=False):
                         ms = 1e3 * _time(fwd_bwd(m, x), repeats)
                 rows.append(f"| torch.nn.LSTM (oneDNN off: per-step ATen cell) | {T} | {B} | {I} | {H} | {ms:.2f} |")
+    return rows
+
+
+def bench_gru(repeats: int) -> list[str]:
+    rows = ["| layer | T | B | in | hidden | fwd+bwd ms |", "|---|---|---|---|---|---|"]
+    for T, B, I, H in [(64, 16, 64, 128), (256, 8, 32, 64)]:
+        torch.manual_seed(0)
+        ref = torch.nn.GRU(I, H)
+        ours = tfun.nn.GRU(I, H)
+        scan = tfun.nn.GRU(I, H, fused=False)
+        ours.load_state_dict(ref.state_dict())
+        scan.load_state_dict(ref.state_dict())
+        x = torch.randn(T, B, I, requires_grad=True)
+        for name, m in [("torch.nn.GRU", ref), ("tfun.nn.GRU (eager, fused: torch._VF.gru)", ours),
+                        ("tfun.nn.GRU (eager, fused=False: tfun.lax.scan)", scan)]:
+            ms = 1e3 * _time(fwd_bwd(m, x), repeats)
+            rows.append(f"| {name} | {T} | {B} | {I} | {H} | {ms:.2f} |")
     return rows
 
 
@@ -174,7 +194,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 10
     sections = {
-        "lstm": lambda: ["### LSTM forward+backward (float32, 1 layer)", "", *bench_lstm(repeats), ""],
+        "lstm": lambda: ["### LSTM forward+backward (float32, 1 layer)", "", *bench_lstm(repeats), "",
+                         "### GRU forward+backward (float32, 1 layer)", "", *bench_gru(repeats), ""],
         "ssm": lambda: ["### SSM layers forward+backward", "", *bench_ssm(repeats), ""],
         "ce": lambda: ["### chunked_cross_entropy memory", "", *bench_ce(), ""],
     }

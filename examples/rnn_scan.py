@@ -83,9 +83,10 @@ def main():
             print(f"step {step:4d}  loss {loss.item():.4f}")
     print(f"{steps} training steps in {time.perf_counter() - t0:.1f} s")
 
-    # tfun.nn.RNN is a drop-in for torch.nn.RNN (same parameters), built on scan.
+    # tfun.nn.RNN is a drop-in for torch.nn.RNN (same parameters), built on scan. Eagerly it
+    # runs torch's fused kernel unless fused=False: here the scan, to check it against torch.
     ref = torch.nn.RNN(3, 5, num_layers=2)
-    ours = tfun.nn.RNN(3, 5, num_layers=2)
+    ours = tfun.nn.RNN(3, 5, num_layers=2, fused=False)
     ours.load_state_dict(ref.state_dict())
     seq = torch.randn(7, 2, 3)
     (y1, h1), (y2, h2) = ref(seq), ours(seq)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
 
 _FWD_READY = False
 
@@ -56,6 +56,17 @@ def forward_ad_ready() -> None:
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `warnings.catch_warnings`).
 forward_ad_ready._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def forward_ad_level_active() -> bool:
+    """Whether a `torch.autograd.forward_ad` dual level is open (`with forward_ad.dual_level():`).
+
+    torch keeps the open level in `torch.autograd.forward_ad._current_level` (-1 when none), a
+    private module global since forward AD appeared. Conservatively True where this torch has
+    no such attribute: callers use the answer to avoid kernels without forward-mode formulas.
+    """
+    level = getattr(getattr(torch.autograd, "forward_ad", None), "_current_level", None)
+    return not isinstance(level, int) or level >= 0
 
 
 def triton_launcher(kernel: Any) -> Any:

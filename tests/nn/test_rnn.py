@@ -40,10 +40,12 @@ def _flat(out):
 GRID = list(itertools.product(MODES, [1, 2], [True, False], [True, False], [True, False], [True, False], [True, False]))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "scan"])
 @pytest.mark.parametrize("mode,num_layers,bias,batch_first,bidirectional,unbatched,give_hx", GRID)
-def test_matches_torch(mode, num_layers, bias, batch_first, bidirectional, unbatched, give_hx):
+def test_matches_torch(mode, num_layers, bias, batch_first, bidirectional, unbatched, give_hx, fused):
     kw = dict(num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional)
     ref, ours = _pair(mode, **kw)
+    ours.fused = fused
     # same seed, same registration order and init -> identical parameters; and strict state_dict loading
     assert list(dict(ref.named_parameters())) == list(dict(ours.named_parameters()))
     for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
@@ -182,8 +184,10 @@ def test_state_dict_missing_and_extra_keys_reported_like_torch():
     assert str(mine.value).replace("tfun.nn._rnn.LSTM", "X").split(":", 1)[1] == str(theirs.value).split(":", 1)[1]
 
 
-def test_bad_inputs():
-    m = tfun.nn.LSTM(IN, HID, num_layers=2)
+@pytest.mark.parametrize("fused", [True, False])
+def test_bad_inputs(fused):
+    # `_prepare` validates in front of both paths: the same tfun errors either way
+    m = tfun.nn.LSTM(IN, HID, num_layers=2, fused=fused)
     with pytest.raises(ArgumentValueError, match=r"tfun.nn.LSTM: input must be 2-D or 3-D") as e:
         m(torch.randn(2, 3, 4, IN))
     assert "got shape (2, 3, 4, 3)" in str(e.value)
@@ -197,7 +201,7 @@ def test_bad_inputs():
     with pytest.raises(ArgumentValueError, match=r"c_0: expected shape \(2, 4\), got \(2, 2, 4\)"):
         m(torch.randn(T, IN), (torch.zeros(2, HID), torch.zeros(2, B, HID)))
     with pytest.raises(ArgumentValueError, match=r"tfun.nn.GRU: hx has the wrong shape"):
-        tfun.nn.GRU(IN, HID)(torch.randn(T, B, IN), torch.zeros(1, B + 1, HID))
+        tfun.nn.GRU(IN, HID, fused=fused)(torch.randn(T, B, IN), torch.zeros(1, B + 1, HID))
     packed = pack_padded_sequence(torch.randn(T, B, IN), torch.tensor([T, T - 1]))
     with pytest.raises(ArgumentTypeError, match="PackedSequence input is not supported"):
         m(packed)
@@ -234,3 +238,228 @@ def test_step_mode_refuses_bidirectional():
     layer = tfun.nn.GRU(4, 4, bidirectional=True)
     with pytest.raises(tfun.errors.ArgumentValueError, match=r"tfun\.nn\.GRU\.step: a bidirectional layer has no step mode"):
         layer.step(torch.zeros(2, 4), layer.init_state(2))
+
+
+# ----------------------------------------------------------------------------------------
+# The fused eager path (torch._VF.*) against the scan (fused=False)
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the calls of the fused path (`tfun.nn._rnn._fused`, what `_run` calls)."""
+    from tfun.nn import _rnn
+
+    calls = []
+    real = _rnn._fused
+
+    def spy(mode, *args, **kwargs):
+        calls.append(mode)
+        return real(mode, *args, **kwargs)
+
+    monkeypatch.setattr(_rnn, "_fused", spy)
+    return calls
+
+
+# batch_first, unbatched, bias, give_hx: four combinations covering every value of each
+VARIANTS = [(False, False, True, True), (True, False, False, False), (False, True, True, False), (True, True, False, True)]
+FUSED_GRID = list(itertools.product(MODES, [1, 2], [False, True], [1, 7, 63], VARIANTS))
+
+
+def _loss_and_grads(m, x, hx, dtype):
+    xi = x.to(dtype).requires_grad_()
+    hi = None
+    if hx is not None:
+        hi = tuple(h.to(dtype).requires_grad_() for h in hx) if isinstance(hx, tuple) else hx.to(dtype).requires_grad_()
+    out = m(xi, hi)
+    leaves = _flat(out)
+    gen = torch.Generator().manual_seed(2)
+    loss = sum((t * torch.randn(t.shape, dtype=DT, generator=gen).to(dtype)).sum() for t in leaves)
+    inputs = [xi, *m.parameters()] + ([*hi] if isinstance(hi, tuple) else ([hi] if hi is not None else []))
+    return [t.detach() for t in leaves], list(torch.autograd.grad(loss, inputs))
+
+
+@pytest.mark.parametrize("mode,num_layers,bidirectional,steps,variant", FUSED_GRID)
+def test_fused_and_scan_match_a_float64_oracle(mode, num_layers, bidirectional, steps, variant, fused_calls):
+    batch_first, unbatched, bias, give_hx = variant
+    _, fcls, extra = MODES[mode]
+    kw = dict(num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional, **extra)
+    torch.manual_seed(0)
+    oracle = fcls(IN, HID, dtype=DT, fused=False, **kw)
+    fused = fcls(IN, HID, **kw)
+    scan = fcls(IN, HID, fused=False, **kw)
+    fused.load_state_dict(oracle.state_dict())
+    scan.load_state_dict(oracle.state_dict())
+    g = torch.Generator().manual_seed(1)
+    shape = (steps, IN) if unbatched else ((B, steps, IN) if batch_first else (steps, B, IN))
+    x = torch.randn(shape, dtype=DT, generator=g)
+    nd = 2 if bidirectional else 1
+    lead = (num_layers * nd,) if unbatched else (num_layers * nd, B)
+    hx = None
+    if give_hx:
+        h0 = torch.randn(*lead, PROJ if mode == "lstm_proj" else HID, dtype=DT, generator=g)
+        hx = (h0, torch.randn(*lead, HID, dtype=DT, generator=g)) if mode.startswith("lstm") else h0
+
+    want_out, want_grads = _loss_and_grads(oracle, x, hx, DT)
+    assert fused_calls == []
+    got = {"fused": _loss_and_grads(fused, x, hx, torch.float32)}
+    assert fused_calls == [oracle.mode]  # the fused layer took the fused path
+    got["scan"] = _loss_and_grads(scan, x, hx, torch.float32)
+    assert fused_calls == [oracle.mode]  # and fused=False did not
+    for name, (out, grads) in got.items():
+        for what, ours, ref in (("output", out, want_out), ("gradient", grads, want_grads)):
+            assert len(ours) == len(ref)
+            for k, (a, b) in enumerate(zip(ours, ref)):
+                assert a.dtype == torch.float32 and a.shape == b.shape
+                scale = max(1.0, b.abs().max().item())
+                torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=2e-5 * scale,
+                                           msg=lambda m, at=f"{name} {what} {k}": f"{at}: {m}")
+
+
+def _small(mode="lstm", **kw):
+    _, fcls, extra = MODES[mode]
+    torch.manual_seed(0)
+    return fcls(IN, HID, dtype=DT, **{**extra, **kw})
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_path_taken_eagerly_and_not_with_fused_false(mode, fused_calls):
+    m = _small(mode, num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, IN, dtype=DT)
+    m(x)
+    assert fused_calls == [m.mode]
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    m(x)
+    assert len(fused_calls) == 3
+    m.fused = False
+    m(x)
+    assert len(fused_calls) == 3
+
+
+def test_fused_path_not_taken_with_dropout_in_training(fused_calls):
+    m = _small("lstm", num_layers=2, dropout=0.5)
+    x = torch.randn(T, B, IN, dtype=DT)
+    torch.manual_seed(3)
+    a = m(x)[0]
+    assert fused_calls == []
+    torch.manual_seed(3)
+    b = m(x)[0]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the scan's masks, from the same RNG stream
+    m.eval()
+    m(x)
+    assert fused_calls == ["LSTM"]  # eval: no dropout, fused
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_path_not_taken_under_tfun_jit(mode, fused_calls):
+    m = _small(mode, num_layers=2)
+    x = torch.randn(B, T, IN, dtype=DT)
+    f = tfun.jit(lambda x: _flat(m(x)), backend="aot_eager")
+    got = f(x)
+    assert fused_calls == []
+    m.fused = False
+    want = _flat(m(x))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_path_not_taken_under_torch_func_transforms(fused_calls):
+    from torch.func import functional_call
+
+    m = _small("lstm_proj", num_layers=2, bidirectional=True)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    xs = torch.randn(3, T, B, IN, dtype=DT)
+
+    def loss(params, x):
+        return functional_call(m, params, (x,))[0].pow(2).sum()
+
+    per_example = tfun.vmap(tfun.grad(loss), in_axes=(None, 0))(params, xs)
+    tangent = {n: torch.randn_like(p) for n, p in params.items()}
+    _, directional = tfun.jvp(lambda p: loss(p, xs[0]), (params,), (tangent,))
+    out_vmapped = torch.func.vmap(lambda x: m(x)[0])(xs)
+    assert fused_calls == []
+    # against the fused path eagerly
+    for k in range(xs.shape[0]):
+        m.zero_grad()
+        loss(dict(m.named_parameters()), xs[k]).backward()
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(per_example[n][k], p.grad, rtol=1e-9, atol=1e-12)
+    m.zero_grad()
+    loss(dict(m.named_parameters()), xs[0]).backward()
+    want = sum((p.grad * tangent[n]).sum() for n, p in m.named_parameters())
+    torch.testing.assert_close(directional, want, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        for k in range(xs.shape[0]):
+            torch.testing.assert_close(out_vmapped[k], m(xs[k])[0], rtol=1e-10, atol=1e-12)
+    assert len(fused_calls) == 4 + 3
+
+
+def test_fused_path_not_taken_under_forward_ad(fused_calls):
+    import torch.autograd.forward_ad as fwAD
+
+    m = _small("gru", num_layers=2)
+    x = torch.randn(T, B, IN, dtype=DT)
+    t = torch.randn(T, B, IN, dtype=DT)
+    with fwAD.dual_level():
+        y = m(fwAD.make_dual(x, t))[0]
+        tangent = fwAD.unpack_dual(y).tangent
+    assert fused_calls == []
+    _, want = torch.func.jvp(lambda x: m(x)[0], (x,), (t,))
+    torch.testing.assert_close(tangent, want, rtol=1e-10, atol=1e-12)
+    m(x)
+    assert fused_calls == ["GRU"]  # the level is closed: fused again
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_double_backward(fused, fused_calls):
+    # fused=False: the scan is differentiable twice. fused=True on CPU: torch's kernels are too
+    # (oneDNN's layer has a differentiable backward under create_graph; float64 runs ATen's
+    # cells). CUDA takes the scan for now (cuDNN has no double backward).
+    x = torch.randn(T, B, IN, dtype=DT)
+    results = {}
+    for dtype in (torch.float32, DT):
+        m = _small("lstm", num_layers=2, fused=fused).to(dtype)
+        xi = x.to(dtype).requires_grad_()
+        (g,) = torch.autograd.grad(m(xi)[0].pow(2).sum(), xi, create_graph=True)
+        results[dtype] = torch.autograd.grad(g.pow(2).sum(), [xi, *m.parameters()])
+    assert len(fused_calls) == (2 if fused else 0)
+    oracle = _small("lstm", num_layers=2, fused=False)
+    xi = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(oracle(xi)[0].pow(2).sum(), xi, create_graph=True)
+    want = torch.autograd.grad(g.pow(2).sum(), [xi, *oracle.parameters()])
+    for a, b in zip(results[DT], want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    for a, b in zip(results[torch.float32], want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
+def test_nested_tfun_grad_with_fused_layer(fused_calls):
+    m = _small("lstm", num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, IN, dtype=DT)
+
+    def f(s):
+        return m(x * s)[0].pow(2).sum()
+
+    got = tfun.grad(tfun.grad(f))(torch.tensor(0.7, dtype=DT))
+    assert fused_calls == []
+    m.fused = False
+    s = torch.tensor(0.7, dtype=DT, requires_grad=True)
+    (g,) = torch.autograd.grad(f(s), s, create_graph=True)
+    (want,) = torch.autograd.grad(g, s)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_flag_repr_and_pickle():
+    import pickle
+
+    assert "fused" not in repr(tfun.nn.LSTM(IN, HID))
+    assert repr(tfun.nn.GRU(IN, HID, fused=False)) == "GRU(3, 4, fused=False)"
+    assert tfun.nn.RNN(IN, HID).fused is True
+    with pytest.raises(TypeError):
+        tfun.nn.LSTM(IN, HID, 1, True, False, 0.0, False, 0, None, None, False)  # keyword-only
+    m = tfun.nn.LSTM(IN, HID, fused=False)
+    assert pickle.loads(pickle.dumps(m)).fused is False
+    del m.__dict__["fused"]  # a layer pickled before the flag existed
+    assert pickle.loads(pickle.dumps(m)).fused is True

@@ -5,6 +5,16 @@ projection `x_t W_ih^T + b_ih` of every step is computed before the scan in one 
 multiply; the scan body only applies the recurrent weight. Parameter names, shapes,
 registration order and initialization are torch's, so `state_dict`s move between
 `torch.nn.LSTM` and `tfun.nn.LSTM` (strict) and seeded initialization gives the same weights.
+
+Fused eager path: `RNN`, `LSTM` and `GRU` (not the cells) called eagerly, outside any
+`torch.func` transform and forward-AD dual level, with no inter-layer dropout active, on a
+CPU floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
+`gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does: oneDNN's
+`mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA, see `_FUSED_DTYPES`), since a Python-level scan step costs several
+dispatches per time step. Traced (`tfun.jit`, `torch.compile`, `torch.export`) or under a
+transform the scan runs, which lowers to torch's scan higher-order op and has every
+transform's rules. `fused=False` always runs the scan. Both paths share `_prepare`
+(tfun's argument errors) and compute the same function.
 """
 
 from __future__ import annotations
@@ -12,17 +22,61 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import _VF, Tensor, nn
 
-from .. import _context, lax
+from .. import _compat, _context, lax
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, check_tensor
 
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
+
+# The dtypes torch's fused RNN functions run (forward and backward) per device type; anything
+# else (other devices, complex, integer) takes the scan. CUDA (cuDNN) is left out until it is
+# measured on a GPU: cuDNN wants the weights in one flat buffer (`flatten_parameters`, a no-op
+# here) and has no double backward, where the scan has one.
+_FUSED_DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+}
+
+
+def _fused(
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    has_biases: bool,
+    num_layers: int,
+    bidirectional: bool,
+    has_proj: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every layer and direction in one call of torch's fused RNN function (what
+    `torch.nn.RNNBase.forward` calls). `x`: (T, B, F); `weights`: `_flat_weights_names` order.
+
+    Called only with no dropout active, so dropout is 0. `train` only selects whether the
+    kernel keeps what its backward needs (cuDNN refuses a backward of an inference-mode
+    forward): on whenever autograd records, so an `eval()` layer is differentiable as on the
+    scan path.
+    """
+    train = torch.is_grad_enabled()
+    if mode == "LSTM":
+        hx = (h0, cast(Tensor, c0))
+        if not has_proj:
+            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
+            return out, h, c
+        # with projections torch's CPU kernel warns that oneDNN has none and runs ATen's cells:
+        # a note about torch's own choice of kernel, not about the caller's code
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"LSTM with projections is not supported with oneDNN")
+            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
+        return out, h, c
+    fn = {"GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
+    out, h = fn(x, h0, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
+    return out, h, None
 
 
 def _out(h: Tensor) -> Tensor:
@@ -111,6 +165,8 @@ class _RNNBase(nn.Module):
         proj_size: int = 0,
         device: Any = None,
         dtype: Any = None,
+        *,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         name = self._layer_name
@@ -147,6 +203,7 @@ class _RNNBase(nn.Module):
         self.dropout = float(dropout)
         self.bidirectional = bidirectional
         self.proj_size = proj_size
+        self.fused = bool(fused)
         num_directions = 2 if bidirectional else 1
         gate_size = _GATES[mode] * hidden_size
         real_hidden = proj_size if proj_size > 0 else hidden_size
@@ -198,7 +255,14 @@ class _RNNBase(nn.Module):
             s += f", dropout={self.dropout}"
         if self.bidirectional is not False:
             s += f", bidirectional={self.bidirectional}"
+        if not self.fused:
+            s += ", fused=False"
         return s
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # layers pickled before `fused` existed take the default
+        state.setdefault("fused", True)
+        super().__setstate__(state)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -237,14 +301,34 @@ class _RNNBase(nn.Module):
                 c0 = c0.unsqueeze(1) if c0 is not None else None
         return x, batched, h0, c0
 
+    def _use_fused(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> bool:
+        """Whether this call may run torch's fused kernels (`_fused`): see the module docstring."""
+        # tracing first: Dynamo folds it to True, so it never looks at the probes below
+        if not self.fused or _context.is_tracing():
+            return False
+        if self.dropout > 0 and self.training:  # the scan draws the dropout masks
+            return False
+        if _context.functorch_active() or _compat.forward_ad_level_active():
+            return False
+        if x.dtype not in _FUSED_DTYPES.get(x.device.type, ()):
+            return False
+        tensors = [getattr(self, n) for n in self._flat_weights_names]
+        tensors += [t for t in (h0, c0) if t is not None]
+        return all(t.device == x.device and t.dtype == x.dtype for t in tensors)
+
     def _run(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         nd = 2 if self.bidirectional else 1
         batch = x.shape[1]
         real_hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
+        fused = self._use_fused(x, h0, c0)
         if h0 is None:
             h0 = x.new_zeros(self.num_layers * nd, batch, real_hidden)
         if self.mode == "LSTM" and c0 is None:
             c0 = x.new_zeros(self.num_layers * nd, batch, self.hidden_size)
+        if fused:
+            weights = [getattr(self, n) for n in self._flat_weights_names]
+            return _fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
+                          self.proj_size > 0)
         h_n, c_n = [], []
         k = 0
         for layer in range(self.num_layers):
@@ -323,7 +407,8 @@ class RNN(_RNNBase):
     """Elman RNN, a drop-in replacement for `torch.nn.RNN`: `h_t = act(x_t W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh)`.
 
     Every layer and direction is one `tfun.lax.scan`; the input projection is hoisted out
-    of the loop. Parameters, initialization, inputs and outputs are torch's.
+    of the loop. Parameters, initialization, inputs and outputs are torch's. Eager calls
+    outside `torch.func` transforms run torch's fused kernels instead (see `fused`).
 
     **Arguments:**
 
@@ -335,6 +420,18 @@ class RNN(_RNNBase):
     - `dropout`: dropout probability on the outputs of every layer but the last (training only).
     - `bidirectional`: add a reverse-direction RNN per layer (`*_reverse` parameters).
     - `device`, `dtype`: factory arguments of the parameters.
+    - `fused` (keyword-only, default `True`): eager calls run torch's fused kernels
+      (`torch._VF.rnn_tanh` / `rnn_relu` / `lstm` / `gru`, as `torch.nn.RNN` does: oneDNN or
+      ATen's C++ cells) with identical semantics, where all of these hold:
+      not traced (`tfun.jit`, `torch.compile`, `torch.export` keep the scan, which lowers to
+      torch's scan op), no `torch.func` transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, ...)
+      and no `torch.autograd.forward_ad` dual level active, no dropout active (`dropout == 0`
+      or `eval()`), parameters, input and state of one CPU floating dtype. Otherwise the
+      scan runs: on CUDA too, for now (cuDNN is not yet measured on a GPU; it would need
+      flat weights, and it has no double backward). `fused=False` always runs the scan.
+      Double backward works on both paths (oneDNN's LSTM layer has a differentiable
+      backward under `create_graph=True`; GRU, RNN, float64 and LSTMs with `proj_size` run
+      ATen's composite cells).
 
     **Returns:** `forward(input, hx=None)` returns `(output, h_n)`: `output` is
     `(seq, batch, D * hidden_size)` (or batch-first, or `(seq, D * hidden_size)` for unbatched
@@ -355,6 +452,8 @@ class RNN(_RNNBase):
         bidirectional: bool = False,
         device: Any = None,
         dtype: Any = None,
+        *,
+        fused: bool = True,
     ) -> None:
         if nonlinearity == "tanh":
             mode = "RNN_TANH"
@@ -363,7 +462,7 @@ class RNN(_RNNBase):
         else:
             raise ArgumentValueError(f"tfun.nn.RNN: unknown nonlinearity {nonlinearity!r}; expected 'tanh' or 'relu'.")
         super().__init__(mode, input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-                         0, device, dtype)
+                         0, device, dtype, fused=fused)
         self.nonlinearity = nonlinearity
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -389,12 +488,14 @@ class LSTM(_RNNBase):
     Gates in torch's order i, f, g, o:
     `c_t = σ(f) c_{t-1} + σ(i) tanh(g)`, `h_t = σ(o) tanh(c_t)` (then `h_t W_hr^T` if
     `proj_size > 0`, Sak et al. 2014). Each layer and direction is one `tfun.lax.scan`;
-    the input projection of all steps is one matmul before it.
+    the input projection of all steps is one matmul before it. Eager calls outside
+    `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on CPU; the
+    scan on CUDA for now; see `fused` in `tfun.nn.RNN`), several times faster.
 
     **Arguments:**
 
     - `input_size`, `hidden_size`, `num_layers`, `bias`, `batch_first`, `dropout`,
-      `bidirectional`, `device`, `dtype`: as in `tfun.nn.RNN`.
+      `bidirectional`, `device`, `dtype`, `fused`: as in `tfun.nn.RNN`.
     - `proj_size`: if > 0, project `h` to this size with `weight_hr_l*` (must be < hidden_size).
 
     **Returns:** `forward(input, hx=None)` returns `(output, (h_n, c_n))`; `h_n` is
@@ -415,9 +516,11 @@ class LSTM(_RNNBase):
         proj_size: int = 0,
         device: Any = None,
         dtype: Any = None,
+        *,
+        fused: bool = True,
     ) -> None:
         super().__init__("LSTM", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-                         proj_size, device, dtype)
+                         proj_size, device, dtype, fused=fused)
 
     def forward(
         self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
@@ -432,8 +535,8 @@ class LSTM(_RNNBase):
         **Returns:** `(output, (h_n, c_n))`.
         """
         x, batched, h0, c0 = self._prepare(input, hx)
-        out, h_n, c_n = self._run(x, h0, c0)
-        assert c_n is not None
+        out, h_n, c = self._run(x, h0, c0)
+        c_n = cast(Tensor, c)  # an LSTM's run always returns the cell state
         if not batched:
             h_n, c_n = h_n.squeeze(1), c_n.squeeze(1)
         return self._finish(out, batched), (h_n, c_n)
@@ -446,7 +549,10 @@ class GRU(_RNNBase):
     `z = σ(W_iz x + b_iz + W_hz h + b_hz)`, `n = tanh(W_in x + b_in + r * (W_hn h + b_hn))`,
     `h' = (1 - z) * n + z * h`.
 
-    **Arguments:** as `tfun.nn.RNN` (without `nonlinearity`).
+    Eager calls outside `torch.func` transforms run torch's fused `torch._VF.gru` (see
+    `fused` in `tfun.nn.RNN`).
+
+    **Arguments:** as `tfun.nn.RNN` (without `nonlinearity`), `fused` included.
 
     **Returns:** `forward(input, hx=None)` returns `(output, h_n)` as `tfun.nn.RNN`.
     """
@@ -464,9 +570,11 @@ class GRU(_RNNBase):
         bidirectional: bool = False,
         device: Any = None,
         dtype: Any = None,
+        *,
+        fused: bool = True,
     ) -> None:
         super().__init__("GRU", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-                         0, device, dtype)
+                         0, device, dtype, fused=fused)
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run the GRU over `input`.
