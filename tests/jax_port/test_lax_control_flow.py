@@ -1964,6 +1964,7 @@ class TestLaxControlFlow:
         h, _ = lax.scan(lambda h, _: (h + 1, None), 0, length=20)
         assert h == 20
 
+    @pytest.mark.xfail(strict=True, raises=tfun.errors.SideEffectError, reason=D + "in-place-body")
     def test_disable_jit_while_loop_with_mutation(self):
         # JAX issue 27019: an in-place update of a carry leaf must not reach another leaf
         # that started as the same array; eager (JAX's disable_jit) and jitted agree
