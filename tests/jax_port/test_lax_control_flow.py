@@ -2019,9 +2019,10 @@ class TestLaxControlFlow:
         final_ref = body_fun(body_fun(init_vals, [x[0] for x in xs])[0], [x[1] for x in xs])[0]
         assert_all_close(final, final_ref)
 
-    # JAX: jtu.sample_product over range(6) ** 5 (JAX samples a few of the 7776); here 4
+    # JAX: jtu.sample_product over range(6) ** 5 (JAX samples 10 of the 7776 by default); here 10
     @pytest.mark.parametrize("seed, num_rule_consts, num_const_fwds, num_carry_fwds, num_input_fwds",
-                             [(0, 0, 0, 0, 0), (1, 2, 1, 3, 2), (2, 5, 3, 1, 4), (3, 1, 5, 5, 1)])
+                             [(0, 0, 0, 0, 0), (1, 2, 1, 3, 2), (2, 5, 3, 1, 4), (3, 1, 5, 5, 1), (4, 3, 2, 0, 5),
+                              (5, 4, 4, 2, 0), (0, 1, 3, 4, 3), (1, 5, 0, 5, 5), (2, 0, 5, 2, 1), (5, 2, 2, 4, 3)])
     def test_scan_vjp_forwarding_correctness(self, seed, num_rule_consts, num_const_fwds, num_carry_fwds, num_input_fwds):
         # JAX compares the scan's vjp with the one under disable_jit (a Python loop); here
         # the reference is the vjp of `scan_reference`'s Python loop
@@ -2066,7 +2067,7 @@ class TestLaxControlFlow:
             x_fwd, x_dont_fwd = x[:num_input_fwds], x[num_input_fwds:]
             x_fwd = [v * v for v in x_fwd]
             x_dont_fwd = [torch.cos(v) * all_consts for v in x_dont_fwd]
-            y = [*x_fwd, *x_dont_fwd, torch.zeros(())]
+            y = [*x_fwd, *x_dont_fwd, 0]
             return new_c, [y[k] for k in ys_perm]
 
         def loop_scan(init, xs):  # the scan as a Python loop (JAX's disable_jit)
@@ -2074,7 +2075,7 @@ class TestLaxControlFlow:
             for k in range(xs[0].shape[0]):
                 carry, y = body_fun(carry, [x[k] for x in xs])
                 ys.append(y)
-            return carry, [torch.stack(col) for col in zip(*ys)]
+            return carry, [torch.stack([torch.as_tensor(v) for v in col]) for col in zip(*ys)]
 
         xs = [T(v) for v in r.uniform(size=(num_xs, 2))]
         (final, outs), vjp = tfun.vjp(partial(lax.scan, body_fun), init_vals, xs)
