@@ -1834,30 +1834,38 @@ class TestLaxControlFlow:
         assert isinstance(out, Node)
         assert_all_close((out.x, out.y), (0.0, 0.0))
 
+    # JAX's int16 bounds are NumPy scalars; tfun takes those, and int16 tensors too
+    INT16 = [np.int16, lambda v: torch.tensor(v, dtype=torch.int16)]
+
     def testForiLoopScalarLimits(self):
         # JAX: an int16 bound with a Python-int bound is not a type error
         body = lambda i, c: c + 1
         init = torch.tensor(10.0, dtype=torch.float32)
-        assert lax.fori_loop(torch.tensor(0, dtype=torch.int16), 10, body, init) == init + 10
-        assert lax.fori_loop(0, torch.tensor(10, dtype=torch.int16), body, init) == init + 10
+        for int16 in self.INT16:
+            assert lax.fori_loop(int16(0), 10, body, init) == init + 10
+            assert lax.fori_loop(0, int16(10), body, init) == init + 10
 
     def test_fori_loop_supports_unrolling(self):
         body = lambda i, c: c + 1
         init = torch.tensor(10.0, dtype=torch.float32)
-        assert lax.fori_loop(torch.tensor(0, dtype=torch.int16), 10, body, init, unroll=3) == init + 10
-        assert lax.fori_loop(0, torch.tensor(10, dtype=torch.int16), body, init, unroll=2) == init + 10
+        for int16 in self.INT16:
+            assert lax.fori_loop(int16(0), 10, body, init, unroll=3) == init + 10
+            assert lax.fori_loop(0, int16(10), body, init, unroll=2) == init + 10
 
     def test_fori_loop_supports_unrolling_with_bool(self):
         body = lambda i, c: c + 1
         init = torch.tensor(10.0, dtype=torch.float32)
-        assert lax.fori_loop(torch.tensor(0, dtype=torch.int16), 10, body, init, unroll=True) == init + 10
-        assert lax.fori_loop(0, torch.tensor(10, dtype=torch.int16), body, init, unroll=False) == init + 10
+        for int16 in self.INT16:
+            assert lax.fori_loop(int16(0), 10, body, init, unroll=True) == init + 10
+            assert lax.fori_loop(0, int16(10), body, init, unroll=False) == init + 10
 
     def test_fori_loop_with_dynamic_indices_cannot_unroll(self):
         # JAX: ValueError "Can only use `unroll` in `fori_loop` if the loop bounds are
         # statically known" for a traced bound; under tfun.jit a tensor bound is traced
         body = lambda i, c: c + 1
         init = torch.tensor(10.0, dtype=torch.float32)
+        # an int16 tensor for JAX's np.int16(0): a NumPy bound under tfun.jit does not compile
+        # (Dynamo cannot trace `ndarray.dtype` in fori_loop's bound check)
         f = jit(lambda upper: lax.fori_loop(torch.tensor(0, dtype=torch.int16), upper, body, init, unroll=3))
         with pytest.raises(ValueError):
             f(torch.tensor(10))
