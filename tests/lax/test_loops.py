@@ -145,6 +145,28 @@ def test_fori_loop_empty_range_returns_init():
     assert out[1].dtype == torch.float32 and out[1].item() == 1.0
 
 
+def test_fori_loop_unroll_needs_a_static_trip_count():
+    """As in JAX: an int `unroll` other than 1 with a traced or per-example bound is an
+    ArgumentValueError (a ValueError); None, False, 1 and (JAX's test is `unroll != 1`) True
+    pass. Eager tensor bounds and Python-int bounds accept any unroll."""
+    import tfun
+    from tfun.errors import ArgumentValueError
+
+    body = lambda i, c: c + 1
+    x = torch.zeros(())
+    assert lax.fori_loop(torch.tensor(0), torch.tensor(5), body, x, unroll=3).item() == 5
+    j = tfun.jit(lambda n, c, u: lax.fori_loop(0, n, body, c, unroll=u), backend="aot_eager", static_argnums=2)
+    for u in (None, False, 1, True):
+        assert j(torch.tensor(4), x, u).item() == 4
+    for u in (2, 0):
+        with pytest.raises(ArgumentValueError, match="static trip count"):
+            j(torch.tensor(4), x, u)
+    assert tfun.jit(lambda c: lax.fori_loop(0, 4, body, c, unroll=2), backend="aot_eager")(x).item() == 4
+    with pytest.raises(ValueError, match="differs per example"):
+        tfun.vmap(lambda n: lax.fori_loop(0, n, body, x, unroll=2))(torch.tensor([1, 2]))
+    assert tfun.vmap(lambda n: lax.fori_loop(0, n, body, x, unroll=1))(torch.tensor([1, 2])).tolist() == [1, 2]
+
+
 def test_fori_loop_python_int_carry_sums_indices():
     out = lax.fori_loop(2, 7, lambda i, v: v + i, 0)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.item() == sum(range(2, 7))

@@ -8,7 +8,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from .. import _context, _rules
-from .._errors import ArgumentTypeError
+from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _batching, _hop
 from ._scan import (
@@ -232,8 +232,11 @@ def fori_loop(
     - `init_val`: the initial loop value, a pytree; a Python scalar in it is weakly typed,
       as in JAX, and takes the dtype the body gives it (as `scan`'s `init`).
     - `unroll`: with Python-int bounds, the steps per iteration of the compiled loop under
-      `tfun.jit`, as in `scan` (an int `k >= 1`, or `True` / `0` for all). Eagerly, and with
-      tensor bounds (a `while_loop`), it changes nothing.
+      `tfun.jit`, as in `scan` (an int `k >= 1`, or `True` / `0` for all). Eagerly it changes
+      nothing. A loop with a bound that is traced (a tensor under `tfun.jit`) or differs per
+      example (under `vmap`) is a `while_loop`, whose trip count is not static: there, as in
+      JAX, an int `unroll` other than 1 (`0`, `2`, ...) is an `ArgumentValueError` (`None`,
+      `False`, `1` and, as JAX's check is `unroll != 1`, `True` change nothing).
 
     **Returns:** the final loop value.
     """
@@ -288,6 +291,16 @@ def fori_loop(
             idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
             val, _ = scan(step, val, idx, length=n, unroll=1 if unroll is None else unroll)
             return val
+        if unroll is not None and unroll is not False and unroll != 1:
+            # JAX's rule: a loop whose trip count is not static (a traced or per-example
+            # bound) is a while_loop, which cannot be unrolled
+            raise ArgumentValueError(
+                format_message(
+                    f"{op}: unroll={unroll!r} needs a static trip count, but a loop bound is a "
+                    + ("traced tensor (under tfun.jit)." if tracing else "tensor that differs per example (under vmap)."),
+                    revise="Pass Python ints for lower and upper to unroll the loop, or leave unroll out.",
+                )
+            )
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
         hi = torch.as_tensor(upper, dtype=dtype, device=device)
 
