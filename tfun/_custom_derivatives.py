@@ -297,6 +297,13 @@ def _capture(spec: _CallSpec, roots: Sequence[Any]) -> None:
         cap.forward_levels = [_jvp_wrapped(t) for t in cap.tensors]
 
 
+def _callables(nondiff: tuple[Any, ...]) -> list[Any]:
+    """The nondiff arguments that are functions: their closures are searched too (a nondiff
+    function may close over a tensor of an enclosing transform, JAX's
+    test_nondiff_arg_hiding_jvp_tracer)."""
+    return [v for v in nondiff if callable(v) and not isinstance(v, torch.Tensor)]
+
+
 def _jvp_wrapped(t: torch.Tensor) -> bool:
     """Whether `t` carries a tangent of an enclosing forward-mode transform (looked up
     through its batching wrappers). Under `vmap`, torch.func hands the `jvp` rule zero
@@ -751,9 +758,10 @@ class custom_vjp:
     `tfun.jvp`) is a `JitError`: apply the transform outside `tfun.jit`.
 
     `fun`, `fwd` and `bwd` may close over tensors of enclosing transforms (batched by a
-    `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun
-    lifts them into inputs of its `autograd.Function`. They are constants of the custom
-    function: a derivative through one of them is an `ArgumentValueError` (as in JAX); pass
+    `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors (or
+    functions that close over them): tfun lifts them into inputs of its
+    `autograd.Function`. They are constants of the custom function: a derivative through
+    one of them is an `ArgumentValueError` (as in JAX); pass
     such a tensor as a differentiable argument instead.
     """
 
@@ -815,7 +823,7 @@ class custom_vjp:
             # refused before torch.func applies the function: under vmap its generated
             # batching rule fails on forward mode before the Function's `jvp` is reached
             _refuse_forward_mode(self.fwd)
-        _capture(spec, (self.fun, self.fwd, self.bwd))
+        _capture(spec, (self.fun, self.fwd, self.bwd, *_callables(spec.nondiff)))
         fn: Any = _CustomVjpFunction
         if _context.is_tracing():
             if _context.functorch_active():
@@ -1074,8 +1082,9 @@ class custom_jvp:
     `tangent_out` having the output's structure (`None` marks a zero).
 
     `fun` and the rule may close over tensors of enclosing transforms (batched by a `vmap`,
-    tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun lifts them
-    into inputs of its `autograd.Function`. They are constants of the custom function: a
+    tracked by an outer `grad`), and nondiff arguments may be such tensors (or functions
+    that close over them): tfun lifts them into inputs of its `autograd.Function`. They
+    are constants of the custom function: a
     derivative through one of them is an `ArgumentValueError` (JAX raises there too); pass
     such a tensor as a differentiable argument instead.
     """
@@ -1157,7 +1166,7 @@ class custom_jvp:
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
-        _capture(spec, (self.fun, self.jvp_fn))
+        _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
             if _context.functorch_active():
