@@ -312,3 +312,12 @@ def test_jit_function_called_inside_an_eager_checkpoint(backend):
         want = tfun.grad(ref, argnums=(0, 1))(w, x)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_jax_older_policy_names():
+    pol = tfun.checkpoint_policies
+    assert pol.checkpoint_dots is pol.dots_saveable
+    assert pol.checkpoint_dots_with_no_batch_dims is pol.dots_with_no_batch_dims_saveable
+    a = torch.ones(2, 2)
+    assert pol.checkpoint_dots(torch.matmul, a, a) and not pol.checkpoint_dots(torch.sin, a)
+    assert not pol.checkpoint_dots_with_no_batch_dims(torch.bmm, torch.ones(1, 2, 2), torch.ones(1, 2, 2))

@@ -74,6 +74,9 @@ class _Policies:
     `torch.bmm`, `torch.addmm`, `torch.baddbmm`, `torch.addbmm`, `torch.mv`, `torch.addmv`
     or `torch.dot` (`torch.matmul`, `@`, `F.linear` and `einsum` decompose into these);
     the named policies give the same answers there.
+
+    `checkpoint_dots` and `checkpoint_dots_with_no_batch_dims` are JAX's other names of
+    `dots_saveable` and `dots_with_no_batch_dims_saveable` (the same functions).
     """
 
     @staticmethod
@@ -98,6 +101,10 @@ class _Policies:
             return False
         return all(a.ndim <= 2 for a in args if isinstance(a, torch.Tensor))
 
+
+# JAX's older names of the same policies
+_Policies.checkpoint_dots = staticmethod(_Policies.dots_saveable)  # type: ignore[attr-defined]
+_Policies.checkpoint_dots_with_no_batch_dims = staticmethod(_Policies.dots_with_no_batch_dims_saveable)  # type: ignore[attr-defined]
 
 _DOTS = _dot_funcs()
 checkpoint_policies = _Policies()
