@@ -297,6 +297,14 @@ def _capture(spec: _CallSpec, roots: Sequence[Any]) -> None:
         cap.forward_levels = [_jvp_wrapped(t) for t in cap.tensors]
 
 
+def _checkpoint_op() -> Any:
+    """Inside a checkpointed function, the primal run of a custom function is one op (see
+    `tfun._checkpoint.custom_function_op`)."""
+    from ._checkpoint import custom_function_op
+
+    return custom_function_op()
+
+
 def _callables(nondiff: tuple[Any, ...]) -> list[Any]:
     """The nondiff arguments that are functions: their closures are searched too (a nondiff
     function may close over a tensor of an enclosing transform, JAX's
@@ -817,7 +825,8 @@ class custom_vjp:
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _VjpSpec(op, self.fun, self.nondiff_argnums, args)
         if not _needs_rule(spec.tensors):
-            return self.fun(*args)
+            with _checkpoint_op():
+                return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
         if not _context.is_tracing() and _context.functorch_active() and any(_jvp_wrapped(t) for t in spec.tensors):
             # refused before torch.func applies the function: under vmap its generated
@@ -1164,7 +1173,8 @@ class custom_jvp:
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _JvpSpec(op, self.fun, self.nondiff_argnums, args)
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
-            return self.fun(*args)
+            with _checkpoint_op():
+                return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
         fn: Any = _CustomJvpFunction
