@@ -787,7 +787,7 @@ class TestCustomJVP:
         @f.defjvp
         def f_jvp(primals, tangents):
             static_scalar, *_ = primals
-            t_static, t_static_arr, t_dyn_scalar, t_dyn_array = tangents
+            *_, t_dyn_array = tangents
             return f(*primals), (static_scalar + 90, t_dyn_array + 91)
 
         def g(dyn_scalar, dyn_array):
