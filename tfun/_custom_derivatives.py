@@ -10,6 +10,7 @@ Arguments are pytrees: the differentiable positional arguments are flattened wit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -299,7 +300,9 @@ def _capture(spec: _CallSpec, roots: Sequence[Any]) -> None:
 
 def _checkpoint_op() -> Any:
     """Inside a checkpointed function, the primal run of a custom function is one op (see
-    `tfun._checkpoint.custom_function_op`)."""
+    `tfun._checkpoint.custom_function_op`). Traced (tfun.jit) there is no such numbering."""
+    if _context.is_tracing():
+        return contextlib.nullcontext()
     from ._checkpoint import custom_function_op
 
     return custom_function_op()
