@@ -689,3 +689,32 @@ def test_jit_grad_of_custom_jvp_whose_rule_calls_the_function():
     g.defjvp(lambda p, t: (g(p[0]), 2 * t[0]))
     foo = lambda x: tfun.lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0]
     torch.testing.assert_close(tfun.jit(tfun.grad(foo), backend="aot_eager")(torch.tensor(3.0, dtype=D)), torch.tensor(4.0, dtype=D))
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_nondiff_function_closing_over_a_transformed_tensor(kind):
+    # a nondiff argument that is a function is searched for closed-over tensors as the
+    # rules are (JAX's test_nondiff_arg_hiding_jvp_tracer): a derivative through one is
+    # refused; a vmap-batched one is lifted and the rule is used
+    def make():
+        if kind == "custom_jvp":
+            g = tfun.custom_jvp(lambda h, x: h(x), nondiff_argnums=(0,))
+            g.defjvp(lambda h, p, t: (g(h, p[0]), 2.0 * t[0]))
+        else:
+            g = tfun.custom_vjp(lambda h, x: h(x), nondiff_argnums=(0,))
+            g.defvjp(lambda h, x: (g(h, x), None), lambda h, _, w: (2.0 * w,))
+        return g
+
+    def f(x):
+        return make()(lambda y: x + y, x)
+
+    one = torch.tensor(1.0, dtype=D)
+    with pytest.raises(ArgumentValueError, match="close over"):
+        if kind == "custom_jvp":
+            tfun.jvp(f, (torch.tensor(2.0, dtype=D),), (one,))
+        else:
+            tfun.grad(f)(torch.tensor(2.0, dtype=D))
+    # batched by vmap, not differentiated: the value, and the rule's derivative in y
+    g = make()
+    out = tfun.vmap(lambda c: tfun.grad(lambda y: g(lambda v: c * v, y))(one))(XS)
+    torch.testing.assert_close(out, torch.full_like(XS, 2.0))

@@ -74,6 +74,9 @@ class _Policies:
     `torch.bmm`, `torch.addmm`, `torch.baddbmm`, `torch.addbmm`, `torch.mv`, `torch.addmv`
     or `torch.dot` (`torch.matmul`, `@`, `F.linear` and `einsum` decompose into these);
     the named policies give the same answers there.
+
+    `checkpoint_dots` and `checkpoint_dots_with_no_batch_dims` are JAX's other names of
+    `dots_saveable` and `dots_with_no_batch_dims_saveable` (the same functions).
     """
 
     @staticmethod
@@ -98,6 +101,10 @@ class _Policies:
             return False
         return all(a.ndim <= 2 for a in args if isinstance(a, torch.Tensor))
 
+
+# JAX's older names of the same policies
+_Policies.checkpoint_dots = staticmethod(_Policies.dots_saveable)  # type: ignore[attr-defined]
+_Policies.checkpoint_dots_with_no_batch_dims = staticmethod(_Policies.dots_with_no_batch_dims_saveable)  # type: ignore[attr-defined]
 
 _DOTS = _dot_funcs()
 checkpoint_policies = _Policies()
@@ -145,6 +152,7 @@ class _Mode(TorchFunctionMode):
         self.replay = replay
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.count = 0
+        self.opaque = 0  # > 0 inside a custom function's primal run (see `custom_function_op`)
         self._prev: Any = None
 
     def __enter__(self) -> Any:
@@ -179,6 +187,17 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.opaque:
+            # inside a custom function called without its rule: its ops are not numbered,
+            # saved or replayed (see `custom_function_op`), only discovered and substituted
+            if self.discover:
+                self._note(args, kwargs)
+            args, kwargs = self._map_args(args, kwargs)
+            out = func(*args, **kwargs)
+            if self.discover:
+                for t in _tensor_leaves(out):
+                    self.internal[id(t)] = t
+            return out
         idx = self.count
         self.count += 1
         if self.discover:
@@ -194,6 +213,36 @@ class _Mode(TorchFunctionMode):
             for t in _tensor_leaves(out):
                 self.internal[id(t)] = t
         return out
+
+
+@contextlib.contextmanager
+def custom_function_op() -> Iterator[None]:
+    """Around a `custom_jvp`/`custom_vjp` function's primal run without its rule, inside a
+    checkpointed function: one op, whose own ops are not numbered or saved.
+
+    A checkpointed function's ops are numbered in the run that saves the policy's outputs
+    and replayed by number in the recomputation. There the custom function is differentiated:
+    its `autograd.Function.apply` is one op to this mode (torch hides the ops inside it),
+    whereas the saving run (no gradients) calls the function itself. Counting it as one op
+    here keeps the two numberings aligned (a saved matrix product was replayed in place of
+    the wrong op).
+    """
+    mode = getattr(_STATE, "mode", None)
+    if mode is None or mode.opaque or mode not in _active_function_modes():
+        yield
+        return
+    mode.count += 1
+    mode.opaque += 1
+    try:
+        yield
+    finally:
+        mode.opaque -= 1
+
+
+def _active_function_modes() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
 
 
 def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -10,6 +10,7 @@ Arguments are pytrees: the differentiable positional arguments are flattened wit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -295,6 +296,23 @@ def _capture(spec: _CallSpec, roots: Sequence[Any]) -> None:
     if cap.tensors:
         spec.captures = cap
         cap.forward_levels = [_jvp_wrapped(t) for t in cap.tensors]
+
+
+def _checkpoint_op() -> Any:
+    """Inside a checkpointed function, the primal run of a custom function is one op (see
+    `tfun._checkpoint.custom_function_op`). Traced (tfun.jit) there is no such numbering."""
+    if _context.is_tracing():
+        return contextlib.nullcontext()
+    from ._checkpoint import custom_function_op
+
+    return custom_function_op()
+
+
+def _callables(nondiff: tuple[Any, ...]) -> list[Any]:
+    """The nondiff arguments that are functions: their closures are searched too (a nondiff
+    function may close over a tensor of an enclosing transform, JAX's
+    test_nondiff_arg_hiding_jvp_tracer)."""
+    return [v for v in nondiff if callable(v) and not isinstance(v, torch.Tensor)]
 
 
 def _jvp_wrapped(t: torch.Tensor) -> bool:
@@ -751,9 +769,10 @@ class custom_vjp:
     `tfun.jvp`) is a `JitError`: apply the transform outside `tfun.jit`.
 
     `fun`, `fwd` and `bwd` may close over tensors of enclosing transforms (batched by a
-    `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun
-    lifts them into inputs of its `autograd.Function`. They are constants of the custom
-    function: a derivative through one of them is an `ArgumentValueError` (as in JAX); pass
+    `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors (or
+    functions that close over them): tfun lifts them into inputs of its
+    `autograd.Function`. They are constants of the custom function: a derivative through
+    one of them is an `ArgumentValueError` (as in JAX); pass
     such a tensor as a differentiable argument instead.
     """
 
@@ -809,13 +828,14 @@ class custom_vjp:
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _VjpSpec(op, self.fun, self.nondiff_argnums, args)
         if not _needs_rule(spec.tensors):
-            return self.fun(*args)
+            with _checkpoint_op():
+                return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
         if not _context.is_tracing() and _context.functorch_active() and any(_jvp_wrapped(t) for t in spec.tensors):
             # refused before torch.func applies the function: under vmap its generated
             # batching rule fails on forward mode before the Function's `jvp` is reached
             _refuse_forward_mode(self.fwd)
-        _capture(spec, (self.fun, self.fwd, self.bwd))
+        _capture(spec, (self.fun, self.fwd, self.bwd, *_callables(spec.nondiff)))
         fn: Any = _CustomVjpFunction
         if _context.is_tracing():
             if _context.functorch_active():
@@ -1074,8 +1094,9 @@ class custom_jvp:
     `tangent_out` having the output's structure (`None` marks a zero).
 
     `fun` and the rule may close over tensors of enclosing transforms (batched by a `vmap`,
-    tracked by an outer `grad`), and nondiff arguments may be such tensors: tfun lifts them
-    into inputs of its `autograd.Function`. They are constants of the custom function: a
+    tracked by an outer `grad`), and nondiff arguments may be such tensors (or functions
+    that close over them): tfun lifts them into inputs of its `autograd.Function`. They
+    are constants of the custom function: a
     derivative through one of them is an `ArgumentValueError` (JAX raises there too); pass
     such a tensor as a differentiable argument instead.
     """
@@ -1155,9 +1176,10 @@ class custom_jvp:
         args = _bind_positional(self.fun, args, kwargs, op)
         spec = _JvpSpec(op, self.fun, self.nondiff_argnums, args)
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
-            return self.fun(*args)
+            with _checkpoint_op():
+                return self.fun(*args)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
-        _capture(spec, (self.fun, self.jvp_fn))
+        _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
             if _context.functorch_active():

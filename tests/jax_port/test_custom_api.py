@@ -740,6 +740,90 @@ class TestCustomJVP:
 
         g(T(1.0))
 
+    def test_nondiff_arg_hiding_jvp_tracer(self):
+        # JAX: UnexpectedTracerError, the nondiff function `h` closes over `x`, which the
+        # outer jvp differentiates. tfun refuses that derivative too (the error of
+        # test_closed_over_tracers_error_message).
+        def f(x):
+            @partial(tfun.custom_jvp, nondiff_argnums=(0,))
+            def g(h, x):
+                return h(x)
+
+            @g.defjvp
+            def g_jvp(h, primals, tangents):
+                (x,), (t,) = primals, tangents
+                return g(h, x), 2.0 * t
+
+            h = lambda y: x + y  # captures x
+            return g(h, x)
+
+        with pytest.raises(tfun.errors.ArgumentValueError, match="close over"):
+            tfun.jvp(f, (T(2.0),), (T(1.0),))
+
+    @pytest.mark.parametrize("maybe_jit,maybe_vmap", [
+        pytest.param(True, True, id="jit_vmap", marks=skip("jit-custom-jvp-fwd")),
+        pytest.param(True, False, id="jit", marks=skip("jit-custom-jvp-fwd")),
+        pytest.param(False, True, id="vmap"),
+        pytest.param(False, False, id=""),
+    ])
+    def test_symbolic_zero_custom_jvp(self, maybe_jit, maybe_vmap):
+        """Without symbolic zeros (tfun has no `symbolic_zeros=True`): the rule gets zero
+        tangents for the constant arguments, so JAX's checks that they are `SymbolicZero`s
+        (and of the output's Python types) are dropped; the values are JAX's."""
+
+        def f(static_scalar, static_array, dyn_scalar, dyn_array):
+            return static_scalar + dyn_scalar, static_array + dyn_array
+
+        def _vmap(fun):
+            def _fun(*args):
+                args = [torch.as_tensor(a)[None] for a in args]
+                out = tfun.vmap(fun)(*args)
+                return tuple(o[0] for o in out)
+
+            return _fun
+
+        f = tfun.custom_jvp(f)
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            static_scalar, *_ = primals
+            *_, t_dyn_array = tangents
+            return f(*primals), (static_scalar + 90, t_dyn_array + 91)
+
+        def g(dyn_scalar, dyn_array):
+            f_ = _vmap(f) if maybe_vmap else f
+            return f_(T(1.0), torch.tensor([2.0, 3.0]), dyn_scalar, dyn_array)
+
+        def run(primal_ins, tangent_ins):
+            return tfun.jvp(g, primal_ins, tangent_ins)
+
+        if maybe_jit:
+            run = jit(run)
+
+        primal_ins = (T(4.0), torch.tensor([5.0, 6.0]))
+        tangent_ins = (T(7.0), torch.tensor([8.0, 9.0]))
+        (primal_out1, primal_out2), (tangent_out1, tangent_out2) = run(primal_ins, tangent_ins)
+        assert_all_close(primal_out1, 5.0)
+        assert_all_close(tangent_out1, 91.0)
+        assert_all_close(primal_out2, np.array([7.0, 9.0]))
+        assert_all_close(tangent_out2, np.array([99.0, 100.0]))
+
+    def test_symbolic_zero_under_vmap_of_jit(self):
+        # JAX's rule returns `zero_from_primal(x, symbolic_zeros=True)`: a zero tangent,
+        # here `torch.zeros_like(x)` (tfun has no symbolic zeros)
+        @tfun.custom_jvp
+        def f(x):
+            return x + 1
+
+        @f.defjvp
+        def f_jvp(x, t):
+            (x,), (t,) = x, t
+            return f(x), torch.zeros_like(x)
+
+        x = torch.arange(3.0)
+        out = tfun.jvp(tfun.vmap(jit(f)), (x,), (x,))  # doesn't crash
+        assert_all_close(out, (x + 1, np.zeros(3)))
+
 
 class TestCustomVJP:
     def test_basic(self):
@@ -1351,3 +1435,125 @@ class TestCustomVJP:
         out = tfun.grad(f, argnums=(0, 1), allow_int=True)(T(2.0), T(3))
         assert_all_close(out, (2.0, 0))
         assert out[1].dtype == torch.int64
+
+    @pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=D + "nondiff-tensors")
+    def test_nondiff_arg_tracer_error(self):
+        @partial(tfun.custom_vjp, nondiff_argnums=(0,))
+        def f(x, y):
+            return x * y
+
+        f.defvjp(lambda x, y: (f(x, y), torch.cos(y)), lambda x, cos_y, g: (cos_y * g,))
+
+        @jit
+        def g(x, y):
+            return f(x, y)
+
+        with pytest.raises(TypeError, match="custom_vjp"):
+            g(T(2), T(3.0))
+        with pytest.raises(TypeError, match="custom_vjp"):
+            tfun.grad(g, argnums=1)(T(2.0), T(3.0))
+
+    def test_float0_initial_style(self):
+        # JAX's float0 cotangent of the integer leaf: an integer zero of its dtype
+        @tfun.custom_vjp
+        def f(x):
+            return x
+
+        f.defvjp(lambda x: (x, (2.0, x)), lambda *_: ((T(2.0), torch.zeros((), dtype=torch.int64)),))
+
+        def foo(x, y):
+            out, _ = lax.scan(lambda c, _: (f(c), None), (x, y), None, length=1)
+            return out[0]
+
+        out = tfun.grad(foo, argnums=(0, 1), allow_int=True)(T(2.0), T(3))
+        assert_all_close(out, (2.0, 0))
+        assert out[1].dtype == torch.int64
+
+    @pytest.mark.parametrize("maybe_jit,maybe_vmap", [
+        pytest.param(True, True, id="jit_vmap", marks=skip("jit-vjp-custom-vjp")),
+        pytest.param(True, False, id="jit", marks=skip("jit-vjp-custom-vjp")),
+        pytest.param(False, True, id="vmap"),
+        pytest.param(False, False, id=""),
+    ])
+    def test_symbolic_zero_custom_vjp(self, maybe_jit, maybe_vmap):
+        """Without symbolic zeros (tfun has no `symbolic_zeros=True`): fwd gets the plain
+        arguments (no `.value`/`.perturbed`) and bwd a zero cotangent for the unused first
+        output, so JAX's `SymbolicZero`/`perturbed`/Python-type checks are dropped; the
+        values are JAX's."""
+
+        def f(static_scalar, static_array, dyn_scalar, dyn_array):
+            out1 = static_scalar + dyn_scalar
+            out2 = static_array + dyn_array
+            return static_scalar, static_array, out1, out2
+
+        def _vmap(fun):
+            def _fun(*args):
+                args = [torch.as_tensor(a)[None] for a in args]
+                out = tfun.vmap(fun)(*args)
+                return tuple(o[0] for o in out)
+
+            return _fun
+
+        f = tfun.custom_vjp(f)
+
+        def fwd(*xs):
+            return f(*xs), xs
+
+        def bwd(res, g):
+            static_scalar, *_ = res
+            t_static, t_static_arr, t_dyn_scalar, t_dyn_array = g
+            assert_all_close(t_static, 0.0)  # a zero cotangent, not a symbolic one
+            return (static_scalar + 90, t_static_arr + 91, t_dyn_scalar + 92, t_dyn_array + 93)
+
+        f.defvjp(fwd, bwd)
+
+        def g(dyn_scalar, dyn_array):
+            f_ = _vmap(f) if maybe_vmap else f
+            outs = f_(T(1.0), torch.tensor([2.0, 3.0]), dyn_scalar, dyn_array)
+            return outs[1:]
+
+        def run(primal_ins, cotangent_outs):
+            primal_outs, vjp = tfun.vjp(g, *primal_ins)
+            return primal_outs, vjp(cotangent_outs)
+
+        if maybe_jit:
+            run = jit(run)
+
+        primal_ins = (T(4.0), torch.tensor([5.0, 6.0]))
+        cotangent_outs = (torch.tensor([10.0, 11.0]), T(7.0), torch.tensor([8.0, 9.0]))
+        primal_outs, cotangent_ins = run(primal_ins, cotangent_outs)
+        assert_all_close(primal_outs, (np.array([2.0, 3.0]), 5.0, np.array([7.0, 9.0])))
+        assert_all_close(cotangent_ins, (99.0, np.array([101.0, 102.0])))
+
+    def test_run_rules_more_than_once(self):
+        # without symbolic zeros: fwd cannot ask `y.perturbed`; it saves nothing
+        @tfun.custom_vjp
+        def f(x, y):
+            return x + y
+
+        f.defvjp(lambda x, y: (x + y, None), lambda res, ct: (ct, ct))
+
+        def body(x_y, _):
+            x, y = x_y
+            return (f(x, y), x), None
+
+        @tfun.grad
+        def g(x):
+            (out, _), _ = lax.scan(body, (x, T(1.0)), xs=None, length=2)
+            return out
+
+        assert_all_close(g(T(1.0)), 2.0)
+
+    def test_symbolic_zeros_remat(self):
+        # without symbolic zeros: fwd gets `x`, not a CustomVJPPrimal
+        @tfun.custom_vjp
+        def f(x):
+            return x
+
+        f.defvjp(lambda x: (f(x), None), lambda _, g: (g,))
+
+        @tfun.remat
+        def foo(x):
+            return f(f(x))
+
+        assert_all_close(tfun.grad(foo)(T(3.0)), 1.0)
