@@ -463,7 +463,7 @@ def normalize_weak_outputs(expected_leaves: Sequence[Any], out: Any) -> Any:
     return tree_unflatten(treedef, leaves) if changed else out
 
 
-def _category(dtype: torch.dtype) -> int:
+def dtype_category(dtype: torch.dtype) -> int:
     """Type promotion's order of kinds: bool < integer < floating < complex. A Python
     scalar of a kind no higher than a tensor's takes the tensor's dtype (`torch.result_type`,
     written out so that Dynamo can trace it)."""
@@ -494,7 +494,7 @@ def promote_weak_init(expected_leaves: Sequence[Any], weak: dict[int, Any] | Non
             and o.dim() == 0
             and o.dtype != ref.dtype
             and o.device == ref.device
-            and _category(scalar_dtype(v)) <= _category(o.dtype)  # result_type(v, o) is o.dtype
+            and dtype_category(scalar_dtype(v)) <= dtype_category(o.dtype)  # result_type(v, o) is o.dtype
         ):
             expected[i] = LeafMeta(o.dtype, o.shape, o.device)
     return expected
@@ -1514,6 +1514,7 @@ __all__ = [
     "as_tensor_tree",
     "scalar_dtype",
     "normalize_weak_outputs",
+    "dtype_category",
     "promote_weak_init",
     "check_callable",
     "check_scalar_predicate",

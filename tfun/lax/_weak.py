@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _compat
+from .._rules import dtype_category
 
 __all__ = ["WeakMode", "ELEMENTWISE", "common_dtype"]
 
@@ -62,16 +63,6 @@ _CONVERSIONS = frozenset(
     "to type type_as long int short char byte half float double bfloat16 bool cfloat cdouble "
     "new_tensor new_zeros new_ones new_empty new_full".split()
 )
-
-
-def _category(dtype: torch.dtype) -> int:
-    if dtype == torch.bool:
-        return 0
-    if dtype.is_complex:
-        return 3
-    if dtype.is_floating_point:
-        return 2
-    return 1
 
 
 def _promote(a: torch.dtype | None, b: torch.dtype) -> torch.dtype:
@@ -121,7 +112,7 @@ def common_dtype(strong: Sequence[torch.Tensor], weak: Sequence[torch.Tensor]) -
         else:
             zero = _promote(zero, t.dtype)
     for t in weak:
-        wrapped = _promote(wrapped, _scalar_dtype(_category(t.dtype)))
+        wrapped = _promote(wrapped, _scalar_dtype(dtype_category(t.dtype)))
     return _combine(dim, _combine(zero, wrapped))
 
 
