@@ -240,3 +240,34 @@ def test_weak_init_under_torch_export_matches_eager(strict):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b)
     assert [t.dtype for t in tfun.tree.tree_leaves(want)] == [torch.int8] * 3 + [torch.float16]
+
+
+@pytest.mark.parametrize("path", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+def test_gradients_through_a_loop_with_a_weak_init_match_float64_eager(loop, path):
+    # the body run that decides a weak leaf's dtype is discarded: gradients through the
+    # loop must be those of the loop alone, on every path, against float64 eager (the
+    # bodies read `xs` whole: a traced index into a closed-over tensor that requires grad,
+    # `xs[i]`, is a JitError under tfun.jit whatever the init)
+    def program(xs, w):
+        if loop == "scan":
+            c, ys = lax.scan(lambda c, x: (torch.tanh(c * w + x), c * x), 0.0, xs)
+            return c + ys.sum()
+        if loop == "fori_loop":
+            return lax.fori_loop(0, xs.shape[0], lambda i, c: torch.tanh(c * w + xs.sum() * i), 0.5)
+        c, _ = lax.while_loop(lambda v: v[1] < xs.shape[0], lambda v: (torch.tanh(v[0] * w + xs.sum() * v[1]), v[1] + 1), (0.5, 0))
+        return c
+
+    def grads(dtype, fn):
+        xs = torch.linspace(-1.0, 1.0, 7, dtype=dtype).requires_grad_()
+        w = torch.tensor(0.7, dtype=dtype, requires_grad=True)
+        out = fn(xs, w)
+        out.backward()
+        return out.detach(), xs.grad, w.grad
+
+    ref = grads(torch.float64, program)
+    fn = program if path == "eager" else tfun.jit(program, backend=path)
+    got = grads(torch.float32, fn)
+    assert got[0].dtype == torch.float32
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
