@@ -301,32 +301,34 @@ class _RNNBase(nn.Module):
                 c0 = c0.unsqueeze(1) if c0 is not None else None
         return x, batched, h0, c0
 
-    def _use_fused(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> bool:
-        """Whether this call may run torch's fused kernels (`_fused`): see the module docstring."""
+    def _use_fused(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> list[Tensor] | None:
+        """The flat weights for torch's fused kernels (`_fused`) where this call may run them,
+        else None: see the module docstring."""
         # tracing first: Dynamo folds it to True, so it never looks at the probes below
         if not self.fused or _context.is_tracing():
-            return False
+            return None
         if self.dropout > 0 and self.training:  # the scan draws the dropout masks
-            return False
+            return None
         if _context.functorch_active() or _compat.forward_ad_level_active():
-            return False
+            return None
         if x.dtype not in _FUSED_DTYPES.get(x.device.type, ()):
-            return False
-        tensors = [getattr(self, n) for n in self._flat_weights_names]
-        tensors += [t for t in (h0, c0) if t is not None]
-        return all(t.device == x.device and t.dtype == x.dtype for t in tensors)
+            return None
+        weights = [getattr(self, n) for n in self._flat_weights_names]
+        states = [t for t in (h0, c0) if t is not None]
+        if all(t.device == x.device and t.dtype == x.dtype for t in (*weights, *states)):
+            return weights
+        return None
 
     def _run(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         nd = 2 if self.bidirectional else 1
         batch = x.shape[1]
         real_hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
-        fused = self._use_fused(x, h0, c0)
+        weights = self._use_fused(x, h0, c0)
         if h0 is None:
             h0 = x.new_zeros(self.num_layers * nd, batch, real_hidden)
         if self.mode == "LSTM" and c0 is None:
             c0 = x.new_zeros(self.num_layers * nd, batch, self.hidden_size)
-        if fused:
-            weights = [getattr(self, n) for n in self._flat_weights_names]
+        if weights is not None:
             return _fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
                           self.proj_size > 0)
         h_n, c_n = [], []
