@@ -140,6 +140,57 @@ def test_custom_vjp_bwd_errors():
         tfun.custom_vjp(lambda x: x)(t(1))
 
 
+@pytest.mark.parametrize("path", ["eager", "vmap", "jit"])
+@pytest.mark.parametrize(
+    "x_dtype,ct_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.float64), (torch.float64, torch.int64),
+     (torch.float64, torch.complex128)],
+)
+def test_custom_vjp_bwd_cotangent_of_another_dtype_is_converted(path, x_dtype, ct_dtype):
+    """As in JAX, a bwd cotangent of the argument's shape may have another dtype when the
+    argument is floating (JAX's custom_vjp accepts a float32 cotangent for a bfloat16 input):
+    tfun converts it to the argument's dtype (the real part of a complex one), on every path."""
+
+    @tfun.custom_vjp
+    def f(x, w):
+        return x.to(torch.float64) * w
+
+    def bwd(res, g):
+        x, w = res
+        g_x = g * w  # float64 whatever x's dtype
+        if ct_dtype.is_complex:
+            g_x = g_x + 5j  # the imaginary part is dropped
+        return g_x.to(ct_dtype), g * x.to(torch.float64)
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+    x = torch.arange(6.0).reshape(2, 3).to(x_dtype)
+    w = torch.full((2, 3), 2.0, dtype=torch.float64)
+    grad = tfun.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
+    if path == "vmap":
+        g_x, g_w = tfun.vmap(grad)(x, w)
+    elif path == "jit":
+        g_x, g_w = tfun.jit(grad, backend="aot_eager")(x, w)
+    else:
+        g_x, g_w = grad(x, w)
+    assert g_x.dtype == x_dtype and g_w.dtype == torch.float64
+    assert torch.equal(g_x, torch.full((2, 3), 2.0, dtype=x_dtype))
+    assert torch.equal(g_w, x.to(torch.float64))
+
+
+def test_custom_vjp_bwd_cotangent_of_another_shape_is_still_refused():
+    """Only the dtype is converted: a cotangent of another shape is a mismatch, whatever its
+    dtype (an integer argument's cotangent is ignored, as JAX's float0 is)."""
+
+    @tfun.custom_vjp
+    def f(x):
+        return x * 2
+
+    for bad in (lambda g: g[:1], lambda g: g[:1].to(torch.float32)):
+        f.defvjp(lambda x: (f(x), None), lambda _, g, bad=bad: (bad(g),))
+        with pytest.raises(TensorMismatchError, match=r"bwd output\[0\]: expected a tensor of shape \(2,\) and dtype torch.float64, got a tensor of shape \(1,\)"):
+            tfun.grad(lambda x: f(x).sum())(t(2))
+
+
 # ---------------------------------------------------------------- custom_jvp
 
 

@@ -450,8 +450,13 @@ def _check_cotangents(
     shapes: Sequence[tuple[torch.Size, torch.dtype] | None],
     revise: str,
     mismatch: type[TensorMismatchError] = TensorMismatchError,
+    cast_inexact: bool = False,
 ) -> list[Any]:
     """Match `returned` (None allowed at any prefix position = zero) against `expected`.
+
+    With `cast_inexact`, a leaf of the expected shape whose expected dtype is floating or
+    complex may have another dtype and is converted to the expected one (JAX accepts such a
+    `custom_vjp` bwd cotangent: a float32 cotangent for a bfloat16 argument).
 
     Returns one entry (tensor or None) per leaf of `expected`.
     """
@@ -476,6 +481,10 @@ def _check_cotangents(
         if not isinstance(got, torch.Tensor):
             bullets.append(f"{path}: expected a tensor of shape {tuple(shape)} and dtype {dtype}, got {describe_value(got)}")
             continue
+        inexact = dtype.is_floating_point or dtype.is_complex
+        if cast_inexact and inexact and got.shape == shape and got.dtype != dtype:
+            # a complex cotangent of a real argument: its real part, as the engine would take
+            got = (got.real if got.is_complex() and not dtype.is_complex else got).to(dtype)
         if got.shape != shape or (dtype.is_floating_point or dtype.is_complex) and got.dtype != dtype:
             bullets.append(
                 f"{path}: expected a tensor of shape {tuple(shape)} and dtype {dtype}, got a tensor of shape "
@@ -658,6 +667,7 @@ class _CustomVjpFunction(torch.autograd.Function):
             meta_per_leaf,
             revise,
             _CotangentMismatchError,
+            cast_inexact=True,
         )
         result = [conj_ct(flat[k]) for k in spec.tensor_pos]
         if pulled is not None:
@@ -795,7 +805,9 @@ class custom_vjp:
 
         - `fwd`: `fwd(*args) -> (output, residuals)`, with the primal's signature.
         - `bwd`: `bwd(*nondiff_args, residuals, g) -> tuple` of cotangents, one per
-          differentiable positional argument.
+          differentiable positional argument, each with its argument's structure and
+          shapes (`None` marks a zero). A floating argument's cotangent may have another
+          dtype, as in JAX; it is converted to the argument's dtype.
         - `symbolic_zeros`: JAX's flag; only `False` (the default) is supported.
         - `optimize_remat`: accepted for JAX compatibility (a bool); it changes nothing:
           `fwd` runs only when a gradient is needed, and `tfun.checkpoint` recomputes it.
