@@ -396,19 +396,16 @@ def _selective_contexts(policy: Callable[..., bool]) -> Any:
     return create_selective_checkpoint_contexts(functools.partial(_selective_policy, policy))
 
 
-def _refuse_control_flow(fun: Callable[..., Any]) -> None:
-    raise JitError(
-        format_message(
-            "tfun.checkpoint: under tfun.jit, a checkpointed function that contains tfun.lax control flow "
-            f"(scan, cond, switch, while_loop, fori_loop, map) takes no policy: torch {torch.__version__}'s "
-            "checkpoint op refuses control-flow ops inside it, so tfun checkpoints each branch and loop body "
-            "instead, saving nothing but their inputs.",
-            function=describe(fun),
-            revise="Drop the policy (or pass `checkpoint_policies.nothing_saveable`), checkpoint the loop body with "
-            "the policy (`lax.scan(tfun.checkpoint(step, policy=...), init, xs)`), or call this function outside "
-            "tfun.jit.",
-        )
-    )
+def _keyed_policy(key: int, func: Any, *args: Any, **kwargs: Any) -> bool:
+    """The policy registered under `key` (`_hop.escape_policy_key`), asked as a policy."""
+    policy = _hop.policy_of(key)
+    return policy is not None and bool(policy(func, *args, **kwargs))
+
+
+def _checkpoint_body(fn: Callable[..., Any], policy_key: int) -> Callable[..., Any]:
+    """How a traced `tfun.checkpoint` around control flow checkpoints each branch and loop
+    body: with the enclosing checkpoint's policy, named by its key (a Dynamo constant)."""
+    return checkpoint(fn, policy=functools.partial(_keyed_policy, policy_key) if policy_key else None)
 
 
 @_hop.assume_constant
@@ -440,14 +437,15 @@ def _traced_checkpoint(
 
     # torch's checkpoint op refuses control-flow ops inside it. Whether `fun` contains any is
     # learned by tracing it once in a `remat_scope`, where every tfun.lax op lowered
-    # checkpoints its bodies (branches, loop bodies): with control flow, that trace is the
-    # result; without, its ops are dead code and `fun` is traced again under torch's op.
+    # checkpoints its bodies (branches, loop bodies) with `policy`: with control flow, that
+    # trace is the result; without, its ops are dead code and `fun` is traced again under
+    # torch's op.
+    # With a policy, each body's checkpoint applies it (JAX's remat of a loop applies the
+    # policy to the body); the code between the control-flow ops is then stored.
     lowered = _hop.lowerings()
-    with _hop.remat_scope():
+    with _hop.remat_scope(_hop.escape_policy_key(policy)):
         out = fun(*args)
     if _hop.lowerings() != lowered:
-        if policy is not None:
-            _refuse_control_flow(fun)
         return out
 
     dyn = partition(tuple(a for i, a in enumerate(args) if i not in static))
@@ -644,7 +642,8 @@ def checkpoint(
     as one `tag_activation_checkpoint` op, with `policy` as torch's selective activation
     checkpointing; values and gradients are those of eager mode. torch's op refuses
     control flow inside it: where `fun` contains `tfun.lax` control flow, each branch and
-    loop body is checkpointed instead (with a `policy` that is a `JitError`). With
+    loop body is checkpointed instead, with `policy`, and the code between them is stored
+    (as JAX's remat of a loop applies the policy to its body). With
     `tfun.grad` inside `tfun.jit`, torch 2.13 and later refuse torch random draws in
     `fun` (use `tfun.random`): a `JitError`. See "`tfun.checkpoint` under `tfun.jit`" in
     docs/concepts/tracing.md.
@@ -758,4 +757,4 @@ remat = checkpoint
 
 # Under tfun.jit, the bodies of control flow inside a checkpointed function are checkpointed
 # instead of the function (see `_traced_checkpoint`): tfun.lax asks for this through `_hop`.
-_hop.register_remat(checkpoint)
+_hop.register_remat(_checkpoint_body)

@@ -557,7 +557,6 @@ class TestRemat:
         f = self._dots_outside_scan()
         check_grads(f, (torch.ones((5, 5)),), order=2, modes=["fwd", "rev"])
 
-    @pytest.mark.xfail(strict=True, raises=tfun.errors.JitError, reason=D + "jit-checkpoint-policy-control-flow")
     def test_remat_checkpoint_dots_outside_scan_jit(self):
         f = self._dots_outside_scan()
         check_grads(jit(f), (torch.ones((5, 5)),), order=2, modes=["fwd", "rev"])
@@ -635,7 +634,6 @@ class TestRemat:
         in the test below."""
         check_grads(self._dots_cond(where), (torch.ones((5, 5)),), order=2, modes=["fwd", "rev"])
 
-    @pytest.mark.xfail(strict=True, raises=tfun.errors.JitError, reason=D + "jit-checkpoint-policy-control-flow")
     @pytest.mark.parametrize("where", [pytest.param("inside", id="test_remat_checkpoint_dots_inside_cond"),
                                        pytest.param("outside", id="test_remat_checkpoint_dots_outside_cond")])
     def test_remat_checkpoint_dots_inside_cond_jit(self, where):

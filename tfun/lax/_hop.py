@@ -80,6 +80,8 @@ __all__ = [
     "remat_scope",
     "remat_body",
     "register_remat",
+    "escape_policy_key",
+    "policy_of",
     "torch_cond",
     "torch_scan",
     "torch_while_loop",
@@ -241,47 +243,83 @@ def _escape_lowerings(count: bool) -> int:
 # tfun.checkpoint around control flow, traced
 # ----------------------------------------------------------------------------------------
 
-#: How many traced `tfun.checkpoint` calls enclose the code being traced whose function
+#: The traced `tfun.checkpoint` calls enclosing the code being traced whose function
 #: contains control flow (torch's checkpoint op refuses HOPs inside it; the checkpoint is
-#: then applied to each body instead), and the trace that count belongs to (a trace that
-#: raises leaves it behind; the next trace starts from 0). Plain Python read and written at
-#: trace time through `_escape_remat` (Dynamo constants), as `_LOWERINGS`.
-_REMAT_DEPTH: list[Any] = [0, None]
-#: `tfun.checkpoint` (policy `None`) of a function: registered by tfun._checkpoint, a layer
-#: above this one, at its import.
-_REMAT: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+#: then applied to each body instead), innermost last, each as the key of its policy in
+#: `_POLICIES` (0: no policy), and the trace that stack belongs to (a trace that raises
+#: leaves it behind; the next trace starts empty). Plain Python read and written at trace
+#: time through `_escape_remat` (Dynamo constants), as `_LOWERINGS`.
+_REMAT_STACK: list[Any] = [[], None]
+#: policy key -> policy, for the policies of traced checkpoints around control flow: the
+#: bodies' checkpoints name theirs by key (an int, a constant to Dynamo) and look it up when
+#: AOTAutograd partitions the graph, right after the trace. Bounded.
+_POLICIES: collections.OrderedDict[int, Callable[..., bool]] = collections.OrderedDict()
+_POLICIES_MAX = 256
+#: `tfun.checkpoint` of a function, with the policy of a key: registered by
+#: tfun._checkpoint, a layer above this one, at its import.
+_REMAT: list[Callable[[Callable[..., Any], int], Callable[..., Any]]] = []
 
 
-def register_remat(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Called once, at import, by tfun._checkpoint: how `remat_body` checkpoints a body."""
+def register_remat(wrap: Callable[[Callable[..., Any], int], Callable[..., Any]]) -> None:
+    """Called once, at import, by tfun._checkpoint: how `remat_body` checkpoints a body
+    (`wrap(fn, policy_key)`)."""
     _REMAT[:] = [wrap]
 
 
 @assume_constant
-def _escape_remat(delta: int) -> int:
+def escape_policy_key(policy: Callable[..., bool] | None) -> int:
+    """Trace time: a key (an int) for `policy` (0 for `None`), looked up by `policy_of`."""
+    if policy is None:
+        return 0
+    key = next(_KEYS)
+    _POLICIES[key] = policy
+    while len(_POLICIES) > _POLICIES_MAX:
+        _POLICIES.popitem(last=False)
+    return key
+
+
+def policy_of(key: int) -> Callable[..., bool] | None:
+    """The policy of a key from `escape_policy_key` (plain Python, never traced)."""
+    return None if key == 0 else _POLICIES[key]
+
+
+@assume_constant
+def _escape_remat(push: int | None, pop: bool) -> int:
+    """Push a policy key, pop, or neither; return the innermost key, or -1 outside every scope."""
     trace = _context.current_trace()
-    if _REMAT_DEPTH[1] is None or _REMAT_DEPTH[1]() is not trace:
-        _REMAT_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
-    _REMAT_DEPTH[0] = max(_REMAT_DEPTH[0] + delta, 0)
-    return _REMAT_DEPTH[0]
+    if _REMAT_STACK[1] is None or _REMAT_STACK[1]() is not trace:
+        _REMAT_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
+    stack = _REMAT_STACK[0]
+    if push is not None:
+        stack.append(push)
+    elif pop and stack:
+        stack.pop()
+    return stack[-1] if stack else -1
 
 
 class remat_scope:
     """Trace time: while active, `remat_body` checkpoints the bodies of the control-flow ops
-    lowered (`with remat_scope(): out = fun(*args)` in a traced `tfun.checkpoint`)."""
+    lowered, with the policy of `policy_key` (`with remat_scope(key): out = fun(*args)` in a
+    traced `tfun.checkpoint`)."""
+
+    def __init__(self, policy_key: int = 0) -> None:
+        self.policy_key = policy_key
 
     def __enter__(self) -> None:
-        _escape_remat(1)
+        _escape_remat(self.policy_key, False)
 
     def __exit__(self, *exc: Any) -> None:
-        _escape_remat(-1)
+        _escape_remat(None, True)
 
 
 def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` checkpointed (its intermediates recomputed in backward) inside a `remat_scope`,
-    else `fn`: called by every lowering on the functions its HOP runs."""
-    if _REMAT and _escape_remat(0) > 0:
-        return _REMAT[0](fn)
+    """`fn` checkpointed (its intermediates recomputed in backward, but for what the
+    innermost scope's policy saves) inside a `remat_scope`, else `fn`: called by every
+    lowering on the functions its HOP runs."""
+    if _REMAT:
+        key = _escape_remat(None, False)
+        if key >= 0:
+            return _REMAT[0](fn, key)
     return fn
 
 
