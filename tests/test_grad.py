@@ -450,3 +450,109 @@ def test_grad_allow_int_off_and_bad_flag_are_tfun_errors():
         tfun.grad(lambda x, n: x * n, argnums=(0, 1))(torch.tensor(2.0), torch.tensor(3))
     with pytest.raises(ArgumentTypeError, match="allow_int must be a bool"):
         tfun.grad(lambda x: x, allow_int=1)
+
+
+# ---------------------------------------------------------------- tfun.vjp inside tfun.jit
+
+
+def _vjp_cases():
+    """(function, primals, cotangent) triples; eager float64 `tfun.vjp` is the oracle."""
+    from tfun import lax
+
+    @tfun.custom_vjp
+    def twice_rule(x):  # a rule that is NOT the derivative: a path ignoring it is caught
+        return torch.sin(x)
+
+    twice_rule.defvjp(lambda x: (torch.sin(x), x), lambda x, g: (2 * g * torch.cos(x),))
+
+    def rnn(w, xs):
+        return lax.scan(lambda c, x: (torch.tanh(c * w + x), c * 2), torch.zeros(3, dtype=D), xs)
+
+    x3, xs = t(3, seed=1), t(5, 3, seed=2)
+    return {
+        "scan": (rnn, (x3, xs), (t(3, seed=3), t(5, 3, seed=4))),
+        "custom_vjp_in_cond": (
+            lambda w: lax.cond(w.sum() > -100, lambda w: twice_rule(w) * 3, lambda w: w, w),
+            (x3,),
+            t(3, seed=5),
+        ),
+        "pytree_int_and_constant_outputs": (
+            lambda d: {"y": d["a"] * d["b"], "n": d["n"] + 1, "k": torch.ones(2, dtype=D)},
+            ({"a": x3, "b": t(3, seed=6), "n": torch.arange(3)},),
+            {"y": t(3, seed=7), "n": torch.zeros(3, dtype=torch.long), "k": t(2, seed=8)},
+        ),
+        "no_floating_output": (lambda x: (x > 0, x.long()), (x3,), (torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long))),
+    }
+
+
+@pytest.mark.parametrize(
+    "case, backend",
+    [(c, "aot_eager") for c in ["scan", "custom_vjp_in_cond", "pytree_int_and_constant_outputs", "no_floating_output"]]
+    + [("scan", "inductor")],  # one Inductor cell (each compiles for seconds)
+)
+def test_vjp_inside_jit_matches_eager(case, backend):
+    """JAX's `jit(lambda x: vjp(f, x)[1](ct))`: traced, tfun.vjp pulls back with autograd
+    (torch.func cannot be traced around control flow or a custom rule), called twice."""
+    fun, primals, ct = _vjp_cases()[case]
+    want_out, pull = tfun.vjp(fun, *primals)
+    want = pull(ct)
+
+    def step(*p):
+        out, pull = tfun.vjp(fun, *p)
+        return out, pull(ct), pull(ct)
+
+    out, got, again = tfun.jit(step, backend=backend)(*primals)
+    assert_close_tree(out, want_out)
+    assert_close_tree(got, want)
+    assert_close_tree(again, want)
+
+
+def assert_close_tree(a, b):
+    la, lb = tfun.tree.tree_leaves(a), tfun.tree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        torch.testing.assert_close(x, y)
+
+
+def test_vjp_inside_jit_has_aux_and_outer_backward():
+    """With arguments that require grad (and no control flow), the cotangents stay
+    differentiable by an outer `.backward()`, as with torch.func eagerly; `has_aux` too."""
+
+    def f(x):
+        return torch.sin(x) * x, {"aux": x.detach() * 0 + 1}
+
+    def step(x, ct):
+        _, pull, aux = tfun.vjp(f, x, has_aux=True)
+        (g,) = pull(ct)
+        return g, aux
+
+    for how in ("eager", "jit"):
+        x = t(4, seed=1).requires_grad_(True)
+        ct = t(4, seed=2)
+        g, aux = (step if how == "eager" else tfun.jit(step, backend="aot_eager"))(x, ct)
+        (g * g).sum().backward()
+        if how == "eager":
+            want_g, want_xg = g.detach(), x.grad
+        else:
+            torch.testing.assert_close(g.detach(), want_g)
+            torch.testing.assert_close(x.grad, want_xg)
+            torch.testing.assert_close(aux["aux"], torch.ones(4, dtype=D))
+
+
+def test_vjp_inside_jit_refuses_what_it_cannot_differentiate_again():
+    """Control flow and a differentiable cotangent (arguments requiring grad, or a closed-over
+    tensor requiring grad) need a second derivative of a control-flow op: a JitError."""
+    from tfun import lax
+    from tfun.errors import JitError
+
+    def loop(x):
+        return lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2)[0]
+
+    x = t(3).requires_grad_(True)
+    with pytest.raises(JitError, match="cannot itself be differentiated") as e:
+        tfun.jit(lambda x: tfun.vjp(loop, x)[1](torch.ones(3, dtype=D)), backend="aot_eager")(x)
+    assert "tfun.vjp" in str(e.value) and "loop at" in str(e.value)
+    w = t(3).requires_grad_(True)
+    with pytest.raises(JitError, match="a tensor it closes over requires grad"):
+        tfun.jit(lambda x: tfun.vjp(lambda x: loop(x * w), x)[1](torch.ones(3, dtype=D)), backend="aot_eager")(t(3))

@@ -509,6 +509,8 @@ def _check_cotangents(
 # --------------------------------------------------------------------------------------
 
 
+
+
 class _VjpSpec(_CallSpec):
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
@@ -854,6 +856,7 @@ class custom_vjp:
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
                 # _CustomVjpTracedFunction), and which torch.func transform is active cannot be
                 # asked while tracing (torch 2.13): every one is refused, as for custom_jvp.
+                # (Under vmap alone, Dynamo cannot trace the generated batching rule either.)
                 raise JitError(
                     format_message(
                         f"{op}: under tfun.jit, a custom_vjp function cannot be called inside a torch.func "

@@ -753,6 +753,71 @@ def jvp(
     return out, tan
 
 
+def _traced_reverse_mode(
+    op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
+) -> bool:
+    """Whether `tfun.vjp` differentiates with `torch.autograd.grad` (as `tfun.grad` does when
+    traced, see `_value_and_grad_call`) rather than `torch.func.vjp`: when traced by Dynamo,
+    which cannot trace a torch.func transform around tfun's control-flow ops or a custom
+    function's rule, unless the function closes over a tensor that requires grad (its
+    cotangents depend on that tensor: torch.func keeps them differentiable; with control flow
+    inside that is refused, as in `tfun.grad`). `f_flat(*leaves)` returns
+    `(differentiable outputs, rest)`."""
+    if not (len(leaves) > 0 and _context.is_tracing()):
+        return False
+    if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
+        lowered = _hop.lowerings()
+        with torch.enable_grad():
+            outs, _ = f_flat(*[x.detach() for x in leaves])
+        if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            if _hop.lowerings() != lowered:
+                _refuse_second_order(op, fun, closed=True)
+            return False
+    return True
+
+
+def _traced_vjp(
+    op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], primals: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[torch.Tensor]], Any]:
+    """`torch.func.vjp(f_flat, *primals, has_aux=True)` by reverse-mode autograd, for traced
+    code: `f_flat` runs once, on fresh leaves (or, where a primal requires grad and grad mode
+    is on, on a view of it, so that an outer `.backward()` reaches it through the cotangents,
+    as with torch.func); the returned function pulls back with `torch.autograd.grad`, keeping
+    the graph so that it may be called more than once. Custom functions use their rules
+    (`custom_vjp`'s bwd, `custom_jvp`'s transposed rule), and tfun.lax control flow lowers to
+    torch's HOPs, which autograd differentiates."""
+    outer = torch.is_grad_enabled() and any(x.requires_grad for x in primals)
+    with torch.enable_grad():
+        leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in primals]
+        lowered = _hop.lowerings()
+        diff_out, rest_aux = f_flat(*leaves)
+        if outer and _hop.lowerings() != lowered:
+            _refuse_second_order(op, fun)
+    # outputs that do not depend on the primals (no graph) get no cotangent: their
+    # contribution is zero
+    live = [k for k, o in enumerate(diff_out) if o.requires_grad]
+    graph_out = [diff_out[k] for k in live]
+
+    def pull(cts: list[torch.Tensor]) -> list[torch.Tensor]:
+        found: Sequence[torch.Tensor | None] = [None] * len(leaves)
+        if len(graph_out) > 0:
+            with torch.enable_grad():
+                found = torch.autograd.grad(
+                    graph_out,
+                    leaves,
+                    [cts[k] for k in live],
+                    allow_unused=True,
+                    retain_graph=True,
+                    create_graph=outer,
+                )
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]
+
+    if not outer:
+        diff_out = [o.detach() for o in diff_out]
+        rest_aux = tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, rest_aux)
+    return diff_out, pull, rest_aux
+
+
 def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
     """Reverse-mode vector-Jacobian product, as `jax.vjp`.
 
@@ -769,6 +834,10 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     that primal's structure. `vjp_fn` may be called more than once. With complex values it
     is JAX's pullback, the transpose of the tangent map (for a holomorphic `f`,
     `vjp_fn(ct) = ct * f'(z)`), not torch's conjugate transpose.
+
+    Inside `tfun.jit`, `tfun.vjp` differentiates with autograd, as `tfun.grad` does, so
+    `tfun.lax` control flow and custom rules compile into one graph with it (`vjp_fn` must
+    be called inside the same jitted function).
     """
     op = "tfun.vjp"
     pl, ptd = tree_flatten_with_path(primals)
@@ -798,7 +867,10 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         return diff_out, (rest, list(al))
 
     diff_primals = prim.dynamic
-    if diff_primals:
+    torch_vjp_fn: Callable[[list[torch.Tensor]], Sequence[Any]] | None
+    if _traced_reverse_mode(op, fun, f_flat, diff_primals):
+        diff_out, torch_vjp_fn, (rest, aux_l) = _traced_vjp(op, fun, f_flat, diff_primals)
+    elif diff_primals:
         diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
         (diff_out, (rest, aux_l)), torch_vjp_fn = f_flat(), None

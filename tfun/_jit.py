@@ -695,9 +695,9 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
                 f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
                 "transform (grad, vmap, ...) around a control-flow op (cond, scan, map, while_loop) in "
                 f"torch {torch.__version__}.",
-                revise="Use `tfun.grad` / `tfun.value_and_grad` instead of `torch.func.grad` inside `tfun.jit` "
-                "(traced, they differentiate with autograd, which compiles to one graph), or compile the "
-                "function without the transform and call `.backward()`.",
+                revise="Use `tfun.grad` / `tfun.value_and_grad` / `tfun.vjp` instead of `torch.func.grad` / `vjp` "
+                "inside `tfun.jit` (traced, they differentiate with autograd, which compiles to one graph), or "
+                "compile the function without the transform and call `.backward()`.",
             )
         )
         err.dynamo_error = e  # type: ignore[attr-defined]

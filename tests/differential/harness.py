@@ -7,6 +7,8 @@ Paths:
   of a loss computed from the jitted outputs (the backward is compiled by AOTAutograd).
 - `"aot_eager+grad"`, `"inductor+grad"`: JAX's training step, `tfun.jit(tfun.value_and_grad(loss))`,
   the whole forward and backward traced into one graph.
+- `"aot_eager+vjp"`, `"inductor+vjp"`: `tfun.vjp` inside `tfun.jit`, JAX's `jit(lambda: vjp(f, x)[1](ct))`,
+  pulling back the loss weights (so its gradients are the loss's).
 - `"vmap"`: `tfun.vmap(fn)` over a batch of `VMAP_BATCH` copies of the case, each built from its
   own seed (`spec["seed"] + k`); gradients by autograd through the batched outputs. Slice `k` is
   compared with the oracle of seed `k`, so a batched predicate (cond, switch, while_loop) must
@@ -52,6 +54,8 @@ PATHS = (
     "inductor",
     "aot_eager+grad",
     "inductor+grad",
+    "aot_eager+vjp",
+    "inductor+vjp",
     "vmap",
     "vmap+grad",
     "jvp",
@@ -142,6 +146,8 @@ def run(
             return _forward_then_grad(tfun.jit(fn, backend=backend), args)
         if mode == "grad":
             return _jit_value_and_grad(fn, args, backend, frozen=frozen)
+        if mode == "vjp":
+            return _jit_vjp(fn, args, backend)
         raise ValueError(f"unknown path {path!r}")
     except TfunError as e:
         return Refused(e)
@@ -191,6 +197,22 @@ def _jit_value_and_grad(
     (_, outs), grads = step(*(a.detach() for a in args))
     by_arg = dict(zip(argnums, grads))
     return Result(_cpu64(outs), _cpu64([by_arg.get(i, torch.zeros_like(a)) for i, a in enumerate(args)]))
+
+
+def _jit_vjp(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str) -> Result:
+    """`tfun.vjp` inside `tfun.jit`: the pullback of the loss weights (as cotangents of the
+    outputs' dtypes; zeros for integer outputs) is the weighted loss's gradient."""
+    with torch.no_grad():
+        outs0 = tree_leaves(fn(*args))
+    weights = _weights(_cpu64(outs0))
+    cts = [w.to(o.dtype).to(o.device) if w is not None else torch.zeros_like(o) for o, w in zip(outs0, weights)]
+
+    def step(*xs: torch.Tensor) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        outs, pull = tfun.vjp(lambda *a: tree_leaves(fn(*a)), *xs)
+        return outs, pull(cts)
+
+    outs, grads = tfun.jit(step, backend=backend)(*(a.detach() for a in args))
+    return Result(_cpu64(outs), _cpu64(list(grads)))
 
 
 def _slice_specs(spec: Spec) -> list[Spec]:

@@ -102,6 +102,8 @@ AOT_EAGER_CELLS = [
     *((name, path) for name in sorted(COMPOSED_CASES) for path in ("aot_eager", "grad_of_jit", "aot_eager+vmap")),
     ("custom_vjp_scan", "aot_eager+grad"),
     ("custom_vjp_cond", "aot_eager+grad"),
+    # `jit(lambda: vjp(f, x)[1](ct))`: the rules (deliberately not the derivatives) must be used
+    *((name, "aot_eager+vjp") for name in sorted(COMPOSED_CASES)),
 ]
 
 

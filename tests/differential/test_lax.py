@@ -28,6 +28,7 @@ REFUSED: dict[tuple[str, str], str] = {
     ("fori_loop", "aot_eager+grad"): "xs[i] with a traced index",
     ("fori_loop", "inductor"): "xs[i] with a traced index",
     ("fori_loop", "inductor+grad"): "xs[i] with a traced index",
+    ("fori_loop", "aot_eager+vjp"): "xs[i] with a traced index",
 }
 # (case, path, spec id) -> a known bug, pinned with a strict xfail until its fix lands
 KNOWN: dict[tuple[str, str, str], str] = {}
@@ -83,7 +84,7 @@ JIT_SPECS = [{"T": 1, "C": 1, "seed": 3}, {"T": 9, "C": 3, "seed": 4, "reverse":
 
 
 @pytest.mark.parametrize("spec", JIT_SPECS, ids=["T1", "T9"])
-@pytest.mark.parametrize("path", ["aot_eager", "aot_eager+grad"])
+@pytest.mark.parametrize("path", ["aot_eager", "aot_eager+grad", "aot_eager+vjp"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_jit_aot_eager(name: str, path: str, spec: dict) -> None:
     _xfail_known(name, path, "T1" if spec["T"] == 1 else "T9")
@@ -96,7 +97,7 @@ def _xfail_known(name: str, path: str, spec_id: str) -> None:
         pytest.xfail(why)  # pragma: no cover - empty today
 
 
-@pytest.mark.parametrize("path", ["inductor", "inductor+grad"])
+@pytest.mark.parametrize("path", ["inductor", "inductor+grad", "inductor+vjp"])
 @pytest.mark.parametrize("name", ["scan", "scan_stacked", "cond", "while_loop", "map", "linear_scan"])
 def test_jit_inductor(name: str, path: str) -> None:
     _xfail_known(name, path, "")
