@@ -556,3 +556,30 @@ def test_vjp_inside_jit_refuses_what_it_cannot_differentiate_again():
     w = t(3).requires_grad_(True)
     with pytest.raises(JitError, match="a tensor it closes over requires grad"):
         tfun.jit(lambda x: tfun.vjp(lambda x: loop(x * w), x)[1](torch.ones(3, dtype=D)), backend="aot_eager")(t(3))
+
+
+def test_vjp_inside_vmap_inside_jit_matches_eager():
+    """Per-example pullbacks, `jit(vmap(lambda x: vjp(f, w, x)[1](ct)))`: inside a torch.func
+    transform tfun.vjp keeps torch.func.vjp (autograd cannot follow vmap's wrapped tensors:
+    taking it there gave zero cotangents without an error); with control flow inside that is
+    a JitError, never a number."""
+    from tfun import lax
+    from tfun.errors import JitError
+
+    w, xs = t(3, seed=0), t(4, 3, seed=1)
+
+    def per_example(f):
+        def run(w, x):
+            y, pull = tfun.vjp(f, w, x)
+            return pull(torch.ones_like(y))
+
+        return tfun.vmap(run, in_axes=(None, 0))
+
+    f = lambda w, x: torch.sin(w * x).sum(-1)
+    got = tfun.jit(per_example(f), backend="aot_eager")(w, xs)
+    want = (torch.cos(w * xs) * xs, torch.cos(w * xs) * w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+    loop = lambda w, x: lax.scan(lambda c, _: (torch.sin(c * w), None), x, None, length=2)[0].sum()
+    with pytest.raises(JitError):
+        tfun.jit(per_example(loop), backend="aot_eager")(w, xs)

@@ -761,9 +761,11 @@ def _traced_reverse_mode(
     which cannot trace a torch.func transform around tfun's control-flow ops or a custom
     function's rule, unless the function closes over a tensor that requires grad (its
     cotangents depend on that tensor: torch.func keeps them differentiable; with control flow
-    inside that is refused, as in `tfun.grad`). `f_flat(*leaves)` returns
-    `(differentiable outputs, rest)`."""
-    if not (len(leaves) > 0 and _context.is_tracing()):
+    inside that is refused, as in `tfun.grad`), or inside a torch.func transform.
+    `f_flat(*leaves)` returns `(differentiable outputs, rest)`."""
+    if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active():
+        # inside a torch.func transform (`vmap` of `vjp` under tfun.jit) autograd would see
+        # the transform's wrapped tensors, whose graph it cannot follow: torch.func.vjp there
         return False
     if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
         lowered = _hop.lowerings()
