@@ -784,12 +784,12 @@ _twice_sin.defjvp(lambda p, t_: (_twice_sin(p[0]), 2 * torch.cos(p[0]) * t_[0]))
 
 
 @tfun.custom_jvp
-def _neg(x):
+def _neg4(x):
     return -x
 
 
 # applies the function to the tangent (a custom function on the linear path), 4x its derivative
-_neg.defjvp(lambda p, t_: (_neg(p[0]), 4 * _neg(t_[0])))
+_neg4.defjvp(lambda p, t_: (_neg4(p[0]), 4 * _neg4(t_[0])))
 
 
 @functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
@@ -825,7 +825,7 @@ _TY = torch.tensor([-0.2, 0.4, 1.1], dtype=D)
 
 _JIT_JVP_CASES = {
     "one call": (lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)), (_X, _T)),
-    "several calls": (lambda x, t_: tfun.jvp(lambda z: _twice_sin(_twice_sin(z)) * _neg(z), (x,), (t_,)), (_X, _T)),
+    "several calls": (lambda x, t_: tfun.jvp(lambda z: _twice_sin(_twice_sin(z)) * _neg4(z), (x,), (t_,)), (_X, _T)),
     "pytree, nondiff, int output": (
         lambda x, y, tx, ty: tfun.jvp(lambda d: _pow_pair(2, d), ({"x": x, "y": y},), ({"x": tx, "y": ty},)),
         (_X, _Y, _T, _TY),
@@ -844,18 +844,18 @@ _JIT_JVP_CASES = {
         lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)),
         (_X.to(torch.complex128) * (1 + 0.5j), _T.to(torch.complex128) * (0.25 - 1j)),
     ),
-    "jacfwd": (lambda x: tfun.jacfwd(lambda z: _twice_sin(z) * _neg(z).sum())(x), (_X,)),
+    "jacfwd": (lambda x: tfun.jacfwd(lambda z: _twice_sin(z) * _neg4(z).sum())(x), (_X,)),
     "vmap of jvp": (lambda x, t_: tfun.vmap(lambda a, b: tfun.jvp(_twice_sin, (a,), (b,)))(x, t_), (_X, _T)),
     "jvp of vmap": (
         lambda x, y, t_, ty: tfun.jvp(
-            tfun.vmap(lambda a, b: _pow_pair(1, {"x": a, "y": b})["v"] * _neg(a), in_axes=(0, None)),
+            tfun.vmap(lambda a, b: _pow_pair(1, {"x": a, "y": b})["v"] * _neg4(a), in_axes=(0, None)),
             (x[:, None] * _Y, y),
             (t_[:, None] * _Y, ty),
         ),
         (_X, _Y, _T, _TY),
     ),
     "two jvps, a plain call first": (
-        lambda x, t_: (_twice_sin(x), tfun.jvp(_twice_sin, (x,), (t_,)), tfun.jvp(_neg, (x,), (t_,))),
+        lambda x, t_: (_twice_sin(x), tfun.jvp(_twice_sin, (x,), (t_,)), tfun.jvp(_neg4, (x,), (t_,))),
         (_X, _T),
     ),
 }

@@ -862,8 +862,9 @@ class custom_vjp:
         if _context.is_tracing():
             if _context.functorch_active():
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
-                # _CustomVjpTracedFunction), and which torch.func transform is active cannot be
-                # asked while tracing (torch 2.13): every one is refused, as for custom_jvp.
+                # _CustomVjpTracedFunction), and Dynamo traces an autograd.Function inside a
+                # torch.func transform without its rule: every transform is refused. (Forward
+                # mode of a custom_vjp is refused eagerly too, as in JAX.)
                 raise JitError(
                     format_message(
                         f"{op}: under tfun.jit, a custom_vjp function cannot be called inside a torch.func "
@@ -1032,8 +1033,8 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
     Dynamo refuses an `autograd.Function` that defines `jvp` ("Unsupported custom jvp",
     torch 2.11-2.13). Traced, the function therefore has the reverse-mode derivative only:
     the JVP rule transposed (its backward), which `tfun.grad` and `.backward()` use.
-    Forward mode under `tfun.jit` is refused by torch with an error that `tfun.jit`
-    reports as a `JitError`.
+    Forward mode under `tfun.jit` does not reach it: inside a traced `jvp` the call applies
+    the rule to the dual tensors itself (`_traced_jvp_call`).
     """
 
     generate_vmap_rule = True
@@ -1126,6 +1127,16 @@ class custom_jvp:
     are constants of the custom function: a
     derivative through one of them is an `ArgumentValueError` (JAX raises there too); pass
     such a tensor as a differentiable argument instead.
+
+    Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
+    the transposed rule, and forward mode inside the compiled function (`tfun.jvp`,
+    `tfun.jacfwd`, with `tfun.vmap`s around or inside them) applies the rule to the
+    tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
+    rather than `fun`'s own derivative: inside a second transform (a `jvp` of a `jvp`,
+    `hessian`, `torch.func.grad`, `tfun.vjp`), or where reverse mode could reach the
+    results of a `jvp` (an argument or closed-over tensor that requires grad; pass detached
+    tensors or use `torch.no_grad()` when only the forward derivative is wanted). Apply
+    such transforms outside `tfun.jit`.
     """
 
     def __init__(
@@ -1390,9 +1401,15 @@ def _unbatch_pair(
         if da is None and db is None:
             bdims.append((level, None))
             continue
-        size = a.shape[da] if da is not None else b.shape[db]
-        a = a.movedim(da, 0) if da is not None else a.unsqueeze(0).expand(size, *a.shape)
-        b = b.movedim(db, 0) if db is not None else b.unsqueeze(0).expand(size, *b.shape)
+        if da is not None:
+            a = a.movedim(da, 0)
+        if db is not None:
+            b = b.movedim(db, 0)
+        size = a.shape[0] if da is not None else b.shape[0]
+        if da is None:
+            a = a.unsqueeze(0).expand(size, *a.shape)
+        if db is None:
+            b = b.unsqueeze(0).expand(size, *b.shape)
         bdims.append((level, 0))
     return a, b, bdims
 
