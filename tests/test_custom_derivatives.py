@@ -769,3 +769,209 @@ def test_nondiff_function_closing_over_a_transformed_tensor(kind):
     g = make()
     out = tfun.vmap(lambda c: tfun.grad(lambda y: g(lambda v: c * v, y))(one))(XS)
     torch.testing.assert_close(out, torch.full_like(XS, 2.0))
+
+
+# ------------------------------------------------- custom_jvp under tfun.jit in forward mode
+
+
+@tfun.custom_jvp
+def _twice_sin(x):
+    return torch.sin(x)
+
+
+# 2x the true derivative, and the rule calls the function: the tangent must be the rule's
+_twice_sin.defjvp(lambda p, t_: (_twice_sin(p[0]), 2 * torch.cos(p[0]) * t_[0]))
+
+
+@tfun.custom_jvp
+def _neg4(x):
+    return -x
+
+
+# applies the function to the tangent (a custom function on the linear path), 4x its derivative
+_neg4.defjvp(lambda p, t_: (_neg4(p[0]), 4 * _neg4(t_[0])))
+
+
+@functools.partial(tfun.custom_jvp, nondiff_argnums=(0,))
+def _pow_pair(n, d):
+    return {"v": d["x"] * d["y"] ** n, "pos": (d["x"] > 0).to(torch.int64)}
+
+
+@_pow_pair.defjvp
+def _pow_pair_jvp(n, p, t_):
+    (d,), (td,) = p, t_
+    return _pow_pair(n, d), {"v": 3 * td["x"] * d["y"] ** n + 5 * d["x"] * td["y"], "pos": None}
+
+
+@tfun.custom_jvp
+def _const(x):
+    return torch.full((3,), 7.0, dtype=x.dtype)
+
+
+_const.defjvp(lambda p, t_: (_const(p[0]), None))
+
+
+@tfun.custom_jvp
+def _affine(x):
+    return x + 1
+
+
+_affine.defjvp(lambda p, t_: (_affine(p[0]), t_[0] + 91))  # JAX's test_symbolic_zero_custom_jvp: not linear
+
+_X = torch.tensor([0.5, -1.25, 2.0], dtype=D)
+_T = torch.tensor([0.3, 1.5, -0.7], dtype=D)
+_Y = torch.tensor([1.5, 2.0, -0.3], dtype=D)
+_TY = torch.tensor([-0.2, 0.4, 1.1], dtype=D)
+
+_JIT_JVP_CASES = {
+    "one call": (lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)), (_X, _T)),
+    "several calls": (lambda x, t_: tfun.jvp(lambda z: _twice_sin(_twice_sin(z)) * _neg4(z), (x,), (t_,)), (_X, _T)),
+    "pytree, nondiff, int output": (
+        lambda x, y, tx, ty: tfun.jvp(lambda d: _pow_pair(2, d), ({"x": x, "y": y},), ({"x": tx, "y": ty},)),
+        (_X, _Y, _T, _TY),
+    ),
+    "has_aux": (
+        lambda x, t_: tfun.jvp(lambda z: (_twice_sin(z).sum(), {"a": z * 2, "k": 3}), (x,), (t_,), has_aux=True),
+        (_X, _T),
+    ),
+    "output independent of the input": (lambda x, t_: tfun.jvp(_const, (x,), (t_,)), (_X, _T)),
+    "rule not linear in the tangent": (lambda x, t_: tfun.jvp(_affine, (x,), (t_,)), (_X, _T)),
+    "integer primal": (
+        lambda x, t_: tfun.jvp(lambda z, k: _twice_sin(z) * k, (x, torch.tensor(3)), (t_, torch.tensor(0))),
+        (_X, _T),
+    ),
+    "complex": (
+        lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)),
+        (_X.to(torch.complex128) * (1 + 0.5j), _T.to(torch.complex128) * (0.25 - 1j)),
+    ),
+    "jacfwd": (lambda x: tfun.jacfwd(lambda z: _twice_sin(z) * _neg4(z).sum())(x), (_X,)),
+    "vmap of jvp": (lambda x, t_: tfun.vmap(lambda a, b: tfun.jvp(_twice_sin, (a,), (b,)))(x, t_), (_X, _T)),
+    "jvp of vmap": (
+        lambda x, y, t_, ty: tfun.jvp(
+            tfun.vmap(lambda a, b: _pow_pair(1, {"x": a, "y": b})["v"] * _neg4(a), in_axes=(0, None)),
+            (x[:, None] * _Y, y),
+            (t_[:, None] * _Y, ty),
+        ),
+        (_X, _Y, _T, _TY),
+    ),
+    "two jvps, a plain call first": (
+        lambda x, t_: (_twice_sin(x), tfun.jvp(_twice_sin, (x,), (t_,)), tfun.jvp(_neg4, (x,), (t_,))),
+        (_X, _T),
+    ),
+}
+
+
+def _assert_same(got, want):
+    gl, gs = tfun.tree.tree_flatten(got)
+    wl, ws = tfun.tree.tree_flatten(want)
+    assert gs == ws
+    for a, b in zip(gl, wl):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("case", list(_JIT_JVP_CASES))
+def test_jit_of_jvp_of_custom_jvp_uses_the_rule(case):
+    """tfun.jit of tfun.jvp (jacfwd, with vmaps) through custom_jvp functions: outputs and
+    tangents equal eager float64, whose tangents are the rules'."""
+    fn, args = _JIT_JVP_CASES[case]
+    _assert_same(tfun.jit(fn, backend="aot_eager")(*args), fn(*args))
+
+
+def test_jit_of_jvp_of_custom_jvp_tangent_is_the_rules():
+    # the oracle, independently of eager tfun.jvp: 2x the true derivative
+    out, tan = tfun.jit(lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)), backend="aot_eager")(_X, _T)
+    torch.testing.assert_close(out, torch.sin(_X))
+    torch.testing.assert_close(tan, 2 * torch.cos(_X) * _T)
+    out, tan = tfun.jit(lambda x, t_: tfun.jvp(_affine, (x,), (t_,)), backend="aot_eager")(_X, _T)
+    torch.testing.assert_close(tan, _T + 91)
+
+
+@pytest.mark.parametrize("case", ["several calls", "jvp of vmap"])
+def test_jit_of_jvp_of_custom_jvp_inductor(case):
+    fn, args = _JIT_JVP_CASES[case]
+    _assert_same(tfun.jit(fn)(*args), fn(*args))
+
+
+def test_jit_of_vmap_of_custom_jvp_without_gradient():
+    xs = torch.stack([_X, _Y])
+    torch.testing.assert_close(tfun.jit(tfun.vmap(_twice_sin), backend="aot_eager")(xs), torch.sin(xs))
+
+
+def _closes_over_the_dual(x, t_):
+    def inner(z):
+        @tfun.custom_jvp
+        def h(y):
+            return y * z
+
+        h.defjvp(lambda p, tt: (h(p[0]), tt[0] * z))
+        return h(torch.ones_like(z))
+
+    return tfun.jvp(inner, (x,), (t_,))
+
+
+@tfun.custom_vjp
+def _vjp_sin(x):
+    return torch.sin(x)
+
+
+_vjp_sin.defvjp(lambda x: (_vjp_sin(x), x), lambda r, g: (g,))
+
+_W = torch.tensor(2.0, dtype=D, requires_grad=True)
+
+
+@tfun.custom_jvp
+def _closes_over_a_parameter(x):
+    return torch.sin(x) * _W
+
+
+_closes_over_a_parameter.defjvp(lambda p, t_: (_closes_over_a_parameter(p[0]), _W * t_[0]))
+
+
+@tfun.custom_jvp
+def _with_a_loop(x):
+    return tfun.lax.fori_loop(0, 2, lambda i, c: c * 2, x)
+
+
+_with_a_loop.defjvp(lambda p, t_: (_with_a_loop(p[0]), t_[0]))
+
+
+@pytest.mark.parametrize(
+    "case,error,match",
+    [
+        (
+            "argument requires grad",
+            tfun.errors.JitError,
+            r"cannot be differentiated again by reverse mode(.|\n)*_twice_sin at .*test_custom_derivatives.py:\d+",
+        ),
+        ("closure requires grad", tfun.errors.JitError, "cannot be differentiated again by reverse mode"),
+        ("closure has a tangent", ArgumentValueError, "close over"),
+        ("custom_vjp", tfun.errors.JitError, "a custom_vjp function cannot be called inside a torch.func transform"),
+        ("control flow", tfun.errors.JitError, "control-flow op"),
+        ("jvp of jvp", tfun.errors.JitError, "enclosing torch.func transforms are jvp of jvp"),
+        ("vmap, requires grad", tfun.errors.JitError, "called inside tfun.vmap cannot be differentiated by reverse"),
+    ],
+)
+def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
+    x, tx = _X, _T
+    fn = {
+        "argument requires grad": lambda x, t_: tfun.jvp(_twice_sin, (x,), (t_,)),
+        "closure requires grad": lambda x, t_: tfun.jvp(_closes_over_a_parameter, (x,), (t_,)),
+        "closure has a tangent": _closes_over_the_dual,
+        "custom_vjp": lambda x, t_: tfun.jvp(_vjp_sin, (x,), (t_,)),
+        "control flow": lambda x, t_: tfun.jvp(_with_a_loop, (x,), (t_,)),
+        "jvp of jvp": lambda x, t_: tfun.jvp(lambda a: tfun.jvp(_twice_sin, (a,), (t_,))[1], (x,), (t_,)),
+        "vmap, requires grad": lambda x, t_: tfun.vmap(_twice_sin)(x) * t_,
+    }[case]
+    if case in ("argument requires grad", "vmap, requires grad"):
+        x = x.clone().requires_grad_()
+    with pytest.raises(error, match=match):
+        tfun.jit(fn, backend="aot_eager")(x, tx)
+    if case in ("argument requires grad", "closure requires grad", "vmap, requires grad"):
+        # without a gradient to take, it runs (and uses the rule)
+        with torch.no_grad():
+            got = tfun.jit(fn, backend="aot_eager")(x, tx)
+            _assert_same(got, fn(x, tx))

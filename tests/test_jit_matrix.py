@@ -436,13 +436,18 @@ def test_custom_jvp_reverse_mode_uses_the_rule_under_jit():
     assert torch.allclose(xx.grad, torch.full_like(x, 3.0))
 
 
-def test_custom_jvp_forward_mode_under_jit_is_refused():
+def test_custom_jvp_forward_mode_uses_the_rule_under_jit():
     x = torch.randn(4, dtype=torch.float64)
     j = tfun.jit(lambda y: tfun.jvp(_fake_derivative, (y,), (torch.ones_like(y),)), backend="aot_eager")
-    with pytest.raises(JitError, match="custom_jvp function cannot be called inside a torch.func transform"):
-        j(x)
-    # outside tfun.jit, forward mode uses the rule
-    assert torch.allclose(tfun.jvp(_fake_derivative, (x,), (torch.ones_like(x),))[1], torch.full_like(x, 3.0))
+    out, tan = j(x)
+    assert torch.allclose(out, torch.sin(x))
+    assert torch.allclose(tan, torch.full_like(x, 3.0))
+    # a transform the traced rule cannot be applied under is still refused
+    jj = tfun.jit(
+        lambda y: tfun.jvp(lambda z: tfun.jvp(_fake_derivative, (z,), (y,))[1], (y,), (y,)), backend="aot_eager"
+    )
+    with pytest.raises(JitError, match="enclosing torch.func transforms are jvp of jvp"):
+        jj(x)
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ __all__ = [
     "functorch_active",
     "forward_mode_active",
     "reverse_mode_active",
+    "transform_stack",
     "functorch_level",
     "in_functorch_transform",
     "in_op_recording_mode",
@@ -77,6 +78,18 @@ def reverse_mode_active() -> bool:
     through a Dynamo escape hatch (plain Python at trace time, where Dynamo pushes the real
     interpreters of the transforms it traces)."""
     return _transform_on_stack("Grad")
+
+
+def transform_stack() -> tuple[tuple[str, int], ...]:
+    """The live `torch.func` transforms on this thread as `(kind, level)` pairs, outermost
+    first (`(("Vmap", 1), ("Jvp", 2))` inside `vmap(jvp(f))`); `()` where none is. Traced
+    code must call it through a Dynamo escape hatch (plain Python at trace time, where Dynamo
+    pushes the real interpreters of the transforms it traces)."""
+    if not functorch_active():
+        return ()
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return tuple((i.key().name, int(i.level())) for i in retrieve_all_functorch_interpreters())
 
 
 def in_functorch_transform() -> bool:

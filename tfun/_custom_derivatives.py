@@ -22,7 +22,7 @@ import torch.func
 
 from . import _context
 from ._closures import ClosureCells, Rebound, rebuild
-from ._compat import grad_leaf
+from ._compat import forward_ad_level_active, grad_leaf
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -35,6 +35,7 @@ from ._errors import (
 from ._funcinfo import describe
 from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
 from ._tree import partition, tree_flatten, tree_flatten_with_path, tree_unflatten
+from .lax import _hop
 
 __all__ = ["custom_vjp", "custom_jvp"]
 
@@ -127,9 +128,18 @@ def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
         return False
     import torch.autograd.forward_ad as fwAD
 
-    if any(fwAD.unpack_dual(t).tangent is not None for t in tensors):
+    if _forward_level_open() and any(fwAD.unpack_dual(t).tangent is not None for t in tensors):
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+@_hop.assume_constant
+def _forward_level_open() -> bool:
+    """Whether a `torch.autograd.forward_ad` dual level is open (else no tensor is dual).
+    Plain Python at trace time: traced, a `forward_ad.unpack_dual` before a `torch.func.jvp`
+    in the same graph makes Dynamo (torch 2.13) fail that jvp's `make_dual` ("no level
+    exists"), so it is not called where no level can be open."""
+    return forward_ad_level_active()
 
 
 def _bind_positional(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], op: str) -> tuple[Any, ...]:
@@ -854,9 +864,9 @@ class custom_vjp:
         if _context.is_tracing():
             if _context.functorch_active():
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
-                # _CustomVjpTracedFunction), and which torch.func transform is active cannot be
-                # asked while tracing (torch 2.13): every one is refused, as for custom_jvp.
-                # (Under vmap alone, Dynamo cannot trace the generated batching rule either.)
+                # _CustomVjpTracedFunction), and Dynamo traces an autograd.Function inside a
+                # torch.func transform without its rule: every transform is refused. (Forward
+                # mode of a custom_vjp is refused eagerly too, as in JAX.)
                 raise JitError(
                     format_message(
                         f"{op}: under tfun.jit, a custom_vjp function cannot be called inside a torch.func "
@@ -885,7 +895,12 @@ class _JvpSpec(_CallSpec):
     out_meta: list[tuple[torch.Size, torch.dtype]]
 
 
-def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]) -> list[Any]:
+def _call_jvp_rule(
+    spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], out: Any = None
+) -> list[Any]:
+    """The rule's flat tangents (None for integer outputs). `out`, where given, is the
+    function's output (a tree of the output's structure; traced, rebuilding a dict from
+    `spec.out_td` fails in Dynamo's optree support)."""
     op = "tfun.custom_jvp"
     p_args = spec.diff_args(primals)
     t_args = spec.diff_args(tangents)
@@ -900,7 +915,7 @@ def _call_jvp_rule(spec: _JvpSpec, primals: Sequence[torch.Tensor], tangents: Se
             )
         )
     prim, tan = pair
-    expected = tree_unflatten(spec.out_td, list(range(spec.n_out)))
+    expected = tree_unflatten(spec.out_td, list(range(spec.n_out))) if out is None else out
     # the primal output itself comes from `fun`, but as in JAX the rule's must match it
     _check_cotangents(
         op,
@@ -1020,8 +1035,8 @@ class _CustomJvpTracedFunction(torch.autograd.Function):
     Dynamo refuses an `autograd.Function` that defines `jvp` ("Unsupported custom jvp",
     torch 2.11-2.13). Traced, the function therefore has the reverse-mode derivative only:
     the JVP rule transposed (its backward), which `tfun.grad` and `.backward()` use.
-    Forward mode under `tfun.jit` is refused by torch with an error that `tfun.jit`
-    reports as a `JitError`.
+    Forward mode under `tfun.jit` does not reach it: inside a traced `jvp` the call applies
+    the rule to the dual tensors itself (`_traced_jvp_call`).
     """
 
     generate_vmap_rule = True
@@ -1114,6 +1129,16 @@ class custom_jvp:
     are constants of the custom function: a
     derivative through one of them is an `ArgumentValueError` (JAX raises there too); pass
     such a tensor as a differentiable argument instead.
+
+    Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
+    the transposed rule, and forward mode inside the compiled function (`tfun.jvp`,
+    `tfun.jacfwd`, with `tfun.vmap`s around or inside them) applies the rule to the
+    tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
+    rather than `fun`'s own derivative: inside a second transform (a `jvp` of a `jvp`,
+    `hessian`, `torch.func.grad`, `tfun.vjp`), or where reverse mode could reach the
+    results of a `jvp` (an argument or closed-over tensor that requires grad; pass detached
+    tensors or use `torch.no_grad()` when only the forward derivative is wanted). Apply
+    such transforms outside `tfun.jit`.
     """
 
     def __init__(
@@ -1198,24 +1223,207 @@ class custom_jvp:
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
             if _context.functorch_active():
-                # Traced, the function has no forward-mode rule (see _CustomJvpTracedFunction):
-                # inside a torch.func transform Dynamo would differentiate `fun` itself and
-                # ignore the rule. Which transform is active cannot be asked while tracing
-                # (torch 2.13), so every one is refused rather than risk a wrong derivative.
-                raise JitError(
-                    format_message(
-                        f"{op}: under tfun.jit, a custom_jvp function cannot be called inside a torch.func "
-                        "transform (tfun.jvp, tfun.jacfwd, tfun.vmap, torch.func.*): torch.compile (torch "
-                        f"{torch.__version__}) cannot trace its JVP rule there.",
-                        function=describe(self.fun),
-                        revise="Call the transform outside tfun.jit (tfun.jvp(tfun.jit(f), ...) runs the rule "
-                        "eagerly), or use reverse mode inside (tfun.grad and .backward() use the rule under "
-                        "tfun.jit).",
-                    )
-                )
+                stack = _traced_transforms()
+                if _forward_only(stack):
+                    return _traced_jvp_call(spec, args, stack)
+                if all(k == "Vmap" for k, _ in stack):
+                    return _traced_vmap_call(spec, args, stack)
+                _refuse_traced_transforms(op, self.fun, stack)
             fn = _CustomJvpTracedFunction
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
+
+
+@_hop.assume_constant
+def _traced_transforms() -> tuple[tuple[str, int], ...]:
+    """Trace time: the `torch.func` transforms that enclose the call being traced, as
+    `(kind, level)` pairs, outermost first (Dynamo pushes real interpreters for those it
+    traces)."""
+    return _context.transform_stack()
+
+
+def _forward_only(stack: tuple[tuple[str, int], ...]) -> bool:
+    """Whether the enclosing transforms are one forward-mode `jvp` and any number of `vmap`s
+    (`tfun.jvp`, `jacfwd`, `vmap` of `jvp`, `jvp` of `vmap`): the stacks a traced custom_jvp
+    call handles by applying its rule to the tangents directly (`_traced_jvp_call`)."""
+    kinds = [k for k, _ in stack]
+    return kinds.count("Jvp") == 1 and all(k in ("Jvp", "Vmap") for k in kinds)
+
+
+def _refuse_traced_transforms(op: str, fun: Callable[..., Any], stack: tuple[tuple[str, int], ...]) -> None:
+    names = {"Jvp": "jvp", "Vmap": "vmap", "Grad": "grad/vjp", "Functionalize": "functionalize"}
+    shown = " of ".join(names.get(k, k) for k, _ in stack)
+    raise JitError(
+        format_message(
+            f"{op}: under tfun.jit, a custom_jvp function can be called inside one forward-mode transform "
+            f"(tfun.jvp, tfun.jacfwd, with any tfun.vmap around or inside it), but here the enclosing torch.func "
+            f"transforms are {shown} (outermost first): torch.compile (torch {torch.__version__}) cannot "
+            "trace the function's rule there, and differentiating the function itself would ignore the rule.",
+            function=describe(fun),
+            revise="Apply these transforms outside tfun.jit (tfun.vmap(tfun.jit(f)) and tfun.jvp(tfun.jit(f), ...) "
+            "run the rule around the compiled function), or use reverse mode (tfun.grad and .backward() use the "
+            "rule under tfun.jit).",
+        )
+    )
+
+
+def _traced_jvp_call(spec: _JvpSpec, args: tuple[Any, ...], stack: tuple[tuple[str, int], ...]) -> Any:
+    """A custom_jvp call traced inside one forward-mode transform and `vmap`s (see
+    `_forward_only`).
+
+    Dynamo refuses an `autograd.Function` with a `jvp` method, but it traces forward-mode AD
+    itself: the call unpacks its arguments' dual tensors at the jvp's level, runs `fun` on the
+    primals (which carry no tangent there, so `fun` is not differentiated) and the rule on the
+    primals and tangents, and returns `fun`'s outputs made dual with the rule's tangents: the
+    tangent is the rule's, as with `_CustomJvpFunction.jvp` eagerly. With no tangent at that
+    level, `fun` just runs (so a rule that calls its own function does not recurse).
+
+    `vmap`s inside the jvp (`jvp(vmap(f))`) batch the arguments above the dual tensors, and
+    torch has no batching rule for unpacking a dual: the batch dimensions are taken off first
+    (`_unbatch`), `fun` and the rule run on the re-batched primals and tangents, and the
+    outputs and tangents are unbatched again to be made dual, then re-batched."""
+    import torch.autograd.forward_ad as fwAD
+
+    op = spec.op
+    kinds = [k for k, _ in stack]
+    vmap_levels = [lvl for k, lvl in stack[kinds.index("Jvp") + 1 :]]
+    peeled = [_unbatch(t, vmap_levels) for t in spec.tensors]
+    pairs = [fwAD.unpack_dual(inner) for inner, _ in peeled]
+    if all(pr.tangent is None for pr in pairs):
+        out = spec.fun(*args)
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and fwAD.unpack_dual(_unbatch(o, vmap_levels)[0]).tangent is not None:
+                # no argument has a tangent, yet the output does: through a tensor `fun` closes over
+                _refuse_closure_derivative(spec, spec.fun, "forward-mode derivative (jvp, jacfwd)")
+        return out
+    primals = [_rebatch(pr.primal, bdims) for pr, (_, bdims) in zip(pairs, peeled)]
+    tans = [
+        _rebatch(torch.zeros_like(pr.primal) if pr.tangent is None else pr.tangent, bdims)
+        for pr, (_, bdims) in zip(pairs, peeled)
+    ]
+    # (not under `_InsideForward`: trace-time state that a trace abandoned by an error inside
+    # `fun` would leave set. Custom functions that `fun` calls see primals with no tangent
+    # at the jvp's level and just run their function.)
+    out = spec.fun(*spec.all_args(primals))
+    leaves, spec.out_td = _flatten_outputs(op, spec.fun, "output", out)
+    spec.n_out = len(leaves)
+    spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+    flat = _call_jvp_rule(spec, primals, tans, out)
+    duals = []
+    for o, f in zip(leaves, flat):
+        if not (o.is_floating_point() or o.is_complex()):
+            duals.append(o)
+            continue
+        o_in, f_in, bdims = _unbatch_pair(o, torch.zeros_like(o) if f is None else f, vmap_levels)
+        if fwAD.unpack_dual(o_in).tangent is not None or fwAD.unpack_dual(f_in).tangent is not None:
+            # the function or its rule is differentiated through a tensor it closes over
+            _refuse_closure_derivative(spec, spec.jvp_fn, "forward-mode derivative (jvp, jacfwd)")
+        duals.append(_rebatch(fwAD.make_dual(o_in, f_in), bdims))
+        if torch.is_grad_enabled() and (_requires_grad(o_in, stack) or _requires_grad(f_in, stack)):
+            _refuse_outer_reverse(spec)
+    return tree_unflatten(spec.out_td, duals)
+
+
+def _requires_grad(t: torch.Tensor, stack: tuple[tuple[str, int], ...]) -> bool:
+    """Whether `t`, a tensor at the jvp's level of `stack` (vmaps above it taken off), requires
+    grad by the autograd outside every transform: a `torch.func` wrapper hides that, so the
+    jvp's and the inner vmaps' wrappers are taken off first."""
+    from torch._C._functorch import _unwrap_batched, _unwrap_for_grad
+
+    kinds = [k for k, _ in stack]
+    at = kinds.index("Jvp")
+    t = _unwrap_for_grad(t, stack[at][1])
+    for _, level in reversed(stack[:at]):
+        t, _ = _unwrap_batched(t, level)
+    return bool(t.requires_grad)
+
+
+def _traced_vmap_call(spec: _JvpSpec, args: tuple[Any, ...], stack: tuple[tuple[str, int], ...]) -> Any:
+    """A custom_jvp call traced inside `vmap`s only: no transform differentiates it, so `fun`
+    runs, unless an autograd outside could differentiate its output. Dynamo traces an
+    `autograd.Function` inside `vmap` without its backward (torch 2.13: the gradient would be
+    `fun`'s), so that case is refused."""
+    out = spec.fun(*args)
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and _unbatch(t, [lvl for _, lvl in stack])[0].requires_grad
+        for t in [*spec.tensors, *tree_flatten(out)[0]]
+    ):
+        raise JitError(
+            format_message(
+                f"{spec.op}: under tfun.jit, a custom_jvp function called inside tfun.vmap cannot be differentiated "
+                "by reverse mode (an argument, or a tensor the function closes over, requires grad): torch.compile "
+                f"(torch {torch.__version__}) traces it there without its rule, so the gradient would be the "
+                "function's own.",
+                function=describe(spec.fun),
+                revise="Apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule), pass tensors that do "
+                "not require grad when no gradient is wanted, or take the gradient outside tfun.jit.",
+            )
+        )
+    return out
+
+
+def _refuse_outer_reverse(spec: _JvpSpec) -> None:
+    raise JitError(
+        format_message(
+            f"{spec.op}: under tfun.jit, the result of tfun.jvp through a custom_jvp function cannot be "
+            "differentiated again by reverse mode (an argument, or a tensor the function or its rule closes over, "
+            "requires grad, so an outer .backward() or tfun.grad could reach it): traced inside the jvp, the "
+            "function's output would be differentiated through `fun`, not through its rule.",
+            function=describe(spec.fun),
+            revise="Pass tensors that do not require grad (e.g. `x.detach()`) or call under `torch.no_grad()` when "
+            "only the forward-mode derivative is wanted, or take the outer derivative outside tfun.jit.",
+        )
+    )
+
+
+def _unbatch(t: torch.Tensor, levels: Sequence[int]) -> tuple[torch.Tensor, list[tuple[int, Any]]]:
+    """`t` with the batch dimensions of the `vmap` levels `levels` (outermost first) taken
+    off, innermost level last, and each level's batch dimension (None: not batched there)."""
+    from torch._C._functorch import _unwrap_batched
+
+    bdims: list[tuple[int, Any]] = []
+    for level in reversed(levels):
+        t, bdim = _unwrap_batched(t, level)
+        bdims.append((level, bdim))
+    return t, bdims
+
+
+def _unbatch_pair(
+    a: torch.Tensor, b: torch.Tensor, levels: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Any]]]:
+    """Two tensors of the same per-example shape unbatched as `_unbatch` does, with their
+    batch dimensions aligned (at 0; one batched at a level where the other is not is
+    expanded), so that the two have the same shape."""
+    from torch._C._functorch import _unwrap_batched
+
+    bdims: list[tuple[int, Any]] = []
+    for level in reversed(levels):
+        a, da = _unwrap_batched(a, level)
+        b, db = _unwrap_batched(b, level)
+        if da is None and db is None:
+            bdims.append((level, None))
+            continue
+        if da is not None:
+            a = a.movedim(da, 0)
+        if db is not None:
+            b = b.movedim(db, 0)
+        size = a.shape[0] if da is not None else b.shape[0]
+        if da is None:
+            a = a.unsqueeze(0).expand(size, *a.shape)
+        if db is None:
+            b = b.unsqueeze(0).expand(size, *b.shape)
+        bdims.append((level, 0))
+    return a, b, bdims
+
+
+def _rebatch(t: torch.Tensor, bdims: Sequence[tuple[int, Any]]) -> torch.Tensor:
+    """Undo `_unbatch`: the batch dimensions put back, innermost level first."""
+    from torch._functorch.predispatch import _add_batch_dim
+
+    for level, bdim in reversed(bdims):
+        if bdim is not None:
+            t = _add_batch_dim(t, bdim, level)
+    return t
 
 
 def _tree_add(a: Any, b: Any) -> Any:

@@ -138,7 +138,6 @@ class TestCustomJVP:
         assert_all_close(jit(jit(f))(x), torch.sin(x))
         assert_all_close(tfun.jvp(jit(f), (x,), (x,)), (torch.sin(x), 2 * torch.cos(x) * x))
 
-    @skip("jit-custom-jvp-fwd")
     def test_jit_of_jvp(self):
         """The "jit of jvp" line of JAX's test_jit."""
         f = _sin_jvp_f()
@@ -769,8 +768,8 @@ class TestCustomJVP:
             tfun.jvp(f, (T(2.0),), (T(1.0),))
 
     @pytest.mark.parametrize("maybe_jit,maybe_vmap", [
-        pytest.param(True, True, id="jit_vmap", marks=skip("jit-custom-jvp-fwd")),
-        pytest.param(True, False, id="jit", marks=skip("jit-custom-jvp-fwd")),
+        pytest.param(True, True, id="jit_vmap"),
+        pytest.param(True, False, id="jit"),
         pytest.param(False, True, id="vmap"),
         pytest.param(False, False, id=""),
     ])
