@@ -975,3 +975,29 @@ def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
         with torch.no_grad():
             got = tfun.jit(fn, backend="aot_eager")(x, tx)
             _assert_same(got, fn(x, tx))
+
+
+def test_forward_over_forward_through_custom_jvp_is_refused_and_mixed_orders_use_the_rule():
+    """`jvp` of `jvp` (and `jacfwd` of `jacfwd`) through a custom_jvp function gave a zero
+    second-order tangent without an error (torch's autograd.Function runs its `jvp` outside
+    the outer forward-mode transform): refused. Reverse mode over or under forward mode
+    differentiates the rule, as JAX does."""
+
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 2 * torch.cos(p[0]) * t[0]))  # twice the true derivative
+    x = torch.tensor([3.0, 1.0], dtype=D)
+    first = lambda x: tfun.jvp(f, (x,), (x,))[1]  # 2 cos(x) x
+    for outer in (lambda: tfun.jvp(first, (x,), (x,)), lambda: tfun.jacfwd(tfun.jacfwd(f))(x)):
+        with pytest.raises(ArgumentValueError, match="forward mode over forward mode") as e:
+            outer()
+        assert re.search(r"The function is `f at \S*test_custom_derivatives\.py:\d+`", str(e.value))
+        assert "tfun.hessian" in str(e.value)
+    # d/dx of the rule's tangent map
+    torch.testing.assert_close(tfun.grad(lambda x: first(x).sum())(x), 2 * torch.cos(x) - 2 * x * torch.sin(x))
+    want = torch.diag(-2 * torch.sin(x))
+    torch.testing.assert_close(tfun.hessian(lambda x: f(x).sum())(x), want)
+    for jac in (tfun.jacrev(tfun.jacfwd(f))(x), tfun.jacfwd(tfun.jacrev(f))(x)):
+        torch.testing.assert_close(torch.diagonal(jac, dim1=1, dim2=2).diagonal(), torch.diagonal(want))

@@ -1218,6 +1218,14 @@ class custom_jvp:
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             with _checkpoint_op():
                 return self.fun(*args)
+        if (
+            not _context.is_tracing()
+            and sum(kind == "Jvp" for kind, _ in _context.transform_stack()) >= 2
+            and any(_jvp_wrapped(t) for t in spec.tensors)
+        ):
+            # (which of the levels perturb the arguments cannot be told reliably from inside
+            # the inner one, so any nesting with a perturbed argument is refused)
+            _refuse_forward_over_forward(op, self.fun)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
         _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
         fn: Any = _CustomJvpFunction
@@ -1424,6 +1432,23 @@ def _rebatch(t: torch.Tensor, bdims: Sequence[tuple[int, Any]]) -> torch.Tensor:
         if bdim is not None:
             t = _add_batch_dim(t, bdim, level)
     return t
+
+
+def _refuse_forward_over_forward(op: str, fun: Callable[..., Any]) -> None:
+    """Forward mode over forward mode through a custom_jvp function (`jvp` of `jvp`, `jacfwd`
+    of `jacfwd`): torch's `autograd.Function` computes its `jvp` rule outside the outer
+    forward-mode transform, so the second-order tangent would be zero (torch 2.13, also for a
+    plain `autograd.Function` under `torch.func.jvp` twice). Refused rather than returned."""
+    raise ArgumentValueError(
+        format_message(
+            f"{op}: forward mode over forward mode (jvp of jvp, jacfwd of jacfwd) through a custom_jvp "
+            f"function is not supported: torch {torch.__version__} runs the JVP rule outside the outer "
+            "forward-mode transform, so the second-order tangent would be zero.",
+            function=describe(fun),
+            revise="Take the outer derivative in reverse mode: tfun.jacrev(tfun.jacfwd(f)), tfun.hessian (forward "
+            "over reverse) or tfun.grad of tfun.jvp use the rule at both orders.",
+        )
+    )
 
 
 def _tree_add(a: Any, b: Any) -> Any:

@@ -438,10 +438,12 @@ class TestRemat:
             x = sin((x @ x) * 1e-3)
             return sin((x @ x) * 1e-3)
 
-        # JAX's x is a scalar (`jnp.dot` of scalars); torch's `@` needs a matrix
-        check_grads(f, (T(3.0).reshape(1, 1),), order=2, modes=["fwd", "rev"])
+        # JAX's x is a scalar (`jnp.dot` of scalars); torch's `@` needs a matrix. The
+        # forward-over-forward half of JAX's order-2 check is the test below.
         g = lambda x: lax.scan(lambda x, _: (f(x), None), x, None, length=2)[0]
-        check_grads(g, (T(3.0).reshape(1, 1),), order=2, modes=["fwd", "rev"])
+        for fn in (f, g):
+            check_grads(fn, (T(3.0).reshape(1, 1),), order=2, modes=["rev"])
+            check_grads(fn, (T(3.0).reshape(1, 1),), order=1, modes=["fwd"])
 
     def test_remat_custom_vjp_policy(self):
         @tfun.custom_vjp
@@ -484,9 +486,30 @@ class TestRemat:
         def f(x):
             return sum(x)
 
-        check_grads(f, (torch.ones(3),), order=2, modes=["fwd", "rev"])
         g = lambda x: lax.scan(lambda _, x: (None, f(x)), None, x)[1]
-        check_grads(g, (torch.ones((2, 3)),), order=2, modes=["fwd", "rev"])
+        for fn, x in ((f, torch.ones(3)), (g, torch.ones((2, 3)))):
+            check_grads(fn, (x,), order=2, modes=["rev"])
+            check_grads(fn, (x,), order=1, modes=["fwd"])  # order 2 fwd: the test below
+
+    @pytest.mark.xfail(strict=True, raises=tfun.errors.ArgumentValueError, reason=D + "forward-over-forward")
+    @pytest.mark.parametrize("which", [pytest.param("policy", id="test_remat_custom_jvp_policy"),
+                                       pytest.param("linear", id="test_remat_custom_jvp_linear_policy")])
+    def test_remat_custom_jvp_policy_fwd_order_2(self, which):
+        """The forward-over-forward half of JAX's order-2 checks in the two tests above."""
+
+        @tfun.custom_jvp
+        def h(x):
+            return torch.sin(x) if which == "policy" else torch.sum(x, dim=0)
+
+        h.defjvp(lambda p, t: (h(p[0]), torch.cos(p[0]) * t[0] if which == "policy" else torch.sum(t[0], dim=0)))
+        def three_dots(x):
+            x = h((x @ x) * 1e-3)
+            x = h((x @ x) * 1e-3)
+            return h((x @ x) * 1e-3)
+
+        f = partial(tfun.remat, policy=tfun.checkpoint_policies.checkpoint_dots)(three_dots if which == "policy" else h)
+        x = T(3.0).reshape(1, 1) if which == "policy" else torch.ones(3)
+        check_grads(f, (x,), order=2, modes=["fwd"])
 
     @pytest.mark.parametrize("remat", REMATS)
     def test_checkpoint_dropvars(self, remat):
