@@ -92,6 +92,14 @@ def transform_stack() -> tuple[tuple[str, int], ...]:
     return tuple((i.key().name, int(i.level())) for i in retrieve_all_functorch_interpreters())
 
 
+def forward_mode_depth() -> int:
+    """How many forward-mode `torch.func` transforms (`jvp`, `jacfwd`) are live on this
+    thread's interpreter stack: 2 or more is forward mode over forward mode, where torch runs
+    an `autograd.Function`'s `jvp` rule outside the outer transforms (its second-order
+    tangent comes out zero), so tfun's Functions with a `jvp` rule avoid it there."""
+    return sum(kind == "Jvp" for kind, _ in transform_stack())
+
+
 def in_functorch_transform() -> bool:
     """Whether eager code runs inside a `torch.func` transform (its interpreter stack is not
     empty). Not meaningful while tracing: Dynamo models the stack itself."""

@@ -1220,7 +1220,7 @@ class custom_jvp:
                 return self.fun(*args)
         if (
             not _context.is_tracing()
-            and sum(kind == "Jvp" for kind, _ in _context.transform_stack()) >= 2
+            and _context.forward_mode_depth() >= 2
             and any(_jvp_wrapped(t) for t in spec.tensors)
         ):
             # (which of the levels perturb the arguments cannot be told reliably from inside

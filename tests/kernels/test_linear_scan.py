@@ -223,6 +223,26 @@ def test_func_grad_vmap_jvp_match_torch_path() -> None:
     assert K.LAUNCHES["scan_fwd"] > before["scan_fwd"]
 
 
+def test_forward_over_forward_matches_torch_path() -> None:
+    """`jvp` of `jvp` (and `jacfwd` of `jacfwd`): torch runs an autograd.Function's `jvp`
+    outside the outer transform, which gave a zero second-order tangent on the Triton path
+    without an error; it runs the pure-torch reference there. Mixed orders keep the kernels."""
+    _quiet_jvp_decompositions()
+    a, b, h0 = _inputs()
+    a = a.sigmoid()  # a nonlinear use of the tangent direction below, so the second order is not zero
+
+    def second(impl):
+        f = lambda a: linear_scan(a * a, b, h0, impl=impl)
+        inner = lambda a: torch.func.jvp(f, (a,), (b.cos(),))[1]
+        return torch.func.jvp(inner, (a,), (b.sin(),))[1]
+
+    want = second("torch")
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(second("triton"), want, rtol=1e-4, atol=1e-5)
+    jac2 = lambda impl: torch.func.jacfwd(torch.func.jacfwd(lambda a: linear_scan(a * a, b, h0, impl=impl)))(a)
+    torch.testing.assert_close(jac2("triton"), jac2("torch"), rtol=1e-4, atol=1e-5)
+
+
 def test_compile_keeps_one_op_and_runs_the_kernels() -> None:
     a, b, h0 = _inputs(1)
     graphs = []

@@ -649,9 +649,16 @@ class _LinearScanFunction(torch.autograd.Function):
 def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     """The differentiable linear_scan: the op itself under torch.compile/export (one node in
     the graph; Dynamo does not trace a custom `jvp`), else `_LinearScanFunction`, which adds
-    the forward-mode rule for torch.func. Both differentiate through `_backward`."""
+    the forward-mode rule for torch.func. Both differentiate through `_backward`. Under
+    forward mode over forward mode, the pure-torch reference (see `_scan`'s comment)."""
     if _context.is_tracing():
         return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
+    if _context.forward_mode_depth() >= 2:
+        # forward mode over forward mode: torch runs the Function's `jvp` outside the outer
+        # transform (a zero second-order tangent), so the pure-torch reference runs instead
+        from ._linear_scan_ref import linear_scan_torch
+
+        return linear_scan_torch(a, b, h0, axis, reverse)
     return _LinearScanFunction.apply(a, b, h0, axis, reverse)
 
 
