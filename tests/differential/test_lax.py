@@ -97,8 +97,12 @@ def _xfail_known(name: str, path: str, spec_id: str) -> None:
         pytest.xfail(why)  # pragma: no cover - empty today
 
 
-@pytest.mark.parametrize("path", ["inductor", "inductor+grad", "inductor+vjp"])
-@pytest.mark.parametrize("name", ["scan", "scan_stacked", "cond", "while_loop", "map", "linear_scan"])
+@pytest.mark.parametrize(
+    "name, path",
+    [(n, p) for n in ["scan", "scan_stacked", "cond", "while_loop", "map", "linear_scan"] for p in ["inductor", "inductor+grad"]]
+    # tfun.vjp inside tfun.jit, compiled by Inductor: a loop and a branch (each cell compiles for seconds)
+    + [("scan", "inductor+vjp"), ("cond", "inductor+vjp")],
+)
 def test_jit_inductor(name: str, path: str) -> None:
     _xfail_known(name, path, "")
     _check_path(name, {"T": 5, "C": 2, "seed": 5, "reverse": True}, path)
