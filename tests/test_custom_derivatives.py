@@ -6,6 +6,7 @@ import functools
 import re
 
 import numpy as np
+import optree
 import pytest
 import torch
 
@@ -977,11 +978,12 @@ def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
             _assert_same(got, fn(x, tx))
 
 
-def test_forward_over_forward_through_custom_jvp_is_refused_and_mixed_orders_use_the_rule():
-    """`jvp` of `jvp` (and `jacfwd` of `jacfwd`) through a custom_jvp function gave a zero
-    second-order tangent without an error (torch's autograd.Function runs its `jvp` outside
-    the outer forward-mode transform): refused. Reverse mode over or under forward mode
-    differentiates the rule, as JAX does."""
+def test_forward_over_forward_through_custom_jvp_differentiates_the_rule():
+    """`jvp` of `jvp` (and `jacfwd` of `jacfwd`) through a custom_jvp function differentiates
+    the rule's tangent map, as JAX does. Through torch's `autograd.Function` alone the
+    second-order tangent came out zero without an error (it runs its `jvp` outside the outer
+    forward-mode transform); tfun handles the innermost level by hand. Reverse mode over or
+    under forward mode differentiates the rule too."""
 
     @tfun.custom_jvp
     def f(x):
@@ -990,14 +992,163 @@ def test_forward_over_forward_through_custom_jvp_is_refused_and_mixed_orders_use
     f.defjvp(lambda p, t: (f(p[0]), 2 * torch.cos(p[0]) * t[0]))  # twice the true derivative
     x = torch.tensor([3.0, 1.0], dtype=D)
     first = lambda x: tfun.jvp(f, (x,), (x,))[1]  # 2 cos(x) x
-    for outer in (lambda: tfun.jvp(first, (x,), (x,)), lambda: tfun.jacfwd(tfun.jacfwd(f))(x)):
-        with pytest.raises(ArgumentValueError, match="forward mode over forward mode") as e:
-            outer()
-        assert re.search(r"The function is `f at \S*test_custom_derivatives\.py:\d+`", str(e.value))
-        assert "tfun.hessian" in str(e.value)
-    # d/dx of the rule's tangent map
-    torch.testing.assert_close(tfun.grad(lambda x: first(x).sum())(x), 2 * torch.cos(x) - 2 * x * torch.sin(x))
+    want_first = 2 * torch.cos(x) * x
+    primal, second = tfun.jvp(first, (x,), (x,))
+    torch.testing.assert_close(primal, want_first)
+    torch.testing.assert_close(second, (2 * torch.cos(x) - 2 * x * torch.sin(x)) * x)
+    third = tfun.jvp(lambda a: tfun.jvp(lambda b: tfun.jvp(f, (b,), (x,))[1], (a,), (x,))[1], (x,), (x,))[1]
+    torch.testing.assert_close(third, -2 * torch.cos(x) * x**3)
     want = torch.diag(-2 * torch.sin(x))
+    fwd_fwd = tfun.jacfwd(tfun.jacfwd(f))(x)
+    torch.testing.assert_close(torch.diagonal(fwd_fwd, dim1=1, dim2=2).diagonal(), torch.diagonal(want))
+    torch.testing.assert_close(fwd_fwd.abs().sum(), want.abs().sum())  # zero off the diagonal
+    # d/dx of the rule's tangent map, in the mixed orders
+    torch.testing.assert_close(tfun.grad(lambda x: first(x).sum())(x), 2 * torch.cos(x) - 2 * x * torch.sin(x))
     torch.testing.assert_close(tfun.hessian(lambda x: f(x).sum())(x), want)
     for jac in (tfun.jacrev(tfun.jacfwd(f))(x), tfun.jacfwd(tfun.jacrev(f))(x)):
         torch.testing.assert_close(torch.diagonal(jac, dim1=1, dim2=2).diagonal(), torch.diagonal(want))
+    # JAX's test_invariance: nested jvps that keep only the primal output
+    f2 = lambda x: tfun.jvp(f, (x,), (x,))[0]
+    f3 = lambda x: tfun.jvp(f2, (x,), (x,))[0]
+    for g in (f2, f3):
+        torch.testing.assert_close(tfun.jvp(g, (x,), (x,)), (torch.sin(x), want_first))
+
+
+_T1, _T2, _T3 = [0.5, 2.0, -1.0], [1.5, -0.5, 0.25], [-1.0, 0.75, 2.0]
+
+
+def _stack_programs(L, fn, arr):
+    """Programs that nest forward mode (and vmap, grad) around `fn`, in tfun or in JAX."""
+    s = lambda z: z.sum()
+    t1, t2, t3 = arr(_T1), arr(_T2), arr(_T3)
+    jvp, grad, vmap, jacfwd, jacrev = L.jvp, L.grad, L.vmap, L.jacfwd, L.jacrev
+    return {
+        "jvp_jvp": lambda x: jvp(lambda a: jvp(fn, (a,), (t1,))[1], (x,), (t2,)),
+        "jvp_jvp_same_tangent": lambda x: jvp(lambda a: jvp(fn, (a,), (a,))[1], (x,), (t2,)),
+        "jvp_jvp_jvp": lambda x: jvp(lambda b: jvp(lambda a: jvp(fn, (a,), (t1,))[1], (b,), (t2,))[1], (x,), (t3,)),
+        "jacfwd_jacfwd": lambda x: jacfwd(jacfwd(fn))(x),
+        "jacfwd_jacfwd_jacfwd": lambda x: jacfwd(jacfwd(jacfwd(fn)))(x),
+        "jvp_vmap_jvp": lambda x: jvp(lambda a: vmap(lambda r: jvp(fn, (r,), (r * 2,))[1])(a.reshape(3, 1)), (x,), (t2,)),
+        "jvp_jvp_vmap": lambda x: jvp(lambda a: jvp(vmap(fn), (a,), (t1,))[1], (x,), (t2,)),
+        "vmap_jvp_jvp": lambda x: vmap(lambda a: jvp(lambda b: jvp(fn, (b,), (b,))[1], (a,), (a,))[1])(x),
+        "outer_only": lambda x: jvp(lambda a: jvp(lambda b: fn(a) * b, (t1,), (t2,))[1], (x,), (t3,)),
+        "jvp_grad_jvp": lambda x: jvp(grad(lambda a: s(jvp(fn, (a,), (t1,))[1])), (x,), (t2,)),
+        "grad_jvp_jvp": lambda x: grad(lambda a: s(jvp(lambda b: jvp(fn, (b,), (t1,))[1], (a,), (t2,))[1]))(x),
+        "jvp_jvp_grad": lambda x: jvp(lambda a: jvp(grad(lambda c: s(fn(c))), (a,), (t1,))[1], (x,), (t2,)),
+        "jvp_jvp_vjp": lambda x: jvp(lambda a: jvp(lambda b: L.vjp(fn, b)[1](t3)[0], (a,), (t1,))[1], (x,), (t2,)),
+        "jacrev_jacfwd_jacfwd": lambda x: jacrev(jacfwd(jacfwd(fn)))(x),
+        "jacfwd_jacfwd_jacrev": lambda x: jacfwd(jacfwd(jacrev(fn)))(x),
+        "jvp_jvp_grad_perturbed": lambda x: jvp(
+            lambda a: jvp(lambda b: grad(lambda c: s(fn(c * b)))(b), (a,), (t1,))[1], (x,), (t2,)
+        ),
+    }
+
+
+_STACKS = list(_stack_programs(tfun, None, lambda v: v))
+
+
+def _assert_tree_close_to_jax(jax, got, want):
+    got_l, want_l = optree.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(got_l) == len(want_l)
+    for g, w in zip(got_l, want_l):
+        np.testing.assert_allclose(g.numpy(), np.asarray(w), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("stack", _STACKS)
+def test_forward_over_forward_stacks_match_jax(jax, stack):
+    """Every nesting of forward mode with vmap and reverse mode around a custom_jvp function
+    whose rule is not the function's derivative (and calls the function): JAX's values."""
+    jnp = jax.numpy
+
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x) * x
+
+    f.defjvp(lambda p, t: (f(p[0]), 2 * torch.cos(p[0]) * t[0] + p[0] * t[0]))
+
+    @jax.custom_jvp
+    def jf(x):
+        return jnp.sin(x) * x
+
+    jf.defjvp(lambda p, t: (jf(p[0]), 2 * jnp.cos(p[0]) * t[0] + p[0] * t[0]))
+    x = [0.3, 1.2, -0.7]
+    got = _stack_programs(tfun, f, lambda v: torch.tensor(v, dtype=D))[stack](torch.tensor(x, dtype=D))
+    want = _stack_programs(jax, jf, jnp.asarray)[stack](jnp.asarray(x))
+    _assert_tree_close_to_jax(jax, got, want)
+
+
+@pytest.mark.parametrize("program", ["jvp_jvp", "jacfwd_jacfwd", "jacfwd_jacfwd_jacfwd", "jvp_jvp_vmap"])
+def test_forward_over_forward_pytrees_nondiff_and_loops_match_jax(jax, program):
+    """Forward over forward mode through a custom_jvp with pytree arguments and outputs,
+    nondiff arguments (an int and a function) and a rule that runs a `fori_loop` and calls
+    the function: JAX's values."""
+    jnp = jax.numpy
+
+    def build(custom, np_, lax, arr):
+        @functools.partial(custom, nondiff_argnums=(0, 1))
+        def f(k, act, d):
+            return (act(d["a"]) * d["b"] ** k, np_.sin(d["a"] + d["b"]))
+
+        def f_jvp(k, act, p, t):
+            (d,), (td,) = p, t
+            a, b, ta, tb = d["a"], d["b"], td["a"], td["b"]
+            g = lax.fori_loop(0, 2, lambda i, c: c * np_.cos(a), ta)
+            return f(k, act, d), (g * b**k + 3 * act(a) * b ** (k - 1) * tb, np_.cos(a + b) * (ta + 2 * tb))
+
+        f.defjvp(f_jvp)
+        first = lambda z: f(2, np_.tanh, {"a": z, "b": z * 0.5 + 1})[0]
+        summed = lambda z: sum(o.sum() for o in f(2, np_.tanh, {"a": z, "b": z * z + 1}))
+        return first, summed, arr(_T1), arr(_T2)
+
+    def programs(L, first, summed, t1, t2):
+        return {
+            "jvp_jvp": lambda z: L.jvp(lambda a: L.jvp(first, (a,), (t1,))[1], (z,), (t2,)),
+            "jacfwd_jacfwd": lambda z: L.jacfwd(L.jacfwd(first))(z),
+            "jacfwd_jacfwd_jacfwd": lambda z: L.jacfwd(L.jacfwd(L.jacfwd(summed)))(z),
+            "jvp_jvp_vmap": lambda z: L.jvp(
+                lambda a: L.jvp(L.vmap(first), (a.reshape(3, 1),), (t1.reshape(3, 1),))[1], (z,), (t2,)
+            ),
+        }
+
+    x = [0.3, 1.2, -0.7]
+    t_args = build(tfun.custom_jvp, torch, tfun.lax, lambda v: torch.tensor(v, dtype=D))
+    got = programs(tfun, *t_args)[program](torch.tensor(x, dtype=D))
+    want = programs(jax, *build(jax.custom_jvp, jnp, jax.lax, jnp.asarray))[program](jnp.asarray(x))
+    _assert_tree_close_to_jax(jax, got, want)
+
+
+def test_forward_over_forward_closure_derivative_is_refused():
+    """Forward over forward mode through a custom_jvp that closes over a tensor perturbed by
+    the outer jvp: the rule says nothing about that tensor, so it is refused (as at first
+    order), naming the rule."""
+    x = torch.tensor([0.3, 1.2], dtype=D)
+
+    def outer(w):
+        @tfun.custom_jvp
+        def h(y):
+            return y * w
+
+        h.defjvp(lambda p, t: (h(p[0]), t[0] * w))
+        return tfun.jvp(lambda a: tfun.jvp(h, (a,), (x,))[1], (x,), (x,))[1]
+
+    with pytest.raises(ArgumentValueError, match="close over") as e:
+        tfun.jvp(outer, (x,), (x,))
+    assert "test_custom_derivatives.py" in str(e.value)
+    # not perturbed by any transform: a constant of the function, as at first order
+    torch.testing.assert_close(outer(x), torch.zeros_like(x))
+
+
+def test_forward_over_forward_under_functionalize_is_refused():
+    """The one nesting tfun does not handle level by level: `functionalize` innermost. An
+    error naming the transform and the function, not a zero second-order tangent."""
+
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 2 * torch.cos(p[0]) * t[0]))
+    x = torch.tensor([0.3, 1.2], dtype=D)
+    with pytest.raises(ArgumentValueError, match="innermost torch.func transform is functionalize") as e:
+        tfun.jvp(lambda a: tfun.jvp(torch.func.functionalize(f), (a,), (x,))[1], (x,), (x,))
+    assert re.search(r"The function is `f at \S*test_custom_derivatives\.py:\d+`", str(e.value))
+    assert "tfun.hessian" in str(e.value)

@@ -758,3 +758,41 @@ def dynamo_inspects_wrapped_functions() -> bool:
     return wrapper is None or base is None or issubclass(wrapper, base)
 
 
+
+
+# --------------------------------------------------------------------------------------
+# functorch levels, for rules applied by hand at one transform's level
+# --------------------------------------------------------------------------------------
+
+
+def innermost_interpreter() -> tuple[Any, int]:
+    """The innermost live `torch.func` interpreter and its level (eagerly; there must be one).
+    Its `lower()` runs code at the level below it (torch's `pyfunctorch` API, in every torch
+    tfun supports: 2.11's has it)."""
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    interp = retrieve_current_functorch_interpreter()
+    return interp, int(interp.level())
+
+
+def unwrap_at_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """`t` without its `grad`/`jvp` wrapper of `level` (unchanged if it has none there)."""
+    return torch._C._functorch._unwrap_for_grad(t, level)
+
+
+def wrap_at_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """`t` wrapped for the `grad`/`jvp` transform of `level` (as `torch.func.jvp` wraps its
+    inputs)."""
+    return torch._C._functorch._wrap_for_grad(t, level)
+
+
+def unbatch_at_level(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
+    """`t` without its `vmap` wrapper of `level`, and the batch dimension it had there (None
+    if it is not batched at that level)."""
+    inner, bdim = torch._C._functorch._unwrap_batched(t, level)
+    return inner, None if bdim is None else int(bdim)
+
+
+def batch_at_level(t: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
+    """`t` batched at dimension `bdim` for the `vmap` of `level`."""
+    return torch._C._functorch._add_batch_dim(t, bdim, level)

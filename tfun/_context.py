@@ -20,6 +20,7 @@ __all__ = [
     "forward_mode_active",
     "reverse_mode_active",
     "transform_stack",
+    "innermost_transform",
     "functorch_level",
     "in_functorch_transform",
     "in_op_recording_mode",
@@ -90,6 +91,13 @@ def transform_stack() -> tuple[tuple[str, int], ...]:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return tuple((i.key().name, int(i.level())) for i in retrieve_all_functorch_interpreters())
+
+
+def innermost_transform() -> str | None:
+    """The kind ("Jvp", "Vmap", "Grad", ...) of the innermost live `torch.func` transform on
+    this thread, or None where none is."""
+    stack = transform_stack()
+    return stack[-1][0] if stack else None
 
 
 def forward_mode_depth() -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.func
 
-from . import _context
+from . import _compat, _context
 from ._closures import ClosureCells, Rebound, rebuild
 from ._compat import forward_ad_level_active, grad_leaf
 from ._errors import (
@@ -1107,7 +1107,11 @@ class custom_jvp:
     tangent. Reverse mode (`.backward()`, `grad`, `vjp`, `jacrev`) uses the transpose of
     the rule's tangent map, obtained by differentiating the rule with respect to its
     tangents (it must be linear in them and written with differentiable torch ops, as
-    JAX requires). The primal output always comes from `fun`.
+    JAX requires). The primal output always comes from `fun`. Higher orders differentiate
+    the rule, as in JAX, in every nesting: `tfun.hessian`, `jacrev(jacfwd(f))`, and forward
+    over forward mode (`jvp` of `jvp`, `jacfwd(jacfwd(f))`, with `vmap`s between), where tfun
+    applies the rule level by level (torch's `autograd.Function` alone would give a zero
+    second-order tangent there).
 
     **Arguments:**
 
@@ -1218,15 +1222,24 @@ class custom_jvp:
         if not _needs_rule(spec.tensors) or _on_tangent_path(spec.tensors):
             with _checkpoint_op():
                 return self.fun(*args)
-        if (
-            not _context.is_tracing()
-            and _context.forward_mode_depth() >= 2
-            and any(_jvp_wrapped(t) for t in spec.tensors)
-        ):
-            # (which of the levels perturb the arguments cannot be told reliably from inside
-            # the inner one, so any nesting with a perturbed argument is refused)
-            _refuse_forward_over_forward(op, self.fun)
         spec.fun, spec.jvp_fn = self.fun, self.jvp_fn
+        if not _context.is_tracing() and _context.functorch_active() and _context.forward_mode_depth() >= 2:
+            innermost = _context.innermost_transform()
+        else:
+            innermost = None
+        if innermost not in (None, "Grad") and any(_jvp_wrapped(t) for t in spec.tensors):
+            # Forward mode over forward mode: handled level by level from the innermost
+            # transform (see the two functions). With a grad/vjp innermost, the Function below
+            # runs its rule there and the forward-mode levels below see the rule's ops (checked
+            # against JAX in tests/test_custom_derivatives.py).
+            if innermost not in ("Jvp", "Vmap"):
+                _refuse_forward_over_forward(
+                    op, self.fun, f"here the innermost torch.func transform is {_TRANSFORM_NAMES.get(innermost, innermost)}"
+                )
+            _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
+            if innermost == "Jvp":
+                return _forward_over_forward_call(self, spec)
+            return _batched_forward_over_forward_call(self, spec)
         _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
@@ -1258,9 +1271,11 @@ def _forward_only(stack: tuple[tuple[str, int], ...]) -> bool:
     return kinds.count("Jvp") == 1 and all(k in ("Jvp", "Vmap") for k in kinds)
 
 
+_TRANSFORM_NAMES = {"Jvp": "jvp", "Vmap": "vmap", "Grad": "grad/vjp", "Functionalize": "functionalize"}
+
+
 def _refuse_traced_transforms(op: str, fun: Callable[..., Any], stack: tuple[tuple[str, int], ...]) -> None:
-    names = {"Jvp": "jvp", "Vmap": "vmap", "Grad": "grad/vjp", "Functionalize": "functionalize"}
-    shown = " of ".join(names.get(k, k) for k, _ in stack)
+    shown = " of ".join(_TRANSFORM_NAMES.get(k, k) for k, _ in stack)
     raise JitError(
         format_message(
             f"{op}: under tfun.jit, a custom_jvp function can be called inside one forward-mode transform "
@@ -1434,19 +1449,121 @@ def _rebatch(t: torch.Tensor, bdims: Sequence[tuple[int, Any]]) -> torch.Tensor:
     return t
 
 
-def _refuse_forward_over_forward(op: str, fun: Callable[..., Any]) -> None:
-    """Forward mode over forward mode through a custom_jvp function (`jvp` of `jvp`, `jacfwd`
-    of `jacfwd`): torch's `autograd.Function` computes its `jvp` rule outside the outer
-    forward-mode transform, so the second-order tangent would be zero (torch 2.13, also for a
-    plain `autograd.Function` under `torch.func.jvp` twice). Refused rather than returned."""
+def _forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> Any:
+    """An eager custom_jvp call inside two or more forward-mode transforms (`jvp` of `jvp`,
+    `jacfwd` of `jacfwd`), the innermost transform being a `jvp`.
+
+    torch runs an `autograd.Function`'s `jvp` rule outside the outer forward-mode transforms,
+    so through `_CustomJvpFunction` the second-order tangent would be zero. Here the innermost
+    level is handled by hand, as JAX's JVP of a custom_jvp does: the arguments' dual tensors
+    are split at that level into primals and tangents of the level below; one level down,
+    the output is the custom function itself applied to the primals (so the lower levels use
+    the rule again), and the tangent is the rule applied to the primals and tangents (so the
+    lower levels differentiate the rule: its own derivative, as in JAX); the two are made dual
+    at the innermost level."""
+    import torch.autograd.forward_ad as fwAD
+
+    op = spec.op
+    interp, level = _compat.innermost_interpreter()
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if _tensor_level(t) != level:
+            return t, None
+        pair = fwAD.unpack_dual(t)
+        primal = _compat.unwrap_at_level(pair.primal, level)
+        return primal, None if pair.tangent is None else _compat.unwrap_at_level(pair.tangent, level)
+
+    caps: list[Any] = []
+    if spec.captures is not None:
+        for t in spec.captures.tensors:
+            primal, tangent = split(t)
+            if tangent is not None:
+                _refuse_closure_derivative(spec, spec.jvp_fn, "forward-mode derivative (jvp, jacfwd)")
+            caps.append(primal)
+    parts = [split(t) for t in spec.tensors]
+    primals = [p for p, _ in parts]
+    with interp.lower(), _Bound(spec, caps):
+        out = custom(*spec.all_args(primals))
+        leaves, spec.out_td = _flatten_outputs(op, spec.fun, "output", out)
+        spec.n_out = len(leaves)
+        spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+        if all(t is None for _, t in parts):
+            flat: list[Any] = [None] * len(leaves)
+        else:
+            tans = [torch.zeros_like(p) if t is None else t for p, t in parts]
+            flat = _call_jvp_rule(spec, primals, tans, out)
+    duals = []
+    for o, f in zip(leaves, flat):
+        o_w = _compat.wrap_at_level(o, level)
+        duals.append(o_w if f is None else fwAD.make_dual(o_w, _compat.wrap_at_level(f, level)))
+    return tree_unflatten(spec.out_td, duals)
+
+
+def _batched_forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> Any:
+    """An eager custom_jvp call inside two or more forward-mode transforms, the innermost
+    transform being a `vmap` (`jvp(jvp(vmap(f)))`, and `jacfwd` of `jacfwd` of `jacfwd`, which
+    reaches a vmap between two jvps).
+
+    The generated batching rule of `_CustomJvpFunction` would apply the Function one level
+    down, where its `jvp` rule meets the forward-mode transforms the wrong way (see
+    `_forward_over_forward_call`). Here the vmap level is handled by hand, as JAX batches a
+    custom_jvp: the batch dimensions are taken off the arguments, and one level down a new
+    custom function is called whose function is `fun` under `torch.func.vmap` and whose rule is
+    the rule under `torch.func.vmap`; its outputs are batched again (at dimension 0)."""
+    op = spec.op
+    interp, level = _compat.innermost_interpreter()
+    if spec.captures is not None and any(_tensor_level(t) == level for t in spec.captures.tensors):
+        # a tensor batched at this level among the closures or nondiff arguments: the rules
+        # would need it per example
+        _refuse_forward_over_forward(
+            op, spec.fun, "here the function or its rule closes over a tensor (or takes a nondiff tensor) batched by the innermost vmap"
+        )
+    parts = [_compat.unbatch_at_level(t, level) for t in spec.tensors]
+    flat = [t for t, _ in parts]
+    if all(b is None for _, b in parts):
+        with interp.lower():
+            return custom(*spec.all_args(flat))
+    in_dims = tuple(b for _, b in parts)
+    fun, rule = spec.fun, spec.jvp_fn
+
+    def per_example(*tensors: torch.Tensor) -> Any:
+        return fun(*spec.all_args(tensors))
+
+    def per_example_rule(primals: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor, ...]) -> Any:
+        return rule(*spec.nondiff, spec.diff_args(primals), spec.diff_args(tangents))
+
+    def batched_fun(*tensors: torch.Tensor) -> Any:
+        return torch.func.vmap(per_example, in_dims=in_dims)(*tensors)
+
+    def batched_rule(primals: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor, ...]) -> Any:
+        return torch.func.vmap(per_example_rule, in_dims=(in_dims, in_dims))(tuple(primals), tuple(tangents))
+
+    functools.update_wrapper(batched_fun, fun)
+    functools.update_wrapper(batched_rule, rule)
+    batched = custom_jvp(batched_fun)
+    batched.defjvp(batched_rule)
+    with interp.lower():
+        out = batched(*flat)
+    leaves, td = tree_flatten(out)
+    return tree_unflatten(td, [_compat.batch_at_level(o, 0, level) for o in leaves])
+
+
+def _refuse_forward_over_forward(op: str, fun: Callable[..., Any], why: str) -> None:
+    """Forward mode over forward mode through a custom_jvp function where tfun cannot apply the
+    rule level by level (`_forward_over_forward_call`, `_batched_forward_over_forward_call`):
+    torch's `autograd.Function` would compute its `jvp` rule outside the outer forward-mode
+    transform, so the second-order tangent would be zero (torch 2.13, also for a plain
+    `autograd.Function` under `torch.func.jvp` twice). Refused rather than returned."""
     raise ArgumentValueError(
         format_message(
             f"{op}: forward mode over forward mode (jvp of jvp, jacfwd of jacfwd) through a custom_jvp "
-            f"function is not supported: torch {torch.__version__} runs the JVP rule outside the outer "
-            "forward-mode transform, so the second-order tangent would be zero.",
+            f"function is supported with jvp, vmap and grad transforms around it, but {why}: torch "
+            f"{torch.__version__} would run the JVP rule outside the outer forward-mode transform, so the "
+            "second-order tangent would be zero.",
             function=describe(fun),
-            revise="Take the outer derivative in reverse mode: tfun.jacrev(tfun.jacfwd(f)), tfun.hessian (forward "
-            "over reverse) or tfun.grad of tfun.jvp use the rule at both orders.",
+            revise="Apply that transform outside the forward-mode transforms, or take the outer derivative in "
+            "reverse mode: tfun.jacrev(tfun.jacfwd(f)), tfun.hessian (forward over reverse) or tfun.grad of tfun.jvp "
+            "use the rule at both orders.",
         )
     )
 

@@ -72,7 +72,6 @@ class TestCustomJVP:
         assert_all_close(tfun.jvp(f, (x,), (T(1.0),)), (torch.sin(x), 2 * torch.cos(x)))
         assert_all_close(tfun.grad(f)(x), 2 * torch.cos(x))
 
-    @pytest.mark.xfail(strict=True, raises=tfun.errors.ArgumentValueError, reason=D + "forward-over-forward")
     def test_invariance(self):
         @tfun.custom_jvp
         def f(x):

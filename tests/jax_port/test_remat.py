@@ -491,7 +491,6 @@ class TestRemat:
             check_grads(fn, (x,), order=2, modes=["rev"])
             check_grads(fn, (x,), order=1, modes=["fwd"])  # order 2 fwd: the test below
 
-    @pytest.mark.xfail(strict=True, raises=tfun.errors.ArgumentValueError, reason=D + "forward-over-forward")
     @pytest.mark.parametrize("which", [pytest.param("policy", id="test_remat_custom_jvp_policy"),
                                        pytest.param("linear", id="test_remat_custom_jvp_linear_policy")])
     def test_remat_custom_jvp_policy_fwd_order_2(self, which):
