@@ -540,22 +540,42 @@ def test_vjp_inside_jit_has_aux_and_outer_backward():
             torch.testing.assert_close(aux["aux"], torch.ones(4, dtype=D))
 
 
-def test_vjp_inside_jit_refuses_what_it_cannot_differentiate_again():
-    """Control flow and a differentiable cotangent (arguments requiring grad, or a closed-over
-    tensor requiring grad) need a second derivative of a control-flow op: a JitError."""
+def test_vjp_inside_jit_differentiates_loops_again_and_refuses_while_loop():
+    """Control flow with a differentiable cotangent (arguments requiring grad, or a closed-over
+    tensor requiring grad) needs a second derivative of a control-flow op, which torch's HOPs
+    lack: a static-length scan is unrolled in the graph (the values are eager's), a while_loop
+    is a JitError naming it."""
     from tfun import lax
     from tfun.errors import JitError
 
     def loop(x):
         return lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2)[0]
 
-    x = t(3).requires_grad_(True)
-    with pytest.raises(JitError, match="cannot itself be differentiated") as e:
-        tfun.jit(lambda x: tfun.vjp(loop, x)[1](torch.ones(3, dtype=D)), backend="aot_eager")(x)
-    assert "tfun.vjp" in str(e.value) and "loop at" in str(e.value)
-    w = t(3).requires_grad_(True)
-    with pytest.raises(JitError, match="a tensor it closes over requires grad"):
-        tfun.jit(lambda x: tfun.vjp(lambda x: loop(x * w), x)[1](torch.ones(3, dtype=D)), backend="aot_eager")(t(3))
+    ones = torch.ones(3, dtype=D)
+    w = t(3, seed=4).requires_grad_(True)
+    programs = {
+        "arg": lambda x: tfun.vjp(loop, x)[1](ones)[0],
+        "closure": lambda x: tfun.vjp(lambda x: loop(x * w), x.detach())[1](ones)[0],
+    }
+    for name, prog in programs.items():
+        grads = []
+        for run in (prog, tfun.jit(prog, backend="aot_eager")):
+            x = t(3).requires_grad_(True)
+            w.grad = None
+            (run(x) ** 2).sum().backward()
+            grads.append((x.grad, w.grad))
+        for got, want in zip(grads[1], grads[0]):
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want)
+
+    def wloop(x):
+        return lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 2, x)
+
+    with pytest.raises(JitError, match="tfun.lax.while_loop: under tfun.jit, this op is inside a gradient") as e:
+        tfun.jit(lambda x: tfun.vjp(wloop, x)[1](ones), backend="aot_eager")(t(3).abs().requires_grad_(True))
+    assert "wloop" in str(e.value) or "test_grad.py" in str(e.value)
 
 
 def test_vjp_inside_vmap_inside_jit_matches_eager():

@@ -308,22 +308,40 @@ def test_gradient_penalty_through_closed_over_parameters_matches_eager(backend):
     torch.testing.assert_close(W.grad, want)
 
 
-def test_gradient_penalty_through_control_flow_and_closed_over_parameters_is_refused():
-    # The same penalty with a scan inside: torch's HOPs have no double backward, so the
-    # second-order term cannot be had under jit. Refused, never silently dropped.
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gradient_penalty_through_control_flow_and_closed_over_parameters_matches_eager(backend):
+    # The same penalty with a scan inside: torch's HOPs have no double backward, so tfun
+    # unrolls the scan in the graph there; the second-order term reaches W.grad as eagerly.
     W, loss, step, x = _penalty_case(with_control_flow=True)
-    with pytest.raises(JitError, match=r"a tensor it closes over requires grad") as info:
-        tfun.jit(step, backend="aot_eager")(x)
-    assert "torch.no_grad()" in str(info.value)
-    assert f"loss at {__file__.split('/tests/')[0].split('/')[-1]}" not in str(info.value)  # names the user's fn
-    assert "`loss at tests/test_jit.py:" in str(info.value)
+    (step(x) + (W**2).sum()).backward()
+    want = W.grad.clone()
+    W.grad = None
+    got = tfun.jit(step, backend=backend)(x)
+    assert got.requires_grad
+    (got + (W**2).sum()).backward()
+    torch.testing.assert_close(W.grad, want)
 
-    # The fix it names: a first-order gradient under torch.no_grad() equals eager's.
+    # A first-order gradient under torch.no_grad() (the loop stays a HOP) equals eager's.
     def first_order(x):
         with torch.no_grad():
             return tfun.grad(loss)(x)
 
     torch.testing.assert_close(tfun.jit(first_order, backend="aot_eager")(x), tfun.grad(loss)(x))
+
+
+def test_gradient_penalty_through_a_while_loop_and_closed_over_parameters_is_refused():
+    # A while_loop has no static trip count to unroll: refused, never silently dropped,
+    # naming the op and the user's function.
+    W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    def loss(x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (0, x))[1].sum()
+
+    step = lambda x: (tfun.grad(loss)(x) ** 2).sum()
+    with pytest.raises(JitError, match=r"^tfun\.lax\.while_loop: under tfun\.jit, this op is inside a gradient") as info:
+        tfun.jit(step, backend="aot_eager")(torch.randn(5, 3, dtype=torch.float64))
+    assert "tests/test_jit.py:" in str(info.value)
+    assert "outside tfun.jit" in str(info.value)
 
 
 def test_probe_for_closed_over_parameters_adds_nothing_to_the_graph():

@@ -66,7 +66,8 @@ def op_scan(x, n):
 
 
 def op_associative_scan(x, n):
-    return lax.associative_scan(lambda a, b: a + b, x) * n
+    # (tanh: a gradient that depends on x, so the grad context's `.backward()` has a graph)
+    return torch.tanh(lax.associative_scan(lambda a, b: a + b, x) * 0.3) * n
 
 
 def op_map(x, n):
@@ -116,11 +117,16 @@ CALLS = [("first call", 3, 4), ("second static value", 5, 4), ("new shape", 5, 7
 REFUSED: dict[tuple[str, str, str], tuple[type[BaseException], str]] = {}
 
 # Second order: the jitted function returns tfun.grad(...) and that gradient is itself
-# differentiated (tfun.grad of it, or .backward() through it). torch 2.13's control-flow
-# HOPs have no double backward, so tfun.grad refuses instead of dropping the derivative.
-for _op in OPS:
+# differentiated (tfun.grad of it, or .backward() through it). torch's control-flow HOPs
+# have no double backward: tfun unrolls scan, fori_loop with static bounds and map, and
+# runs associative_scan's tensor algorithm, in the graph there (those cells must equal
+# eager); cond, switch and while_loop are refused instead of dropping the derivative.
+for _op in ("cond", "switch", "while_loop"):
     for _mode in ("tfun.grad", "backward"):
-        REFUSED[(_op, "grad", _mode)] = (JitError, r"^tfun\.grad: under tfun\.jit, the gradient of a function with tfun\.lax control flow cannot itself be differentiated")
+        REFUSED[(_op, "grad", _mode)] = (
+            JitError,
+            rf"^tfun\.lax\.{_op}: under tfun\.jit, this op is inside a gradient that is differentiated again",
+        )
 
 # tfun.vmap (torch.func.vmap) around a control-flow HOP inside torch.compile: torch 2.13
 # cannot run the HOP on batched fake tensors. (associative_scan lowers to an unrolled tree

@@ -879,6 +879,7 @@ class custom_vjp:
                     )
                 )
             fn = _CustomVjpTracedFunction
+            _hop.note_custom_rule()
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
 
@@ -1251,6 +1252,7 @@ class custom_jvp:
                     return _traced_vmap_call(spec, args, stack)
                 _refuse_traced_transforms(op, self.fun, stack)
             fn = _CustomJvpTracedFunction
+            _hop.note_custom_rule()
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
 

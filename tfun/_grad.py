@@ -460,9 +460,7 @@ def _value_and_grad_call(
     tracing = len(fl.leaves) > 0 and _context.is_tracing()
     closed = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
-        closed, flows = _probe_closure(f_flat, fl.leaves)
-        if closed and flows:
-            _refuse_second_order(op, fun, closed=True)
+        closed = _probe_closure(f_flat, fl.leaves)
     if tracing and not closed:
         # Like torch.func's, the results stay differentiable by an outer autograd (a
         # .backward() of a loss built on the gradient, tfun.grad of tfun.grad): with grad
@@ -472,25 +470,35 @@ def _value_and_grad_call(
         outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
         with torch.enable_grad():
             leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in fl.leaves]
-            lowered = _hop.lowerings()
-            value, aux_leaves = f_flat(*leaves)
-            if outer and _hop.lowerings() != lowered:
+            lowered, customs = _hop.lowerings(), _hop.custom_rules()
+            with _hop.unroll_scope(outer):  # the gradient stays differentiable: loops unrolled
+                value, aux_leaves = f_flat(*leaves)
+            if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
                 _refuse_second_order(op, fun)
-            found = torch.autograd.grad(
-                value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
-            )
+            if outer and _hop.custom_rules() != customs:
+                _refuse_custom_second_order(op, fun)
+            if value.requires_grad:
+                found = torch.autograd.grad(
+                    value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
+                )
+            else:  # the value does not depend on the arguments (a constant gradient, say)
+                found = (None,) * len(leaves)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
         if not outer:
             value = value.detach()
             aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
     elif fl.leaves and holomorphic:
         # torch.func.grad wants a real output: pull back the cotangent 1 instead
-        value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
+        with _hop.unroll_scope(closed):  # (traced: see below)
+            value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
         grads = pull(torch.ones_like(value))
     elif fl.leaves:
-        grads, (value, aux_leaves) = torch.func.grad_and_value(
-            f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
-        )(*fl.leaves)
+        # traced with `closed`: the gradient depends on a closed-over tensor that requires
+        # grad and stays differentiable, so the loops inside are unrolled (`_hop.unroll_scope`)
+        with _hop.unroll_scope(closed):
+            grads, (value, aux_leaves) = torch.func.grad_and_value(
+                f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
+            )(*fl.leaves)
     else:
         value, aux_leaves = f_flat()
         grads = ()
@@ -503,14 +511,31 @@ def _value_and_grad_call(
     return value, g, aux
 
 
-def _probe_closure(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> tuple[bool, bool]:
+def _probe_closure(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> bool:
     """Traced code only: evaluate `f_flat` once on detached arguments. Returns whether its
     value requires grad all the same (through a closed-over tensor that requires grad: a
-    module's parameter, a captured weight) and whether it contains control flow (a HOP)."""
-    lowered = _hop.lowerings()
+    module's parameter, a captured weight)."""
     with torch.enable_grad():
         value, _ = f_flat(*[x.detach() for x in leaves])
-    return bool(value.requires_grad), _hop.lowerings() != lowered
+    return bool(value.requires_grad)
+
+
+def _refuse_custom_second_order(op: str, fun: Callable[..., Any]) -> None:
+    """Under tfun.jit, a gradient through a custom function's rule that something outside may
+    differentiate again: Dynamo compiles the rule's `autograd.Function` backward once, and its
+    result carries no graph, so the second-order term would be zero without an error."""
+    raise JitError(
+        format_message(
+            f"{op}: under tfun.jit, a gradient through a tfun.custom_jvp or tfun.custom_vjp function cannot "
+            "itself be differentiated (an argument it differentiates requires grad, so an outer .backward() or "
+            f"tfun.grad could reach it): torch.compile (torch {torch.__version__}) traces the rule's backward "
+            "once, without a graph of its own, so the second-order term would be zero.",
+            function=describe(fun),
+            revise="Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order gradient "
+            "is wanted, or take the higher-order derivative outside tfun.jit (eagerly it uses the rule at every "
+            "order), or tfun.jit the function and differentiate around it: tfun.grad(tfun.grad(tfun.jit(f))).",
+        )
+    )
 
 
 def _refuse_second_order(op: str, fun: Callable[..., Any], closed: bool = False) -> None:
@@ -768,12 +793,10 @@ def _traced_reverse_mode(
         # the transform's wrapped tensors, whose graph it cannot follow: torch.func.vjp there
         return False
     if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
-        lowered = _hop.lowerings()
         with torch.enable_grad():
             outs, _ = f_flat(*[x.detach() for x in leaves])
         if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
-            if _hop.lowerings() != lowered:
-                _refuse_second_order(op, fun, closed=True)
+            # (torch.func.vjp, with the loops inside unrolled: `_hop.unroll_scope`)
             return False
     return True
 
@@ -791,10 +814,13 @@ def _traced_vjp(
     outer = torch.is_grad_enabled() and any(x.requires_grad for x in primals)
     with torch.enable_grad():
         leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in primals]
-        lowered = _hop.lowerings()
-        diff_out, rest_aux = f_flat(*leaves)
-        if outer and _hop.lowerings() != lowered:
+        lowered, customs = _hop.lowerings(), _hop.custom_rules()
+        with _hop.unroll_scope(outer):  # the cotangents stay differentiable: loops unrolled
+            diff_out, rest_aux = f_flat(*leaves)
+        if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
             _refuse_second_order(op, fun)
+        if outer and _hop.custom_rules() != customs:
+            _refuse_custom_second_order(op, fun)
     # outputs that do not depend on the primals (no graph) get no cotangent: their
     # contribution is zero
     live = [k for k, o in enumerate(diff_out) if o.requires_grad]
@@ -873,7 +899,10 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     if _traced_reverse_mode(op, fun, f_flat, diff_primals):
         diff_out, torch_vjp_fn, (rest, aux_l) = _traced_vjp(op, fun, f_flat, diff_primals)
     elif diff_primals:
-        diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
+        # traced, the cotangents depend on a closed-over tensor that requires grad: they stay
+        # differentiable, so the loops inside are unrolled (torch's HOPs have no second derivative)
+        with _hop.unroll_scope(_context.is_tracing() and not _context.functorch_active()):
+            diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
         (diff_out, (rest, aux_l)), torch_vjp_fn = f_flat(), None
     anchor = diff_out[0] if box.get("anchor") else None

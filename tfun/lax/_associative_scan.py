@@ -121,6 +121,18 @@ def _assoc_eager(
                                    names=("input", "output"), fn=fn, revise="Return a pytree like the inputs.")
         return out_leaves
 
+    return tree_unflatten(treedef, _log_depth_scan(combine, leaves, axes, reverse))
+
+
+def _log_depth_scan(
+    combine: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]],
+    leaves: list[torch.Tensor],
+    axes: list[int],
+    reverse: bool,
+) -> list[torch.Tensor]:
+    """The inclusive scan of `leaves` along `axes` by `combine` (on flat lists of leaves) in
+    O(log n) rounds of tensor ops (the eager path; traced, inside a derivative that is
+    differentiated again, where no HOP may be lowered)."""
     if reverse:
         leaves = [x.flip(a) for x, a in zip(leaves, axes)]
 
@@ -145,7 +157,7 @@ def _assoc_eager(
     out = scan_rec(leaves)
     if reverse:
         out = [x.flip(a) for x, a in zip(out, axes)]
-    return tree_unflatten(treedef, out)
+    return out
 
 
 def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tensor:
@@ -170,8 +182,10 @@ POINTWISE_ON_CUDA = True
 
 
 def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
-    """`torch._higher_order_ops.associative_scan` with tfun pytrees."""
-    _hop.begin_lowering()
+    """`torch._higher_order_ops.associative_scan` with tfun pytrees (inside a derivative that
+    is differentiated again, the eager algorithm instead: see the end)."""
+    if not _hop.unrolled_steps():
+        _hop.begin_lowering()
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)
@@ -214,6 +228,10 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             )
         return _hop.unalias(out_leaves, list(a) + list(b))
 
+    if _hop.unrolled_steps():
+        # inside a traced derivative that is differentiated again: the eager algorithm's tensor
+        # ops in the graph, no HOP (torch's have no second derivative; see _hop.unroll_scope)
+        return tree_unflatten(td, _log_depth_scan(combine, list(leaves), [axis] * n, reverse))
     out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode=mode)
     return tree_unflatten(td, list(out))
 

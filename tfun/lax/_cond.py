@@ -235,6 +235,7 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
     p = _as_pred(op, pred)
     operands = _normalize_operands(op, operands)
     if _context.is_tracing():
+        _hop.refuse_unrolled(op, true_fun)
         _hop.check_side_effects(op, "true_fun", true_fun)
         _hop.check_side_effects(op, "false_fun", false_fun)
         if not isinstance(p, torch.Tensor):
@@ -344,6 +345,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
     operands = _normalize_operands(op, operands)
     n = len(branches)
     if _context.is_tracing():
+        _hop.refuse_unrolled(op, branches[0])
         for k, b in enumerate(branches):
             _hop.check_side_effects(op, f"branches[{k}]", b)
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat, _context, _funcinfo, _rules
+from .. import _compat, _context, _errors, _funcinfo, _rules
 from .._errors import ArgumentTypeError, SideEffectError, StructureMismatchError, TensorMismatchError
 from .._tree import tree_flatten, tree_unflatten
 
@@ -77,7 +77,14 @@ __all__ = [
     "is_tracing",
     "begin_lowering",
     "lowerings",
+    "custom_rules",
+    "note_custom_rule",
     "remat_scope",
+    "unroll_scope",
+    "unrolled_steps",
+    "check_unrolled_length",
+    "refuse_unrolled",
+    "MAX_UNROLLED_STEPS",
     "remat_body",
     "register_remat",
     "escape_policy_key",
@@ -232,6 +239,29 @@ _EXCHANGE_MAX = 256
 _KEYS = itertools.count(1)
 
 
+#: How many custom functions (tfun.custom_jvp / custom_vjp) have been applied in traced code,
+#: with their rules as a traced `autograd.Function`: Dynamo compiles such a Function's
+#: backward once, and its result is not differentiable again (its gradient would be cut).
+_CUSTOM_RULES = [0]
+
+
+@assume_constant
+def _escape_custom_rules(count: bool) -> int:
+    if count:
+        _CUSTOM_RULES[0] += 1
+    return _CUSTOM_RULES[0]
+
+
+def custom_rules() -> int:
+    """A counter of custom functions applied in traced code (see `lowerings`)."""
+    return _escape_custom_rules(False)
+
+
+def note_custom_rule() -> None:
+    """Called by a custom function applied in traced code, with its rule."""
+    _escape_custom_rules(True)
+
+
 @assume_constant
 def _escape_lowerings(count: bool) -> int:
     if count:
@@ -321,6 +351,100 @@ def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
         if key >= 0:
             return _REMAT[0](fn, key)
     return fn
+
+
+# ----------------------------------------------------------------------------------------
+# Second-order reverse mode under tfun.jit: loops unrolled
+# ----------------------------------------------------------------------------------------
+
+#: Most loop steps a traced derivative that is differentiated again unrolls (the product of
+#: the lengths of nested unrolled loops), unless the loop asks for it with `unroll=True`.
+MAX_UNROLLED_STEPS = 1024
+#: The traced reverse-mode derivatives (`tfun.grad`, `tfun.vjp`) enclosing the code being
+#: traced whose results must stay differentiable (an outer `tfun.grad` or `.backward()` can
+#: reach them), innermost last, each as the number of loop steps unrolled around the code
+#: (1 at the derivative); and the trace that stack belongs to (as `_REMAT_STACK`). torch's
+#: control-flow HOPs have no second derivative: inside such a derivative, `scan`, `fori_loop`
+#: with static bounds and `map` run their steps in Python (the graph holds each step's ops)
+#: and the other control-flow ops are refused (`begin_lowering`).
+_UNROLL_STACK: list[Any] = [[], None]
+
+
+@assume_constant
+def _escape_unroll(push: int | None, pop: bool) -> int:
+    """Push a step count, pop, or neither; return the innermost count, or 0 outside every
+    scope."""
+    trace = _context.current_trace()
+    if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
+        _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
+    stack = _UNROLL_STACK[0]
+    if push is not None:
+        stack.append(push)
+    elif pop and stack:
+        stack.pop()
+    return stack[-1] if stack else 0
+
+
+class unroll_scope:
+    """Trace time: while active (`active=True`), the loops lowered run their steps in Python
+    (`unrolled_steps`); `steps` multiplies the enclosing count (an unrolled loop's body runs
+    inside `unroll_scope(True, n)`). A traced `tfun.grad` whose result stays differentiable
+    enters `unroll_scope(True)`."""
+
+    def __init__(self, active: bool, steps: int = 1) -> None:
+        self.active, self.steps = active, steps
+
+    def __enter__(self) -> None:
+        if self.active:
+            _escape_unroll(max(_escape_unroll(None, False), 1) * self.steps, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            _escape_unroll(None, True)
+
+
+def unrolled_steps() -> int:
+    """Trace time: the loop steps unrolled around the code being traced inside a derivative
+    that is differentiated again (at least 1 there), or 0 where loops lower to HOPs."""
+    return _escape_unroll(None, False)
+
+
+def check_unrolled_length(op: str, fn: Callable[..., Any], n: int, unroll: Any) -> None:
+    """Refuse unrolling a loop of `n` steps (times the enclosing unrolled steps) past
+    `MAX_UNROLLED_STEPS`, unless the loop asks for it (`unroll=True` or `unroll=0`)."""
+    total = unrolled_steps() * n
+    if total <= MAX_UNROLLED_STEPS or unroll is True or (not isinstance(unroll, bool) and unroll == 0):
+        return
+    raise _errors.JitError(
+        _errors.format_message(
+            f"{op}: under tfun.jit, this loop is inside a gradient that is differentiated again (tfun.grad of "
+            "tfun.grad, or a gradient that an outer .backward() reaches). torch "
+            f"{torch.__version__} has no second derivative of its loop op, so tfun unrolls the loop in the graph; "
+            f"here that is {total} steps (nested loops multiply), more than tfun unrolls unasked "
+            f"({MAX_UNROLLED_STEPS}).",
+            function=_funcinfo.describe(fn),
+            revise="Pass unroll=True to this loop to unroll it all the same (the compile time grows with the steps), "
+            "or take the higher-order derivative outside tfun.jit.",
+        )
+    )
+
+
+def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
+    """Called by a lowering that has no unrolled form, inside a derivative that is
+    differentiated again: a `JitError` (torch's HOPs have no second derivative)."""
+    if unrolled_steps() == 0:
+        return
+    raise _errors.JitError(
+        _errors.format_message(
+            f"{op}: under tfun.jit, this op is inside a gradient that is differentiated again (tfun.grad of "
+            "tfun.grad, or a gradient that an outer .backward() reaches), and torch "
+            f"{torch.__version__} has no second derivative of a control-flow op. tfun unrolls scan, fori_loop "
+            f"with static bounds and map there, but not {op.rsplit('.', 1)[-1]}.",
+            function=_funcinfo.describe(fn),
+            revise="Take the higher-order derivative outside tfun.jit, or write this step without it (e.g. "
+            "tfun.lax.select or torch.where for a cond whose branches are cheap and safe to run both).",
+        )
+    )
 
 
 @assume_constant

@@ -84,6 +84,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         )
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
+        _hop.refuse_unrolled(op, body_fun)
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
         return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val)
@@ -308,6 +309,7 @@ def fori_loop(
             return c[0] < c[1]
 
         if tracing:
+            _hop.refuse_unrolled(op, body_fun)  # (a traced bound: no static trip count to unroll)
 
             def w_body(c: Any) -> Any:
                 return (c[0] + 1, c[1], _traced_fori_body(op, body_fun, c[0], c[2]))

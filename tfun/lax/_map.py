@@ -50,6 +50,8 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
         if n > 0:
             if _context.is_tracing():
                 _hop.check_side_effects(op, "function", f)
+                if _hop.unrolled_steps():
+                    return _unrolled_map(op, f, xs, n)  # (the same rows, one at a time)
                 return _batched_map(f, leaves, treedef, n, batch_size)
             # the rules hold for `f` as without batch_size (the scan below checks only its
             # own body, which calls `f` through vmap)
@@ -60,6 +62,9 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
             return out
     if _context.is_tracing():
         _hop.check_side_effects(op, "function", f)
+        if _hop.unrolled_steps():
+            # inside a traced derivative that is differentiated again: no HOP (see _hop)
+            return _unrolled_map(op, f, xs, n)
         return _lower_map(_hop.remat_body(f), xs)
     rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:
@@ -86,6 +91,16 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
         for lst, v in zip(y_lists, leaves_i):
             lst.append(v)
     return stack_outputs(op, f, y_lists, y_def, False)
+
+
+def _unrolled_map(op: str, f: Callable[..., Any], xs: Any, n: int) -> Any:
+    """Traced `map` inside a derivative that is differentiated again: each row in the graph
+    (`_scan._unrolled_in_python`), no HOP."""
+    from ._scan import _unrolled_in_python
+
+    n = len(range(n))  # (a symbolic length specialized, as Dynamo does `range`: each length its own graph)
+    _hop.check_unrolled_length(op, f, n, None)
+    return _unrolled_in_python(lambda c, x: (c, f(x)), None, xs, n, False)[1]
 
 
 def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any, n: int, batch_size: int) -> Any:

@@ -282,6 +282,12 @@ def scan(
         init = tree_unflatten(carry_def, carry_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
+        if _hop.unrolled_steps():
+            # inside a traced derivative that is differentiated again: no HOP (see _hop). A
+            # symbolic length is specialized: each length is its own unrolled graph
+            n = len(range(n))  # (Dynamo specializes `range`: a Python int)
+            _hop.check_unrolled_length(op, f, n, unroll)
+            return _unrolled_in_python(f, init, xs, n, bool(reverse))
         f = _hop.remat_body(f)
         k = unroll_steps(unroll, n)
         if k > 1:
@@ -533,28 +539,11 @@ def _lower_unrolled(
     runs `f` `k` times in Python (so the compiler sees, and fuses, `k` steps at once), then
     one block of the `length % k` steps left over. `reverse` scans the blocks, and each
     block's steps, from the end; the left-over steps are then the first `length % k`."""
-    op = "tfun.lax.scan"
     q, r = length // k, length % k  # (not divmod: Dynamo cannot trace it)
     x_leaves, x_td = tree_flatten(xs)
 
     def block(size: int) -> Callable[[Any, Any], Any]:
-        def run_block(carry: Any, xb: Any) -> Any:
-            xb_leaves = tree_flatten(xb)[0]
-            ys: list[Any] = []  # in the order of the steps run; appended (Dynamo 2.11 cannot
-            # trace `list.__setitem__` in a HOP body), put back in step order after the loop
-            for j in range(size - 1, -1, -1) if reverse else range(size):
-                res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
-                in_leaves, in_td = tree_flatten(carry)
-                new_leaves, y = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
-                carry = tree_unflatten(in_td, new_leaves)
-                ys.append(y)
-            if reverse:
-                ys = ys[::-1]
-            y_td = tree_structure(ys[0])
-            flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
-            return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
-
-        return run_block
+        return _steps_in_python(f, x_td, size, reverse)
 
     def blocks(lo: int, hi: int, size: int) -> Any:  # steps lo..hi of xs as (blocks, size, ...)
         return tree_unflatten(x_td, [x[lo:hi].reshape(-1, size, *x.shape[1:]) for x in x_leaves])
@@ -573,6 +562,40 @@ def _lower_unrolled(
         y_leaves, y_td = tree_flatten(parts[0])
         ys = tree_unflatten(y_td, [torch.cat(pair) for pair in zip(y_leaves, tree_flatten(parts[1])[0])])
     return carry, ys
+
+
+def _steps_in_python(f: Callable[[Any, Any], Any], x_td: Any, size: int, reverse: bool) -> Callable[[Any, Any], Any]:
+    """`(carry, xb) -> (carry, ys)`: `size` steps of `f` run in Python over `xb`, whose leaves
+    have a leading axis of `size` (in reverse order for `reverse`), the `ys` stacked."""
+    op = "tfun.lax.scan"
+
+    def run_block(carry: Any, xb: Any) -> Any:
+        xb_leaves = tree_flatten(xb)[0]
+        ys: list[Any] = []  # in the order of the steps run; appended (Dynamo 2.11 cannot
+        # trace `list.__setitem__` in a HOP body), put back in step order after the loop
+        for j in range(size - 1, -1, -1) if reverse else range(size):
+            res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
+            in_leaves, in_td = tree_flatten(carry)
+            new_leaves, y = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
+            carry = tree_unflatten(in_td, new_leaves)
+            ys.append(y)
+        if reverse:
+            ys = ys[::-1]
+        y_td = tree_structure(ys[0])
+        flat = [[_hop.as_tensor(t) for t in tree_flatten(y)[0]] for y in ys]
+        return carry, tree_unflatten(y_td, [torch.stack(col) for col in zip(*flat)])
+
+    return run_block
+
+
+def _unrolled_in_python(f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool) -> Any:
+    """Traced `scan` inside a derivative that is differentiated again (`_hop.unroll_scope`):
+    every step in the graph, no HOP, so autograd can differentiate the loop twice."""
+    x_leaves, x_td = tree_flatten(xs)
+    if length == 0:
+        return _scan_empty(f, init, xs, x_leaves, x_td)
+    with _hop.unroll_scope(True, length):
+        return _steps_in_python(f, x_td, length, reverse)(init, xs)
 
 
 def check_export_constants(op: str, f: Any) -> None:

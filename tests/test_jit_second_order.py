@@ -1,0 +1,235 @@
+"""Second-order reverse mode through tfun.lax loops under tfun.jit, against eager float64.
+
+torch's control-flow HOPs have no double backward. Inside a traced derivative whose result is
+differentiated again (`tfun.grad` of `tfun.grad`, a gradient penalty `.backward()`, a
+`tfun.vjp` whose cotangents require grad, a gradient depending on a closed-over parameter),
+tfun unrolls `scan`, `fori_loop` with static bounds and `map`, and runs `associative_scan`'s
+tensor algorithm, in the graph (`tfun.lax._hop.unroll_scope`). Every such path must give
+eager's values; `cond`, `switch`, `while_loop` and a loop past the unroll limit are a
+`JitError` naming the op and the user's function.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun import lax
+from tfun.errors import JitError
+from tfun.lax import _hop
+
+D = torch.float64
+
+
+def _x(n=3, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+W = torch.randn(3, 3, generator=torch.Generator().manual_seed(7), dtype=D) * 0.5
+
+
+@tfun.custom_jvp
+def _softplus(x):
+    return torch.log1p(torch.exp(x))
+
+
+_softplus.defjvp(lambda p, t: (_softplus(p[0]), torch.sigmoid(p[0]) * t[0] * 1.5))  # not the derivative
+
+
+def scan_fwd(x, T):
+    c, ys = lax.scan(lambda c, xt: (torch.tanh(c @ W + xt), (c * xt).sum()), x, torch.linspace(-1, 1, T * 3, dtype=D).reshape(T, 3))
+    return (c**2).sum() + ys.sum()
+
+
+def scan_reverse_pytree(x, T):
+    def body(c, _):
+        a, b = c["a"], c["b"]
+        return {"a": torch.sin(a) * b, "b": b + torch.cos(a)}, a.sum()
+
+    c, ys = lax.scan(body, {"a": x, "b": x * 0.5}, None, length=T, reverse=True)
+    return (c["a"] * c["b"]).sum() + (ys * torch.arange(1, T + 1, dtype=D)).sum()
+
+
+def scan_custom_jvp(x, T):
+    return lax.scan(lambda c, _: (_softplus(c) * 0.5, None), x, None, length=T)[0].sum()
+
+
+def nested_scans(x, T):
+    def outer(c, _):
+        inner = lax.scan(lambda d, _: (torch.sin(d) * 1.1, None), c, None, length=2)[0]
+        return inner + c * 0.1, None
+
+    return lax.scan(outer, x, None, length=T)[0].pow(2).sum()
+
+
+def fori(x, T):
+    return lax.fori_loop(0, T, lambda i, c: torch.tanh(c * 1.3 + i * 0.1), x).pow(3).sum()
+
+
+def map_rows(x, T):
+    return lax.map(lambda r: torch.sin(r) * r.sum(), x.reshape(3, 1).expand(3, T)).pow(2).sum()
+
+
+def map_batched(x, T):
+    return lax.map(lambda r: torch.sin(r) * r.sum(), x.reshape(3, 1).expand(3, T), batch_size=2).pow(2).sum()
+
+
+def assoc(x, T):
+    elems = (x.reshape(3, 1) * torch.linspace(0.5, 1.5, T, dtype=D)).T  # (T, 3)
+    a, b = lax.associative_scan(lambda p, q: (p[0] * q[0], p[1] * q[0] + q[1]), (torch.tanh(elems), elems), reverse=True)
+    return (a * b).sum()
+
+
+PROGRAMS = {f.__name__: f for f in (scan_fwd, scan_reverse_pytree, nested_scans, fori, map_rows, map_batched, assoc)}
+
+
+def _modes(f, T):
+    """Ways a loop's gradient gets differentiated again, each a function of x."""
+    loss = lambda x: f(x, T)
+    v = _x(seed=5)
+    return {
+        "grad_of_grad": lambda x: tfun.grad(lambda y: (tfun.grad(loss)(y) ** 2).sum())(x),
+        "hvp": lambda x: tfun.grad(lambda y: (tfun.grad(loss)(y) * v).sum())(x),
+        "grad_of_vjp": lambda x: tfun.grad(lambda y: tfun.vjp(loss, y)[1](torch.ones((), dtype=D))[0].sum())(x),
+    }
+
+
+#: (program, T, mode) cells: every program and mode, T = 1 and longer (the cells compile
+#: unrolled graphs, so they are chosen rather than crossed, to keep CI's time)
+CELLS = [
+    ("scan_fwd", 1, "grad_of_grad"),
+    ("scan_fwd", 7, "grad_of_grad"),
+    ("scan_fwd", 7, "hvp"),
+    ("scan_fwd", 7, "grad_of_vjp"),
+    ("scan_reverse_pytree", 1, "grad_of_grad"),
+    ("scan_reverse_pytree", 7, "hvp"),
+    ("nested_scans", 2, "grad_of_grad"),
+    ("fori", 1, "grad_of_grad"),
+    ("fori", 7, "grad_of_vjp"),
+    ("map_rows", 7, "grad_of_grad"),
+    ("map_batched", 7, "hvp"),
+    ("assoc", 1, "grad_of_grad"),
+    ("assoc", 7, "grad_of_grad"),
+    ("assoc", 7, "grad_of_vjp"),
+]
+
+
+@pytest.mark.parametrize("program, T, mode", CELLS)
+def test_second_order_matches_eager(program, T, mode):
+    fn = _modes(PROGRAMS[program], T)[mode]
+    x = _x()
+    want = fn(x)
+    got = tfun.jit(fn, backend="aot_eager")(x)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("program", ["scan_reverse_pytree", "assoc"])
+def test_second_order_matches_eager_inductor(program):
+    fn = _modes(PROGRAMS[program], 7)["grad_of_grad"]
+    x = _x(seed=1)
+    torch.testing.assert_close(tfun.jit(fn)(x), fn(x))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gradient_penalty_backward_reaches_arguments_and_parameters(backend):
+    """`.backward()` through a jitted gradient: the second-order terms reach the argument and
+    a parameter the loop closes over, as eagerly."""
+    w = torch.tensor([0.7, -0.2, 1.1], dtype=D, requires_grad=True)
+
+    def loss(x):
+        return lax.scan(lambda c, _: (torch.tanh(c * w), c.sum()), x, None, length=5)[1].pow(2).sum()
+
+    penalty = lambda x: (tfun.grad(loss)(x) ** 2).sum()
+    grads = []
+    for run in (penalty, tfun.jit(penalty, backend=backend)):
+        x = _x(seed=2).requires_grad_(True)
+        w.grad = None
+        run(x).backward()
+        grads.append((x.grad, w.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want)
+
+
+def _refused(fn, pattern):
+    with pytest.raises(JitError, match=pattern) as e:
+        tfun.jit(lambda x: tfun.grad(lambda y: (tfun.grad(fn)(y) ** 2).sum())(x), backend="aot_eager")(_x())
+    assert "test_jit_second_order.py:" in str(e.value), str(e.value)
+    assert "outside tfun.jit" in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "op, fn",
+    [
+        ("cond", lambda x: lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: a**3, x).sum()),
+        ("switch", lambda x: lax.switch((x.sum() > 0).long(), [lambda a: a * 2, lambda a: a**3], x).sum()),
+        ("while_loop", lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.sin(c[1])), (0, x))[1].sum()),
+        ("fori_loop", lambda x: lax.fori_loop(0, (x.sum() > 0).long() + 2, lambda i, c: torch.sin(c), x).sum()),
+    ],
+)
+def test_ops_without_an_unrolled_form_are_refused(op, fn):
+    msg = _refused(fn, rf"^tfun\.lax\.{op}: under tfun\.jit, this op is inside a gradient that is differentiated again")
+    assert "no second derivative of a control-flow op" in msg
+
+
+@tfun.custom_vjp
+def _softplus_vjp(x):
+    return torch.log1p(torch.exp(x))
+
+
+_softplus_vjp.defvjp(lambda x: (_softplus_vjp(x), x), lambda x, g: (torch.sigmoid(x) * g * 1.5,))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: _softplus(x).sum(),
+        lambda x: _softplus_vjp(x).sum(),
+        lambda x: scan_custom_jvp(x, 3),
+    ],
+    ids=["custom_jvp", "custom_vjp", "custom_jvp_in_scan"],
+)
+def test_custom_rules_in_a_gradient_differentiated_again_are_refused(fn):
+    """Dynamo compiles a custom rule's backward once, without a graph: the second-order term
+    would be zero (it was, silently, before this refusal). Eagerly it is the rule's."""
+    msg = _refused(fn, r"^tfun\.grad: under tfun\.jit, a gradient through a tfun\.custom_jvp or tfun\.custom_vjp")
+    assert "tfun.grad(tfun.grad(tfun.jit(f)))" in msg
+    # with another path to the argument the outer gradient has a graph: this returned a wrong
+    # number (the rule's second-order term dropped) before the refusal
+    mixed = lambda x: tfun.grad(lambda y: (tfun.grad(fn)(y) ** 2).sum() + (y**2).sum())(x)
+    with pytest.raises(JitError, match="a gradient through a tfun.custom_jvp or tfun.custom_vjp"):
+        tfun.jit(mixed, backend="aot_eager")(_x())
+    gg = lambda x: tfun.grad(lambda y: (tfun.grad(fn)(y) ** 2).sum())(x)
+    assert gg(_x()).abs().sum() > 0  # eagerly: a nonzero second-order term
+    # and as the fix says: differentiating around the jitted function uses the rule
+    torch.testing.assert_close(tfun.grad(lambda y: (tfun.grad(tfun.jit(fn, backend="aot_eager"))(y) ** 2).sum())(_x()), gg(_x()))
+
+
+def test_unroll_limit_and_unroll_true(monkeypatch):
+    """Past `MAX_UNROLLED_STEPS` (nested loops multiply) a loop is refused with the fix;
+    `unroll=True` on the loop unrolls it all the same, with eager's values."""
+    monkeypatch.setattr(_hop, "MAX_UNROLLED_STEPS", 8)
+
+    def nested(x, unroll=1):
+        inner = lambda c, _: (lax.scan(lambda d, _: (torch.sin(d), None), c, None, length=3, unroll=unroll)[0], None)
+        return lax.scan(inner, x, None, length=3)[0].sum()
+
+    msg = _refused(nested, r"^tfun\.lax\.scan: under tfun\.jit, this loop is inside a gradient .* here that is 9 steps")
+    assert "unroll=True" in msg
+    fn = lambda x: tfun.grad(lambda y: (tfun.grad(lambda z: nested(z, unroll=True))(y) ** 2).sum())(x)
+    torch.testing.assert_close(tfun.jit(fn, backend="aot_eager")(_x()), fn(_x()))
+
+
+def test_first_order_keeps_the_loop_op():
+    """Unrolling is only for a derivative differentiated again: a plain jitted gradient still
+    lowers the loop to torch's scan (one loop op in the graph, not T steps)."""
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(sum(1 for n in gm.graph.nodes if "scan" in str(n.target)))
+        return gm
+
+    fn = lambda x: tfun.grad(lambda y: scan_fwd(y, 7))(x)
+    torch.testing.assert_close(tfun.jit(fn, backend=backend)(_x()), fn(_x()))
+    assert counts and counts[0] >= 1
