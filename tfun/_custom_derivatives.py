@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.func
 
-from . import _context
+from . import _compat, _context
 from ._closures import ClosureCells, Rebound, rebuild
 from ._compat import forward_ad_level_active, grad_leaf
 from ._errors import (
@@ -331,20 +331,49 @@ def _jvp_wrapped(t: torch.Tensor) -> bool:
     tangents for the inputs that have none, so which captured tensors can have one is
     decided here, before the Function is applied."""
     import torch.autograd.forward_ad as fwAD
-    from torch._C import _functorch as F
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    kinds = {i.level(): i.key() for i in retrieve_all_functorch_interpreters()}
-    while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
-        if kinds.get(F.maybe_get_level(t)) == TransformType.Jvp:
+    is_wrapped, is_batched = _functorch("is_functorch_wrapped_tensor"), _functorch("is_batchedtensor")
+    level_of, unwrapped = _functorch("maybe_get_level"), _functorch("get_unwrapped")
+    kinds = {level: kind for kind, level in _context.transform_stack()}
+    while is_wrapped(t) or is_batched(t):
+        if kinds.get(level_of(t)) == "Jvp":
             try:
                 if fwAD.unpack_dual(t).tangent is not None:
                     return True
             except (RuntimeError, TypeError, ValueError):  # cannot tell: assume it has one
                 return True
-        t = F.get_unwrapped(t)
+        t = unwrapped(t)
     return False
+
+
+#: The private functorch functions (bound in `_compat`) that the paths below need:
+#: `_jvp_wrapped` (eager: forward mode over forward mode, custom_vjp under torch.func) and the traced custom_jvp call
+#: inside `tfun.jvp` / `tfun.vmap` (`_traced_jvp_call`, `_traced_vmap_call`).
+_JVP_WRAPPED_NEEDS = ("is_functorch_wrapped_tensor", "is_batchedtensor", "maybe_get_level", "get_unwrapped")
+_TRACED_TRANSFORMS_NEED = ("unwrap_batched", "unwrap_for_grad", "add_batch_dim")
+
+
+def _functorch(name: str) -> Callable[..., Any]:
+    """The functorch function `_compat.<name>`, present: callers first check with
+    `_require_functorch`, which says what is missing and what to do."""
+    fn = getattr(_compat, name)
+    if fn is None:  # pragma: no cover - reached only past a missing `_require_functorch`
+        raise JitError(f"tfun: this torch ({torch.__version__}) lacks {_compat.functorch_missing(name)[0]}.")
+    return fn
+
+
+def _require_functorch(op: str, fun: Callable[..., Any], names: Sequence[str], what: str, revise: str) -> None:
+    """Raise a JitError naming what of `names` this torch lacks, if anything."""
+    missing = _compat.functorch_missing(*names)
+    if missing:
+        raise JitError(
+            format_message(
+                f"{op}: {what} needs torch internals that this torch ({torch.__version__}) lacks: "
+                f"{', '.join(missing)}.",
+                function=describe(fun),
+                revise=revise,
+            )
+        )
 
 
 def _captured_values(spec: _CallSpec, inputs: Sequence[Any]) -> list[Any]:
@@ -855,7 +884,12 @@ class custom_vjp:
             with _checkpoint_op():
                 return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
-        if not _context.is_tracing() and _context.functorch_active() and any(_jvp_wrapped(t) for t in spec.tensors):
+        if (
+            not _context.is_tracing()
+            and _context.functorch_active()
+            and _jvp_wrapped_checkable(op, self.fun, "a custom_vjp function inside a torch.func transform")
+            and any(_jvp_wrapped(t) for t in spec.tensors)
+        ):
             # refused before torch.func applies the function: under vmap its generated
             # batching rule fails on forward mode before the Function's `jvp` is reached
             _refuse_forward_mode(self.fwd)
@@ -1221,6 +1255,9 @@ class custom_jvp:
         if (
             not _context.is_tracing()
             and _context.forward_mode_depth() >= 2
+            and _jvp_wrapped_checkable(
+                op, self.fun, "a custom_jvp function inside nested forward-mode transforms (jvp of jvp, jacfwd of jacfwd)"
+            )
             and any(_jvp_wrapped(t) for t in spec.tensors)
         ):
             # (which of the levels perturb the arguments cannot be told reliably from inside
@@ -1232,6 +1269,16 @@ class custom_jvp:
         if _context.is_tracing():
             if _context.functorch_active():
                 stack = _traced_transforms()
+                if _forward_only(stack) or all(k == "Vmap" for k, _ in stack):
+                    _require_functorch(
+                        op,
+                        self.fun,
+                        _TRACED_TRANSFORMS_NEED,
+                        "under tfun.jit, a custom_jvp function called inside tfun.jvp or tfun.vmap",
+                        "Apply tfun.jvp / tfun.vmap outside tfun.jit (tfun.jvp(tfun.jit(f), ...) and "
+                        "tfun.vmap(tfun.jit(f)) run the rule around the compiled function), or install a torch "
+                        "release tfun supports (docs/compatibility.md).",
+                    )
                 if _forward_only(stack):
                     return _traced_jvp_call(spec, args, stack)
                 if all(k == "Vmap" for k, _ in stack):
@@ -1240,6 +1287,19 @@ class custom_jvp:
             fn = _CustomJvpTracedFunction
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
+
+
+def _jvp_wrapped_checkable(op: str, fun: Callable[..., Any], what: str) -> bool:
+    """True, where this torch has what `_jvp_wrapped` reads; else a JitError saying so."""
+    _require_functorch(
+        op,
+        fun,
+        _JVP_WRAPPED_NEEDS,
+        what,
+        "Call the function outside these torch.func transforms, or install a torch release tfun supports "
+        "(docs/compatibility.md).",
+    )
+    return True
 
 
 @_hop.assume_constant
@@ -1336,13 +1396,12 @@ def _requires_grad(t: torch.Tensor, stack: tuple[tuple[str, int], ...]) -> bool:
     """Whether `t`, a tensor at the jvp's level of `stack` (vmaps above it taken off), requires
     grad by the autograd outside every transform: a `torch.func` wrapper hides that, so the
     jvp's and the inner vmaps' wrappers are taken off first."""
-    from torch._C._functorch import _unwrap_batched, _unwrap_for_grad
-
+    unwrap_batched, unwrap_for_grad = _functorch("unwrap_batched"), _functorch("unwrap_for_grad")
     kinds = [k for k, _ in stack]
     at = kinds.index("Jvp")
-    t = _unwrap_for_grad(t, stack[at][1])
+    t = unwrap_for_grad(t, stack[at][1])
     for _, level in reversed(stack[:at]):
-        t, _ = _unwrap_batched(t, level)
+        t, _ = unwrap_batched(t, level)
     return bool(t.requires_grad)
 
 
@@ -1387,11 +1446,10 @@ def _refuse_outer_reverse(spec: _JvpSpec) -> None:
 def _unbatch(t: torch.Tensor, levels: Sequence[int]) -> tuple[torch.Tensor, list[tuple[int, Any]]]:
     """`t` with the batch dimensions of the `vmap` levels `levels` (outermost first) taken
     off, innermost level last, and each level's batch dimension (None: not batched there)."""
-    from torch._C._functorch import _unwrap_batched
-
+    unwrap_batched = _functorch("unwrap_batched")
     bdims: list[tuple[int, Any]] = []
     for level in reversed(levels):
-        t, bdim = _unwrap_batched(t, level)
+        t, bdim = unwrap_batched(t, level)
         bdims.append((level, bdim))
     return t, bdims
 
@@ -1402,12 +1460,11 @@ def _unbatch_pair(
     """Two tensors of the same per-example shape unbatched as `_unbatch` does, with their
     batch dimensions aligned (at 0; one batched at a level where the other is not is
     expanded), so that the two have the same shape."""
-    from torch._C._functorch import _unwrap_batched
-
+    unwrap_batched = _functorch("unwrap_batched")
     bdims: list[tuple[int, Any]] = []
     for level in reversed(levels):
-        a, da = _unwrap_batched(a, level)
-        b, db = _unwrap_batched(b, level)
+        a, da = unwrap_batched(a, level)
+        b, db = unwrap_batched(b, level)
         if da is None and db is None:
             bdims.append((level, None))
             continue
@@ -1426,11 +1483,10 @@ def _unbatch_pair(
 
 def _rebatch(t: torch.Tensor, bdims: Sequence[tuple[int, Any]]) -> torch.Tensor:
     """Undo `_unbatch`: the batch dimensions put back, innermost level first."""
-    from torch._functorch.predispatch import _add_batch_dim
-
+    add_batch_dim = _functorch("add_batch_dim")
     for level, bdim in reversed(bdims):
         if bdim is not None:
-            t = _add_batch_dim(t, bdim, level)
+            t = add_batch_dim(t, bdim, level)
     return t
 
 
