@@ -59,14 +59,10 @@ def functorch_active() -> bool:
 
 def _transform_on_stack(kind: str) -> bool:
     """Whether a `torch.func` interpreter of `kind` ("Jvp", "Grad", ...) is on this thread's
-    interpreter stack."""
-    if not functorch_active():
+    interpreter stack (read by `transform_stack`, the one reader of the stack)."""
+    if not functorch_active():  # the eager hot path: no transform, no stack to read
         return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    wanted = getattr(TransformType, kind)
-    return any(i.key() == wanted for i in retrieve_all_functorch_interpreters())
+    return any(k == kind for k, _ in transform_stack())
 
 
 def forward_mode_active() -> bool:
