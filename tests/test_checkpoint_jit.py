@@ -401,10 +401,13 @@ def test_a_failed_trace_of_a_checkpointed_loop_leaves_no_remat_scope(monkeypatch
 def _many_bodies(n):
     """`n` tiny conds and `n` one-step scans in a row: 3 * n control-flow bodies."""
 
+    def step(p, i):
+        return lambda c, _: (torch.tanh(c @ p) + i, None)
+
     def fn(p, x):
         for i in range(n):
             x = lax.cond(x.sum() > -1e9, lambda p, x: torch.sin(x @ p), lambda p, x: x, p, x)
-            x = lax.scan(lambda c, _: (torch.tanh(c @ p) + i, None), x, None, length=1)[0]
+            x = lax.scan(step(p, i), x, None, length=1)[0]
         return x.sum()
 
     return fn
