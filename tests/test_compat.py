@@ -236,3 +236,19 @@ def test_a_torch_without_what_a_traced_custom_jvp_needs_is_a_jit_error(monkeypat
         tfun.jit(lambda x, t: tfun.jvp(f, (x,), (t,)), backend="aot_eager")(x, t)
     got = tfun.jvp(f, (x,), (t,))  # eagerly it needs none of them
     torch.testing.assert_close(got, want)
+
+
+def test_a_torch_without_what_custom_vjp_under_a_transform_reads_is_a_tfun_error(monkeypatch):
+    import tfun
+    from tfun.errors import TfunError
+
+    @tfun.custom_vjp
+    def f(x):
+        return torch.sin(x)
+
+    f.defvjp(lambda x: (torch.sin(x), x), lambda x, g: (torch.cos(x) * g,))
+    xs = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(tfun.vmap(f)(xs), torch.sin(xs))
+    _without(monkeypatch, "get_unwrapped")
+    with pytest.raises(TfunError, match=r"custom_vjp.*torch\._C\._functorch\.get_unwrapped(.|\n)*install a torch release"):
+        tfun.vmap(f)(xs)

@@ -347,8 +347,9 @@ def _jvp_wrapped(t: torch.Tensor) -> bool:
 
 
 #: The private functorch functions (bound in `_compat`) that the paths below need:
-#: `_jvp_wrapped` (eager: forward mode over forward mode, custom_vjp under torch.func) and the traced custom_jvp call
-#: inside `tfun.jvp` / `tfun.vmap` (`_traced_jvp_call`, `_traced_vmap_call`).
+#: `_jvp_wrapped` (eager: forward mode over forward mode, custom_vjp under torch.func)
+#: and the traced custom_jvp call inside `tfun.jvp` / `tfun.vmap` (`_traced_jvp_call`,
+#: `_traced_vmap_call`).
 _JVP_WRAPPED_NEEDS = ("is_functorch_wrapped_tensor", "is_batchedtensor", "maybe_get_level", "get_unwrapped")
 _TRACED_TRANSFORMS_NEED = ("unwrap_batched", "unwrap_for_grad", "add_batch_dim")
 
@@ -358,15 +359,27 @@ def _functorch(name: str) -> Callable[..., Any]:
     `_require_functorch`, which says what is missing and what to do."""
     fn = getattr(_compat, name)
     if fn is None:  # pragma: no cover - reached only past a missing `_require_functorch`
-        raise JitError(f"tfun: this torch ({torch.__version__}) lacks {_compat.functorch_missing(name)[0]}.")
+        raise TfunError(
+            format_message(
+                f"tfun: this torch ({torch.__version__}) lacks {_compat.functorch_missing(name)[0]}.",
+                revise="Install a torch release tfun supports (docs/compatibility.md).",
+            )
+        )
     return fn
 
 
-def _require_functorch(op: str, fun: Callable[..., Any], names: Sequence[str], what: str, revise: str) -> None:
-    """Raise a JitError naming what of `names` this torch lacks, if anything."""
+def _require_functorch(
+    op: str,
+    fun: Callable[..., Any],
+    names: Sequence[str],
+    what: str,
+    revise: str,
+    error: type[TfunError] = JitError,
+) -> None:
+    """Raise `error` naming what of `names` this torch lacks, if anything."""
     missing = _compat.functorch_missing(*names)
     if missing:
-        raise JitError(
+        raise error(
             format_message(
                 f"{op}: {what} needs torch internals that this torch ({torch.__version__}) lacks: "
                 f"{', '.join(missing)}.",
@@ -1290,7 +1303,8 @@ class custom_jvp:
 
 
 def _jvp_wrapped_checkable(op: str, fun: Callable[..., Any], what: str) -> bool:
-    """True, where this torch has what `_jvp_wrapped` reads; else a JitError saying so."""
+    """True, where this torch has what `_jvp_wrapped` reads (eagerly); else a TfunError
+    saying so."""
     _require_functorch(
         op,
         fun,
@@ -1298,6 +1312,7 @@ def _jvp_wrapped_checkable(op: str, fun: Callable[..., Any], what: str) -> bool:
         what,
         "Call the function outside these torch.func transforms, or install a torch release tfun supports "
         "(docs/compatibility.md).",
+        error=TfunError,
     )
     return True
 
