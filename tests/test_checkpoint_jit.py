@@ -439,7 +439,7 @@ def test_body_checkpoints_reuse_their_policy_key():
     assert len(_hop._POLICIES) == before + 1
 
 
-def test_policy_keys_outlive_any_number_of_other_registrations():
+def test_policy_keys_outlive_any_number_of_other_registrations(monkeypatch):
     """A traced checkpoint's policy key stays valid while the graph that names it is compiled,
     however many other policies are registered meanwhile (300 here, as 300 other traced
     checkpoints would: past the 256 keys the registry used to keep, which evicted this
@@ -453,6 +453,9 @@ def test_policy_keys_outlive_any_number_of_other_registrations():
         return make_boxed_func(gm.forward)
 
     aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    # the 300 policies below are this test's: registered in copies, dropped after it
+    monkeypatch.setattr(_hop, "_POLICIES", dict(_hop._POLICIES))
+    monkeypatch.setattr(_hop, "_POLICY_KEYS", dict(_hop._POLICY_KEYS))
 
     def crowded_backend(gm, example_inputs):  # Dynamo has traced; AOTAutograd asks the policies next
         for _ in range(300):
