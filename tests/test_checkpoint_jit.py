@@ -396,3 +396,75 @@ def test_a_failed_trace_of_a_checkpointed_loop_leaves_no_remat_scope(monkeypatch
     assert wrapped == []
     tfun.jit(tfun.checkpoint(_scan_loop), backend="aot_eager")(t(4, 4), t(5, 4))
     assert len(wrapped) == 1
+
+
+def _many_bodies(n):
+    """`n` tiny conds and `n` one-step scans in a row: 3 * n control-flow bodies."""
+
+    def step(p, i):
+        return lambda c, _: (torch.tanh(c @ p) + i, None)
+
+    def fn(p, x):
+        for i in range(n):
+            x = lax.cond(x.sum() > -1e9, lambda p, x: torch.sin(x @ p), lambda p, x: x, p, x)
+            x = lax.scan(step(p, i), x, None, length=1)[0]
+        return x.sum()
+
+    return fn
+
+
+def test_body_checkpoints_reuse_their_policy_key():
+    """Each body's checkpoint inside a traced checkpoint names the enclosing checkpoint's
+    policy by its key and reuses it: a trace registers one key for its policy, whatever the
+    number of bodies, and a retrace of the same policy registers none."""
+    from tfun.lax import _hop
+
+    fn = _many_bodies(4)
+    recording_mm = []
+
+    def policy(func, *args, **kwargs):
+        recording_mm.append(func)
+        return func is torch.mm
+
+    p, x = t(3, 3, seed=1) * 0.5, t(2, 3, seed=2)
+    y_ref, g_ref = grads_of(fn, p, x)
+    before = len(_hop._POLICIES)
+    y, g = grads_of(tfun.jit(tfun.checkpoint(fn, policy=policy), backend="aot_eager"), p, x)
+    assert_close(y, y_ref)
+    assert_close(g, g_ref)
+    assert len(_hop._POLICIES) == before + 1
+    assert torch.mm in recording_mm  # the bodies' `x @ p` were asked about
+    y, g = grads_of(tfun.jit(tfun.checkpoint(fn, policy=policy), backend="aot_eager"), p, x)  # a new compile
+    assert_close(g, g_ref)
+    assert len(_hop._POLICIES) == before + 1
+
+
+def test_policy_keys_outlive_any_number_of_other_registrations(monkeypatch):
+    """A traced checkpoint's policy key stays valid while the graph that names it is compiled,
+    however many other policies are registered meanwhile (300 here, as 300 other traced
+    checkpoints would: past the 256 keys the registry used to keep, which evicted this
+    trace's key before AOTAutograd asked its policy: a KeyError at compile time)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from tfun.lax import _hop
+
+    def compiler(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    # the 300 policies below are this test's: registered in copies, dropped after it
+    monkeypatch.setattr(_hop, "_POLICIES", dict(_hop._POLICIES))
+    monkeypatch.setattr(_hop, "_POLICY_KEYS", dict(_hop._POLICY_KEYS))
+
+    def crowded_backend(gm, example_inputs):  # Dynamo has traced; AOTAutograd asks the policies next
+        for _ in range(300):
+            _hop.escape_policy_key(lambda func, *args, **kwargs: False)
+        return aot(gm, example_inputs)
+
+    fn = _many_bodies(2)
+    p, x = t(3, 3, seed=1) * 0.5, t(2, 3, seed=2)
+    y_ref, g_ref = grads_of(fn, p, x)
+    y, g = grads_of(tfun.jit(tfun.checkpoint(fn, policy=mm_only), backend=crowded_backend), p, x)
+    assert_close(y, y_ref)
+    assert_close(g, g_ref)

@@ -160,3 +160,95 @@ def test_the_backward_fixes_detect_whether_torch_makes_gradients_contiguous():
 
     assert _compat._names_contiguous(densifies)
     assert not _compat._names_contiguous(does_not)
+
+
+def test_every_private_functorch_name_resolves_on_this_torch():
+    """The private functorch entry points tfun uses are bound once, in `_compat`, by feature
+    detection: every supported torch has each of them."""
+    assert _compat.functorch_missing(*_compat._FUNCTORCH_WHERE) == ()
+    for name in _compat._FUNCTORCH_WHERE:
+        assert callable(getattr(_compat, name)), name
+
+
+def test_no_private_functorch_import_outside_compat_and_context():
+    """torch's private functorch modules are named only in `_compat` and `_context`."""
+    import pathlib
+    import re
+
+    import tfun
+
+    root = pathlib.Path(tfun.__file__).parent
+    pattern = re.compile(r"torch\._C\._functorch|torch\._functorch|from torch\._C import _functorch")
+    offenders = [
+        f"{p.relative_to(root)}:{i}"
+        for p in sorted(root.rglob("*.py"))
+        if p.name not in ("_compat.py", "_context.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert offenders == []
+
+
+def _without(monkeypatch, name):
+    """This torch as if it lacked `_compat.<name>`."""
+    monkeypatch.setattr(_compat, name, None)
+    monkeypatch.setitem(_compat._FUNCTORCH_BOUND, name, None)
+
+
+def test_a_torch_without_the_interpreter_stack_reader_is_a_tfun_error(monkeypatch):
+    from tfun import _context
+    from tfun.errors import TfunError
+
+    _without(monkeypatch, "functorch_interpreters")
+    assert _context.transform_stack() == ()  # no transform active: nothing to read
+    with pytest.raises(TfunError, match=r"retrieve_all_functorch_interpreters.*\n.*Install a torch release"):
+        torch.func.jvp(lambda x: (_context.forward_mode_active(), x)[1], (torch.ones(2),), (torch.ones(2),))
+
+
+def _twice_sin_jvp():
+    import tfun
+
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x), 2 * torch.cos(x) * t
+
+    return f
+
+
+@pytest.mark.parametrize("missing", ["unwrap_batched", "unwrap_for_grad", "add_batch_dim"])
+def test_a_torch_without_what_a_traced_custom_jvp_needs_is_a_jit_error(monkeypatch, missing):
+    """tfun.jit of tfun.jvp through a custom_jvp function unwraps functorch tensors with
+    private torch functions; where this torch lacks one, a JitError names it and the fix."""
+    import tfun
+    from tfun.errors import JitError
+
+    f = _twice_sin_jvp()
+    x, t = torch.randn(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    want = tfun.jvp(f, (x,), (t,))
+    torch.testing.assert_close(want[1], 2 * torch.cos(x) * t)
+    _without(monkeypatch, missing)
+    with pytest.raises(JitError, match=rf"custom_jvp.*{_compat._FUNCTORCH_WHERE[missing]}(.|\n)*outside tfun.jit"):
+        tfun.jit(lambda x, t: tfun.jvp(f, (x,), (t,)), backend="aot_eager")(x, t)
+    got = tfun.jvp(f, (x,), (t,))  # eagerly it needs none of them
+    torch.testing.assert_close(got, want)
+
+
+def test_a_torch_without_what_custom_vjp_under_a_transform_reads_is_a_tfun_error(monkeypatch):
+    import tfun
+    from tfun.errors import TfunError
+
+    @tfun.custom_vjp
+    def f(x):
+        return torch.sin(x)
+
+    f.defvjp(lambda x: (torch.sin(x), x), lambda x, g: (torch.cos(x) * g,))
+    xs = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(tfun.vmap(f)(xs), torch.sin(xs))
+    _without(monkeypatch, "get_unwrapped")
+    with pytest.raises(TfunError, match=r"custom_vjp.*torch\._C\._functorch\.get_unwrapped(.|\n)*install a torch release"):
+        tfun.vmap(f)(xs)

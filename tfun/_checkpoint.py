@@ -396,16 +396,11 @@ def _selective_contexts(policy: Callable[..., bool]) -> Any:
     return create_selective_checkpoint_contexts(functools.partial(_selective_policy, policy))
 
 
-def _keyed_policy(key: int, func: Any, *args: Any, **kwargs: Any) -> bool:
-    """The policy registered under `key` (`_hop.escape_policy_key`), asked as a policy."""
-    policy = _hop.policy_of(key)
-    return policy is not None and bool(policy(func, *args, **kwargs))
-
-
 def _checkpoint_body(fn: Callable[..., Any], policy_key: int) -> Callable[..., Any]:
     """How a traced `tfun.checkpoint` around control flow checkpoints each branch and loop
-    body: with the enclosing checkpoint's policy, named by its key (a Dynamo constant)."""
-    return checkpoint(fn, policy=functools.partial(_keyed_policy, policy_key) if policy_key else None)
+    body: with the enclosing checkpoint's policy, named by its key (a Dynamo constant; that
+    body's own traced checkpoint reuses the key, `_hop.escape_policy_key`)."""
+    return checkpoint(fn, policy=functools.partial(_hop.keyed_policy, policy_key) if policy_key else None)
 
 
 @_hop.assume_constant

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "grad_leaf", "is_exporting", "is_hashable", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "while_loop_autograd_fixes"]
+__all__ = ["add_batch_dim", "bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -128,6 +128,91 @@ def grad_leaf(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_dynamo_compiling():
         _grad_leaf_in_graph()
     return _grad_leaf_eager(x)
+
+
+# ----------------------------------------------------------------------------------------
+# torch.func's private internals, resolved once here (None where this torch lacks one)
+# ----------------------------------------------------------------------------------------
+#
+# Every private functorch name tfun uses outside this module and `_context` is bound here,
+# at import, by feature detection; a feature that needs a name this torch lacks raises a
+# tfun error naming it (`functorch_missing`), never an AttributeError or ImportError.
+# Where they come from (torch 2.11, the floor in pyproject.toml, cannot be installed here;
+# checked in pytorch/pytorch's source as the search index stores it, undated commits, so
+# not against the v2.11.0 tag itself): `torch/_functorch/pyfunctorch.py` defines
+# `retrieve_all_functorch_interpreters()`; `torch/_functorch/predispatch.py` (commit 01c4d4c)
+# defines `_add_batch_dim(self, batch_dim, level)`, its pre-dispatch wrapper of the C one;
+# `torch/csrc/functorch/init.cpp` binds `_unwrap_batched` (`unwrapBatched`: tensor, level ->
+# (tensor, bdim)), `_unwrap_for_grad(tensor, level)`, `is_batchedtensor`,
+# `is_gradtrackingtensor`, `is_functionaltensor`, `is_functorch_wrapped_tensor`,
+# `get_unwrapped`, `maybe_get_level` and `peek_interpreter_stack` into `torch._C._functorch`.
+# Every one resolves on torch 2.13.0, 2.14.1 and 2.15.0 (tests/test_compat.py).
+
+_FUNCTORCH_C: Any = getattr(torch._C, "_functorch", None)
+
+
+def _private(module: str, name: str) -> Any:
+    """`module.name` where this torch has it, else None (a torch without it: the feature
+    that needs it raises, see `functorch_missing`)."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - every supported torch has these modules
+        return None
+    return getattr(mod, name, None)
+
+
+#: `retrieve_all_functorch_interpreters()`: the live `torch.func` interpreters, outermost
+#: first (read by `_context.transform_stack`, the one reader of the stack).
+functorch_interpreters: Callable[[], Any] | None = _private("torch._functorch.pyfunctorch", "retrieve_all_functorch_interpreters")
+#: `_unwrap_batched(t, level) -> (t, bdim)`: `t` with the batch dimension of vmap `level` taken off.
+unwrap_batched: Callable[[torch.Tensor, int], tuple[torch.Tensor, Any]] | None = getattr(_FUNCTORCH_C, "_unwrap_batched", None)
+#: `_unwrap_for_grad(t, level)`: `t` with the grad/jvp wrapper of `level` taken off.
+unwrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] | None = getattr(_FUNCTORCH_C, "_unwrap_for_grad", None)
+#: `_wrap_for_grad(t, level)`: `t` wrapped for the grad/jvp transform of `level` (as
+#: `torch.func.jvp` wraps its inputs).
+wrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] | None = getattr(_FUNCTORCH_C, "_wrap_for_grad", None)
+#: `retrieve_current_functorch_interpreter()`: the innermost live interpreter, whose `lower()`
+#: runs code at the level below it and whose `level()` is its level.
+current_interpreter: Callable[[], Any] | None = _private("torch._functorch.pyfunctorch", "retrieve_current_functorch_interpreter")
+#: `_add_batch_dim(t, bdim, level)`: `t` batched at vmap `level` along `bdim`.
+add_batch_dim: Callable[[torch.Tensor, int, int], torch.Tensor] | None = _private("torch._functorch.predispatch", "_add_batch_dim")
+#: Tensor-wrapper predicates and accessors of functorch.
+is_batchedtensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_C, "is_batchedtensor", None)
+is_gradtrackingtensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_C, "is_gradtrackingtensor", None)
+is_functionaltensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_C, "is_functionaltensor", None)
+is_functorch_wrapped_tensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_C, "is_functorch_wrapped_tensor", None)
+get_unwrapped: Callable[[torch.Tensor], torch.Tensor] | None = getattr(_FUNCTORCH_C, "get_unwrapped", None)
+maybe_get_level: Callable[[torch.Tensor], int] | None = getattr(_FUNCTORCH_C, "maybe_get_level", None)
+peek_interpreter_stack: Callable[[], Any] | None = getattr(_FUNCTORCH_C, "peek_interpreter_stack", None)
+
+_FUNCTORCH_WHERE = {
+    "functorch_interpreters": "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters",
+    "unwrap_batched": "torch._C._functorch._unwrap_batched",
+    "unwrap_for_grad": "torch._C._functorch._unwrap_for_grad",
+    "wrap_for_grad": "torch._C._functorch._wrap_for_grad",
+    "current_interpreter": "torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter",
+    "add_batch_dim": "torch._functorch.predispatch._add_batch_dim",
+    "is_batchedtensor": "torch._C._functorch.is_batchedtensor",
+    "is_gradtrackingtensor": "torch._C._functorch.is_gradtrackingtensor",
+    "is_functionaltensor": "torch._C._functorch.is_functionaltensor",
+    "is_functorch_wrapped_tensor": "torch._C._functorch.is_functorch_wrapped_tensor",
+    "get_unwrapped": "torch._C._functorch.get_unwrapped",
+    "maybe_get_level": "torch._C._functorch.maybe_get_level",
+    "peek_interpreter_stack": "torch._C._functorch.peek_interpreter_stack",
+}
+
+
+_FUNCTORCH_BOUND: dict[str, Any] = {name: globals()[name] for name in _FUNCTORCH_WHERE}
+
+
+def functorch_missing(*names: str) -> tuple[str, ...]:
+    """The torch paths of those of `names` (names bound above) this torch lacks: `()` where
+    it has them all. A feature that needs them raises a tfun error naming them."""
+    return tuple(_FUNCTORCH_WHERE[n] for n in names if _FUNCTORCH_BOUND[n] is None)
+
+
+# Under tfun.jit, Dynamo runs it as plain Python (a constant answer about this torch).
+functorch_missing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 #: Whether functorch has a batching rule for `Tensor.view(dtype)` (torch 2.13 has, 2.11 has not:
@@ -756,43 +841,3 @@ def dynamo_inspects_wrapped_functions() -> bool:
     wrapper = getattr(functions, "WrapperUserFunctionVariable", None)
     base = getattr(functions, "BaseUserFunctionVariable", None)
     return wrapper is None or base is None or issubclass(wrapper, base)
-
-
-
-
-# --------------------------------------------------------------------------------------
-# functorch levels, for rules applied by hand at one transform's level
-# --------------------------------------------------------------------------------------
-
-
-def innermost_interpreter() -> tuple[Any, int]:
-    """The innermost live `torch.func` interpreter and its level (eagerly; there must be one).
-    Its `lower()` runs code at the level below it (torch's `pyfunctorch` API, in every torch
-    tfun supports: 2.11's has it)."""
-    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-
-    interp = retrieve_current_functorch_interpreter()
-    return interp, int(interp.level())
-
-
-def unwrap_at_level(t: torch.Tensor, level: int) -> torch.Tensor:
-    """`t` without its `grad`/`jvp` wrapper of `level` (unchanged if it has none there)."""
-    return torch._C._functorch._unwrap_for_grad(t, level)
-
-
-def wrap_at_level(t: torch.Tensor, level: int) -> torch.Tensor:
-    """`t` wrapped for the `grad`/`jvp` transform of `level` (as `torch.func.jvp` wraps its
-    inputs)."""
-    return torch._C._functorch._wrap_for_grad(t, level)
-
-
-def unbatch_at_level(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
-    """`t` without its `vmap` wrapper of `level`, and the batch dimension it had there (None
-    if it is not batched at that level)."""
-    inner, bdim = torch._C._functorch._unwrap_batched(t, level)
-    return inner, None if bdim is None else int(bdim)
-
-
-def batch_at_level(t: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
-    """`t` batched at dimension `bdim` for the `vmap` of `level`."""
-    return torch._C._functorch._add_batch_dim(t, bdim, level)

@@ -3,8 +3,9 @@
 tfun picks a path per call: eagerly it runs Python loops; traced by `torch.compile` (so
 `tfun.jit`) or `torch.export` it lowers to PyTorch's higher-order ops; under a `torch.func`
 transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`) some rules read the transform's level. Every
-such question is asked here, so the answer cannot differ between modules. No tfun imports:
-every layer may use it.
+such question is asked here, so the answer cannot differ between modules. It imports only
+`_compat` (which imports no tfun module; torch's private functorch entry points are resolved
+there), and `_errors` where it raises: every layer may use it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib
 from collections.abc import Callable
 
 import torch
+
+from . import _compat
 
 __all__ = [
     "is_tracing",
@@ -57,14 +60,10 @@ def functorch_active() -> bool:
 
 def _transform_on_stack(kind: str) -> bool:
     """Whether a `torch.func` interpreter of `kind` ("Jvp", "Grad", ...) is on this thread's
-    interpreter stack."""
-    if not functorch_active():
+    interpreter stack (read by `transform_stack`, the one reader of the stack)."""
+    if not functorch_active():  # the eager hot path: no transform, no stack to read
         return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    wanted = getattr(TransformType, kind)
-    return any(i.key() == wanted for i in retrieve_all_functorch_interpreters())
+    return any(k == kind for k, _ in transform_stack())
 
 
 def forward_mode_active() -> bool:
@@ -88,9 +87,20 @@ def transform_stack() -> tuple[tuple[str, int], ...]:
     pushes the real interpreters of the transforms it traces)."""
     if not functorch_active():
         return ()
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    interpreters = _compat.functorch_interpreters
+    if interpreters is None:
+        from ._errors import TfunError, format_message
 
-    return tuple((i.key().name, int(i.level())) for i in retrieve_all_functorch_interpreters())
+        raise TfunError(
+            format_message(
+                f"tfun: this torch ({torch.__version__}) lacks "
+                f"{', '.join(_compat.functorch_missing('functorch_interpreters'))}, which tfun needs to read "
+                "the torch.func transforms active here (tfun.grad, tfun.jvp, tfun.vmap, jacfwd, ...).",
+                revise="Install a torch release tfun supports (docs/compatibility.md), or call the function "
+                "outside torch.func transforms.",
+            )
+        )
+    return tuple((i.key().name, int(i.level())) for i in interpreters())
 
 
 def innermost_transform() -> str | None:
@@ -111,7 +121,7 @@ def forward_mode_depth() -> int:
 def in_functorch_transform() -> bool:
     """Whether eager code runs inside a `torch.func` transform (its interpreter stack is not
     empty). Not meaningful while tracing: Dynamo models the stack itself."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    peek = _compat.peek_interpreter_stack
     return peek is not None and peek() is not None
 
 
@@ -132,7 +142,7 @@ def in_op_recording_mode() -> bool:
 
 def functorch_level(t: torch.Tensor) -> int:
     """The `torch.func` level a tensor is wrapped at (-1 for a plain tensor)."""
-    get = getattr(torch._C._functorch, "maybe_get_level", None)
+    get = _compat.maybe_get_level
     return -1 if get is None else int(get(t))
 
 

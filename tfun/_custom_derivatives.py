@@ -331,20 +331,63 @@ def _jvp_wrapped(t: torch.Tensor) -> bool:
     tangents for the inputs that have none, so which captured tensors can have one is
     decided here, before the Function is applied."""
     import torch.autograd.forward_ad as fwAD
-    from torch._C import _functorch as F
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    kinds = {i.level(): i.key() for i in retrieve_all_functorch_interpreters()}
-    while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
-        if kinds.get(F.maybe_get_level(t)) == TransformType.Jvp:
+    is_wrapped, is_batched = _functorch("is_functorch_wrapped_tensor"), _functorch("is_batchedtensor")
+    level_of, unwrapped = _functorch("maybe_get_level"), _functorch("get_unwrapped")
+    kinds = {level: kind for kind, level in _context.transform_stack()}
+    while is_wrapped(t) or is_batched(t):
+        if kinds.get(level_of(t)) == "Jvp":
             try:
                 if fwAD.unpack_dual(t).tangent is not None:
                     return True
             except (RuntimeError, TypeError, ValueError):  # cannot tell: assume it has one
                 return True
-        t = F.get_unwrapped(t)
+        t = unwrapped(t)
     return False
+
+
+#: The private functorch functions (bound in `_compat`) that the paths below need:
+#: `_jvp_wrapped` (eager: forward mode over forward mode, custom_vjp under torch.func)
+#: and the traced custom_jvp call inside `tfun.jvp` / `tfun.vmap` (`_traced_jvp_call`,
+#: `_traced_vmap_call`).
+_JVP_WRAPPED_NEEDS = ("is_functorch_wrapped_tensor", "is_batchedtensor", "maybe_get_level", "get_unwrapped")
+_TRACED_TRANSFORMS_NEED = ("unwrap_batched", "unwrap_for_grad", "add_batch_dim")
+_LEVEL_BY_LEVEL_NEEDS = ("current_interpreter", "unwrap_for_grad", "wrap_for_grad", "unwrap_batched", "add_batch_dim")
+
+
+def _functorch(name: str) -> Callable[..., Any]:
+    """The functorch function `_compat.<name>`, present: callers first check with
+    `_require_functorch`, which says what is missing and what to do."""
+    fn = getattr(_compat, name)
+    if fn is None:  # pragma: no cover - reached only past a missing `_require_functorch`
+        raise TfunError(
+            format_message(
+                f"tfun: this torch ({torch.__version__}) lacks {_compat.functorch_missing(name)[0]}.",
+                revise="Install a torch release tfun supports (docs/compatibility.md).",
+            )
+        )
+    return fn
+
+
+def _require_functorch(
+    op: str,
+    fun: Callable[..., Any],
+    names: Sequence[str],
+    what: str,
+    revise: str,
+    error: type[TfunError] = JitError,
+) -> None:
+    """Raise `error` naming what of `names` this torch lacks, if anything."""
+    missing = _compat.functorch_missing(*names)
+    if missing:
+        raise error(
+            format_message(
+                f"{op}: {what} needs torch internals that this torch ({torch.__version__}) lacks: "
+                f"{', '.join(missing)}.",
+                function=describe(fun),
+                revise=revise,
+            )
+        )
 
 
 def _captured_values(spec: _CallSpec, inputs: Sequence[Any]) -> list[Any]:
@@ -855,7 +898,12 @@ class custom_vjp:
             with _checkpoint_op():
                 return self.fun(*args)
         spec.fwd, spec.bwd = self.fwd, self.bwd
-        if not _context.is_tracing() and _context.functorch_active() and any(_jvp_wrapped(t) for t in spec.tensors):
+        if (
+            not _context.is_tracing()
+            and _context.functorch_active()
+            and _jvp_wrapped_checkable(op, self.fun, "a custom_vjp function inside a torch.func transform")
+            and any(_jvp_wrapped(t) for t in spec.tensors)
+        ):
             # refused before torch.func applies the function: under vmap its generated
             # batching rule fails on forward mode before the Function's `jvp` is reached
             _refuse_forward_mode(self.fwd)
@@ -1228,7 +1276,13 @@ class custom_jvp:
             innermost = _context.innermost_transform()
         else:
             innermost = None
-        if innermost not in (None, "Grad") and any(_jvp_wrapped(t) for t in spec.tensors):
+        if (
+            innermost not in (None, "Grad")
+            and _jvp_wrapped_checkable(
+                op, self.fun, "a custom_jvp function inside nested forward-mode transforms (jvp of jvp, jacfwd of jacfwd)"
+            )
+            and any(_jvp_wrapped(t) for t in spec.tensors)
+        ):
             # Forward mode over forward mode: handled level by level from the innermost
             # transform (see the two functions). With a grad/vjp innermost, the Function below
             # runs its rule there and the forward-mode levels below see the rule's ops (checked
@@ -1237,6 +1291,11 @@ class custom_jvp:
                 _refuse_forward_over_forward(
                     op, self.fun, f"here the innermost torch.func transform is {_TRANSFORM_NAMES.get(innermost, innermost)}"
                 )
+            _require_functorch(
+                op, self.fun, _LEVEL_BY_LEVEL_NEEDS, "forward mode over forward mode through a custom_jvp function",
+                "Take the outer derivative in reverse mode (tfun.hessian, tfun.jacrev(tfun.jacfwd(f))), or install a "
+                "torch release tfun supports (docs/compatibility.md).", error=TfunError,
+            )
             _capture(spec, (self.fun, self.jvp_fn, *_callables(spec.nondiff)))
             if innermost == "Jvp":
                 return _forward_over_forward_call(self, spec)
@@ -1246,6 +1305,16 @@ class custom_jvp:
         if _context.is_tracing():
             if _context.functorch_active():
                 stack = _traced_transforms()
+                if _forward_only(stack) or all(k == "Vmap" for k, _ in stack):
+                    _require_functorch(
+                        op,
+                        self.fun,
+                        _TRACED_TRANSFORMS_NEED,
+                        "under tfun.jit, a custom_jvp function called inside tfun.jvp or tfun.vmap",
+                        "Apply tfun.jvp / tfun.vmap outside tfun.jit (tfun.jvp(tfun.jit(f), ...) and "
+                        "tfun.vmap(tfun.jit(f)) run the rule around the compiled function), or install a torch "
+                        "release tfun supports (docs/compatibility.md).",
+                    )
                 if _forward_only(stack):
                     return _traced_jvp_call(spec, args, stack)
                 if all(k == "Vmap" for k, _ in stack):
@@ -1255,6 +1324,21 @@ class custom_jvp:
             _hop.note_custom_rule()
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs))
+
+
+def _jvp_wrapped_checkable(op: str, fun: Callable[..., Any], what: str) -> bool:
+    """True, where this torch has what `_jvp_wrapped` reads (eagerly); else a TfunError
+    saying so."""
+    _require_functorch(
+        op,
+        fun,
+        _JVP_WRAPPED_NEEDS,
+        what,
+        "Call the function outside these torch.func transforms, or install a torch release tfun supports "
+        "(docs/compatibility.md).",
+        error=TfunError,
+    )
+    return True
 
 
 @_hop.assume_constant
@@ -1353,13 +1437,12 @@ def _requires_grad(t: torch.Tensor, stack: tuple[tuple[str, int], ...]) -> bool:
     """Whether `t`, a tensor at the jvp's level of `stack` (vmaps above it taken off), requires
     grad by the autograd outside every transform: a `torch.func` wrapper hides that, so the
     jvp's and the inner vmaps' wrappers are taken off first."""
-    from torch._C._functorch import _unwrap_batched, _unwrap_for_grad
-
+    unwrap_batched, unwrap_for_grad = _functorch("unwrap_batched"), _functorch("unwrap_for_grad")
     kinds = [k for k, _ in stack]
     at = kinds.index("Jvp")
-    t = _unwrap_for_grad(t, stack[at][1])
+    t = unwrap_for_grad(t, stack[at][1])
     for _, level in reversed(stack[:at]):
-        t, _ = _unwrap_batched(t, level)
+        t, _ = unwrap_batched(t, level)
     return bool(t.requires_grad)
 
 
@@ -1404,11 +1487,10 @@ def _refuse_outer_reverse(spec: _JvpSpec) -> None:
 def _unbatch(t: torch.Tensor, levels: Sequence[int]) -> tuple[torch.Tensor, list[tuple[int, Any]]]:
     """`t` with the batch dimensions of the `vmap` levels `levels` (outermost first) taken
     off, innermost level last, and each level's batch dimension (None: not batched there)."""
-    from torch._C._functorch import _unwrap_batched
-
+    unwrap_batched = _functorch("unwrap_batched")
     bdims: list[tuple[int, Any]] = []
     for level in reversed(levels):
-        t, bdim = _unwrap_batched(t, level)
+        t, bdim = unwrap_batched(t, level)
         bdims.append((level, bdim))
     return t, bdims
 
@@ -1419,12 +1501,11 @@ def _unbatch_pair(
     """Two tensors of the same per-example shape unbatched as `_unbatch` does, with their
     batch dimensions aligned (at 0; one batched at a level where the other is not is
     expanded), so that the two have the same shape."""
-    from torch._C._functorch import _unwrap_batched
-
+    unwrap_batched = _functorch("unwrap_batched")
     bdims: list[tuple[int, Any]] = []
     for level in reversed(levels):
-        a, da = _unwrap_batched(a, level)
-        b, db = _unwrap_batched(b, level)
+        a, da = unwrap_batched(a, level)
+        b, db = unwrap_batched(b, level)
         if da is None and db is None:
             bdims.append((level, None))
             continue
@@ -1443,11 +1524,10 @@ def _unbatch_pair(
 
 def _rebatch(t: torch.Tensor, bdims: Sequence[tuple[int, Any]]) -> torch.Tensor:
     """Undo `_unbatch`: the batch dimensions put back, innermost level first."""
-    from torch._functorch.predispatch import _add_batch_dim
-
+    add_batch_dim = _functorch("add_batch_dim")
     for level, bdim in reversed(bdims):
         if bdim is not None:
-            t = _add_batch_dim(t, bdim, level)
+            t = add_batch_dim(t, bdim, level)
     return t
 
 
@@ -1466,14 +1546,15 @@ def _forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> Any:
     import torch.autograd.forward_ad as fwAD
 
     op = spec.op
-    interp, level = _compat.innermost_interpreter()
+    interp = _compat.current_interpreter()  # type: ignore[misc]
+    level = int(interp.level())
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if _tensor_level(t) != level:
             return t, None
         pair = fwAD.unpack_dual(t)
-        primal = _compat.unwrap_at_level(pair.primal, level)
-        return primal, None if pair.tangent is None else _compat.unwrap_at_level(pair.tangent, level)
+        primal = _compat.unwrap_for_grad(pair.primal, level)  # type: ignore[misc]
+        return primal, None if pair.tangent is None else _compat.unwrap_for_grad(pair.tangent, level)  # type: ignore[misc]
 
     caps: list[Any] = []
     if spec.captures is not None:
@@ -1496,8 +1577,8 @@ def _forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> Any:
             flat = _call_jvp_rule(spec, primals, tans, out)
     duals = []
     for o, f in zip(leaves, flat):
-        o_w = _compat.wrap_at_level(o, level)
-        duals.append(o_w if f is None else fwAD.make_dual(o_w, _compat.wrap_at_level(f, level)))
+        o_w = _compat.wrap_for_grad(o, level)  # type: ignore[misc]
+        duals.append(o_w if f is None else fwAD.make_dual(o_w, _compat.wrap_for_grad(f, level)))  # type: ignore[misc]
     return tree_unflatten(spec.out_td, duals)
 
 
@@ -1513,19 +1594,20 @@ def _batched_forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> An
     custom function is called whose function is `fun` under `torch.func.vmap` and whose rule is
     the rule under `torch.func.vmap`; its outputs are batched again (at dimension 0)."""
     op = spec.op
-    interp, level = _compat.innermost_interpreter()
+    interp = _compat.current_interpreter()  # type: ignore[misc]
+    level = int(interp.level())
     if spec.captures is not None and any(_tensor_level(t) == level for t in spec.captures.tensors):
         # a tensor batched at this level among the closures or nondiff arguments: the rules
         # would need it per example
         _refuse_forward_over_forward(
             op, spec.fun, "here the function or its rule closes over a tensor (or takes a nondiff tensor) batched by the innermost vmap"
         )
-    parts = [_compat.unbatch_at_level(t, level) for t in spec.tensors]
+    parts = [_compat.unwrap_batched(t, level) for t in spec.tensors]  # type: ignore[misc]
     flat = [t for t, _ in parts]
     if all(b is None for _, b in parts):
         with interp.lower():
             return custom(*spec.all_args(flat))
-    in_dims = tuple(b for _, b in parts)
+    in_dims = tuple(None if b is None else int(b) for _, b in parts)
     fun, rule = spec.fun, spec.jvp_fn
 
     def per_example(*tensors: torch.Tensor) -> Any:
@@ -1547,7 +1629,7 @@ def _batched_forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> An
     with interp.lower():
         out = batched(*flat)
     leaves, td = tree_flatten(out)
-    return tree_unflatten(td, [_compat.batch_at_level(o, 0, level) for o in leaves])
+    return tree_unflatten(td, [_compat.add_batch_dim(o, 0, level) for o in leaves])  # type: ignore[misc]
 
 
 def _refuse_forward_over_forward(op: str, fun: Callable[..., Any], why: str) -> None:

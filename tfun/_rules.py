@@ -33,7 +33,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _funcinfo
+from . import _compat, _context, _funcinfo
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -1397,7 +1397,8 @@ def _eager_stance() -> Any:
 def _fake_input(mode: Any, x: Any, transformed: bool) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+    wrapped = _compat.is_functorch_wrapped_tensor  # None: a torch without functorch wrappers
+    if wrapped is not None and wrapped(x):
         # Under vmap/grad: a plain fake tensor of the per-example (logical) type; batched
         # tensors the function closes over still combine with it, as in the real call.
         with mode:
@@ -1445,7 +1446,7 @@ def abstract_eval(
     _QUIET.local.depth = getattr(_QUIET.local, "depth", 0) + 1
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        transformed = _context.in_functorch_transform()
         fake_leaves = [_fake_input(mode, x, transformed) for x in leaves]
         snap = None
         if side_effects:

@@ -13,26 +13,31 @@ from typing import Any
 
 import torch
 
-try:
-    from torch._C import _functorch as _ft
-except ImportError:  # pragma: no cover
-    _ft = None  # type: ignore[assignment]
+from .. import _compat
+
+# functorch's wrapper predicates (torch's private `torch._C._functorch`, bound in `_compat`);
+# a torch without them has no vmap wrappers for these helpers to see
+_is_batchedtensor = _compat.is_batchedtensor
+_is_gradtrackingtensor = _compat.is_gradtrackingtensor
+_is_functionaltensor = _compat.is_functionaltensor
+_get_unwrapped = _compat.get_unwrapped
+_READY = not _compat.functorch_missing("is_batchedtensor", "is_gradtrackingtensor", "is_functionaltensor", "get_unwrapped")
 
 
 def _unwrap_once(t: torch.Tensor) -> torch.Tensor | None:
-    if _ft is None:
+    if not _READY:
         return None
-    if _ft.is_batchedtensor(t) or _ft.is_gradtrackingtensor(t) or _ft.is_functionaltensor(t):
-        return _ft.get_unwrapped(t)
+    if _is_batchedtensor(t) or _is_gradtrackingtensor(t) or _is_functionaltensor(t):  # type: ignore[misc]
+        return _get_unwrapped(t)  # type: ignore[misc]
     return None
 
 
 def is_batched(t: Any) -> bool:
     """Whether `t` carries a vmap batch dimension at some functorch level."""
-    if _ft is None or not isinstance(t, torch.Tensor):
+    if not _READY or not isinstance(t, torch.Tensor):
         return False
     for _ in range(64):
-        if _ft.is_batchedtensor(t):
+        if _is_batchedtensor(t):  # type: ignore[misc]
             return True
         u = _unwrap_once(t)
         if u is None:

@@ -88,6 +88,7 @@ __all__ = [
     "remat_body",
     "register_remat",
     "escape_policy_key",
+    "keyed_policy",
     "policy_of",
     "torch_cond",
     "torch_scan",
@@ -281,10 +282,18 @@ def _escape_lowerings(count: bool) -> int:
 #: time through `_escape_remat` (Dynamo constants), as `_LOWERINGS`.
 _REMAT_STACK: list[Any] = [[], None]
 #: policy key -> policy, for the policies of traced checkpoints around control flow: the
-#: bodies' checkpoints name theirs by key (an int, a constant to Dynamo) and look it up when
-#: AOTAutograd partitions the graph, right after the trace. Bounded.
-_POLICIES: collections.OrderedDict[int, Callable[..., bool]] = collections.OrderedDict()
-_POLICIES_MAX = 256
+#: bodies' checkpoints name theirs by key (an int, a constant to Dynamo, in
+#: `functools.partial(keyed_policy, key)`) and look it up whenever torch asks that policy:
+#: Dynamo's fake run of the graph, AOTAutograd's partitioning right after the trace (after
+#: any number of other traces' keys were made: hundreds of bodies in one function), and,
+#: for the "eager" backend, each run of the graph. So a key is never evicted: one policy *object* has one key for the life of
+#: the process (`_POLICY_KEYS`, by identity; the policy is held, so its id stays its own),
+#: and a body's checkpoint reuses its enclosing checkpoint's key. The registry grows with
+#: the distinct policy objects traced, not with traces or bodies (a policy made inside the
+#: compiled function is a new object per compile: one entry per compile).
+_POLICIES: dict[int, Callable[..., bool]] = {}
+#: id(policy) -> its key in `_POLICIES`.
+_POLICY_KEYS: dict[int, int] = {}
 #: `tfun.checkpoint` of a function, with the policy of a key: registered by
 #: tfun._checkpoint, a layer above this one, at its import.
 _REMAT: list[Callable[[Callable[..., Any], int], Callable[..., Any]]] = []
@@ -296,15 +305,41 @@ def register_remat(wrap: Callable[[Callable[..., Any], int], Callable[..., Any]]
     _REMAT[:] = [wrap]
 
 
+def keyed_policy(key: int, func: Any, *args: Any, **kwargs: Any) -> bool:
+    """The policy registered under `key` (`escape_policy_key`), asked as a policy: what a
+    body's checkpoint is given, as `functools.partial(keyed_policy, key)`."""
+    policy = policy_of(key)
+    return policy is not None and bool(policy(func, *args, **kwargs))
+
+
+def _key_of_keyed(policy: Any) -> int | None:
+    """The key of `functools.partial(keyed_policy, key)`, else None."""
+    if (
+        isinstance(policy, functools.partial)
+        and policy.func is keyed_policy
+        and len(policy.args) == 1
+        and not policy.keywords
+        and isinstance(policy.args[0], int)
+    ):
+        return policy.args[0]
+    return None
+
+
 @assume_constant
 def escape_policy_key(policy: Callable[..., bool] | None) -> int:
-    """Trace time: a key (an int) for `policy` (0 for `None`), looked up by `policy_of`."""
+    """Trace time: a key (an int) for `policy` (0 for `None`), looked up by `policy_of`. The
+    same policy object always gets the same key; a `keyed_policy` partial (a body's
+    checkpoint inside a traced checkpoint) gets its own key back, not a new one."""
     if policy is None:
         return 0
-    key = next(_KEYS)
-    _POLICIES[key] = policy
-    while len(_POLICIES) > _POLICIES_MAX:
-        _POLICIES.popitem(last=False)
+    key = _key_of_keyed(policy)
+    if key is not None:
+        return key
+    key = _POLICY_KEYS.get(id(policy))
+    if key is None:
+        key = next(_KEYS)
+        _POLICIES[key] = policy
+        _POLICY_KEYS[id(policy)] = key
     return key
 
 
