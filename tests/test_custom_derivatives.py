@@ -952,7 +952,6 @@ _with_a_loop.defjvp(lambda p, t_: (_with_a_loop(p[0]), t_[0]))
         ("custom_vjp", tfun.errors.JitError, "a custom_vjp function cannot be called inside a torch.func transform"),
         ("control flow", tfun.errors.JitError, "control-flow op"),
         ("jvp of jvp", tfun.errors.JitError, "enclosing torch.func transforms are jvp of jvp"),
-        ("vmap, requires grad", tfun.errors.JitError, "called inside tfun.vmap cannot be differentiated by reverse"),
     ],
 )
 def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
@@ -964,13 +963,12 @@ def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
         "custom_vjp": lambda x, t_: tfun.jvp(_vjp_sin, (x,), (t_,)),
         "control flow": lambda x, t_: tfun.jvp(_with_a_loop, (x,), (t_,)),
         "jvp of jvp": lambda x, t_: tfun.jvp(lambda a: tfun.jvp(_twice_sin, (a,), (t_,))[1], (x,), (t_,)),
-        "vmap, requires grad": lambda x, t_: tfun.vmap(_twice_sin)(x) * t_,
     }[case]
-    if case in ("argument requires grad", "vmap, requires grad"):
+    if case == "argument requires grad":
         x = x.clone().requires_grad_()
     with pytest.raises(error, match=match):
         tfun.jit(fn, backend="aot_eager")(x, tx)
-    if case in ("argument requires grad", "closure requires grad", "vmap, requires grad"):
+    if case in ("argument requires grad", "closure requires grad"):
         # without a gradient to take, it runs (and uses the rule)
         with torch.no_grad():
             got = tfun.jit(fn, backend="aot_eager")(x, tx)
@@ -1216,4 +1214,46 @@ def test_jit_of_vmap_of_custom_vjp_rule_errors_name_the_rule():
         with pytest.raises(StructureMismatchError, match="one entry per differentiable argument") as e:
             run(x, x, x)
         assert re.search(r"The function is `short_bwd at \S*test_custom_derivatives\.py:\d+`", str(e.value))
+    assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+def test_jit_of_vmap_of_custom_jvp_reverse_mode_uses_the_rule():
+    """A custom_jvp call inside tfun.vmap under tfun.jit, differentiated by reverse mode (it was
+    a JitError): the transposed rule, applied outside the vmaps as for custom_vjp."""
+
+    @tfun.custom_jvp
+    def f(x, y):
+        return torch.sin(x) * y
+
+    @f.defjvp
+    def f_jvp(p, t_):
+        (x, y), (tx, ty) = p, t_
+        return f(x, y), 3 * torch.cos(x) * y * tx + 5 * torch.sin(x) * ty  # not the true derivative
+
+    def rule(x, y, g):
+        return 3 * torch.cos(x) * y * g, 5 * torch.sin(x) * g
+
+    @tfun.custom_jvp
+    def with_int(x):
+        return x * 2, torch.argmax(x, dim=-1)
+
+    with_int.defjvp(lambda p, t_: (with_int(p[0]), (t_[0] * 9, None)))
+    x, y, ct = t(4, 3, seed=1), t(4, 3, seed=2), t(4, 3, seed=3)
+    y1, ct_t = t(4, seed=4), t(3, 4, seed=5)
+    gx_t, gy_t = rule(x.T, y1, ct_t)
+    cases = [
+        (_vv_vjp(tfun.vmap(tfun.vmap(f))), (x, y, ct), (torch.sin(x) * y, rule(x, y, ct))),
+        (_vv_vjp(tfun.vmap(f, in_axes=(1, None))), (x, y1, ct_t), (torch.sin(x.T) * y1, (gx_t.T, gy_t.sum(0)))),
+        (_vv_vjp(lambda x: tfun.vmap(with_int)(x)[0]), (x, ct), (x * 2, (ct * 9,))),
+        (tfun.grad(lambda x, y: tfun.vmap(f)(x, y).sum(), argnums=(0, 1)), (x, y), rule(x, y, torch.ones_like(x))),
+    ]
+    for fn, args, want in cases:
+        _assert_same(fn(*args), want)
+        _assert_same(tfun.jit(fn, backend="aot_eager")(*args), want)
+    _assert_same(tfun.jit(cases[0][0])(*cases[0][1]), cases[0][2])  # Inductor
+    # .backward() outside tfun.jit (the JitError case "vmap, requires grad" before)
+    xg = _X.clone().requires_grad_()
+    out = tfun.jit(lambda x, t_: tfun.vmap(_twice_sin)(x) * t_, backend="aot_eager")(xg, _T)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(xg.grad, 2 * torch.cos(_X) * _T)
     assert torch._C._functorch.peek_interpreter_stack() is None

@@ -675,7 +675,7 @@ def compile_error(e: BaseException) -> BaseException:
     ASSERT FAILED") while handling the real error, which it hides. That real error is the
     assert's `__context__`: it is returned instead (torch 2.13 raises it directly). torch
     2.13 does the same where an internal Dynamo error ends a trace while a custom_vjp call
-    inside `tfun.vmap` has left the vmaps (`tfun._custom_derivatives._traced_vmap_vjp_call`):
+    inside `tfun.vmap` has left the vmaps (`tfun._custom_derivatives._traced_vmap_rule_call`):
     there the assert is wrapped in an `InternalTorchDynamoError`, whose context is the assert,
     so the chain is followed to the first exception that is not the assert. Any other
     exception is returned as it is.

@@ -869,7 +869,7 @@ class custom_vjp:
             if _context.functorch_active():
                 stack = _traced_transforms()
                 if all(k == "Vmap" for k, _ in stack):
-                    return _traced_vmap_vjp_call(spec, self.fun, stack)
+                    return _traced_vmap_rule_call(spec, self.fun, stack)
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
                 # _CustomVjpTracedFunction), and Dynamo traces an autograd.Function inside a
                 # torch.func transform without its rule: every transform but vmap is refused.
@@ -908,7 +908,7 @@ def _traced_vmap_sizes() -> tuple[tuple[int, int | None, str], ...]:
 def _refuse_traced_vmap(spec: _CallSpec, fun: Callable[..., Any], why: str, revise: str) -> None:
     raise JitError(
         format_message(
-            f"{spec.op}: under tfun.jit, this call of a custom_vjp function inside tfun.vmap is not supported: {why}",
+            f"{spec.op}: under tfun.jit, this call of a custom function inside tfun.vmap is not supported: {why}",
             function=describe(fun),
             revise=revise
             + " Or apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule around the compiled "
@@ -917,9 +917,10 @@ def _refuse_traced_vmap(spec: _CallSpec, fun: Callable[..., Any], why: str, revi
     )
 
 
-def _traced_vmap_vjp_call(spec: _VjpSpec, fun: Callable[..., Any], stack: tuple[tuple[str, int], ...]) -> Any:
-    """A custom_vjp call traced inside `vmap`s only (`tfun.jit` of `tfun.vmap(f)`, under an
-    outer reverse mode: `tfun.vjp`/`tfun.grad` inside `tfun.jit` differentiate with autograd).
+def _traced_vmap_rule_call(spec: Any, fun: Callable[..., Any], stack: tuple[tuple[str, int], ...]) -> Any:
+    """A custom_vjp (or custom_jvp) call traced inside `vmap`s only (`tfun.jit` of
+    `tfun.vmap(f)`, under an outer reverse mode: `tfun.vjp`/`tfun.grad` inside `tfun.jit`
+    differentiate with autograd).
 
     Dynamo traces an `autograd.Function` into torch's `autograd_function_apply`, whose own
     `autograd.Function` has no batching rule: applied while a vmap is live it fails ("does
@@ -930,9 +931,10 @@ def _traced_vmap_vjp_call(spec: _VjpSpec, fun: Callable[..., Any], stack: tuple[
     torch's generated batching rule and JAX do; a level that batches no argument does not
     batch the call), leaves the vmaps (their levels popped, and
     pushed again afterwards with the same sizes and randomness, so they get the same level
-    numbers), applies `_CustomVjpTracedFunction` to the plain tensors with `fwd` and `bwd`
-    vectorised by `torch.func.vmap` over those dimensions, and puts the batch dimensions back
-    on its outputs. Autograd outside the vmaps then differentiates through the rule."""
+    numbers), applies `_CustomVjpTracedFunction` (`_CustomJvpTracedFunction`) to the plain
+    tensors with `fwd` and `bwd` (`fun` and the JVP rule) vectorised by `torch.func.vmap`
+    over those dimensions, and puts the batch dimensions back on its outputs. Autograd outside
+    the vmaps then differentiates through the rule."""
     from torch._C._functorch import _unwrap_batched
     from torch._functorch.predispatch import _vmap_decrement_nesting, _vmap_increment_nesting
 
@@ -985,14 +987,20 @@ def _traced_vmap_vjp_call(spec: _VjpSpec, fun: Callable[..., Any], stack: tuple[
         ):
             _refuse_closure_derivative(spec, fun, "reverse-mode derivative (grad, vjp)")
         return out
-    vspec = _VjpSpec(spec.op, spec.fwd, spec.nondiff_argnums, tuple(spec.all_args(peeled)))
     randomness = [r for r, b in zip(randomness, batched) if b]
-    vspec.fwd = _vectorized_fwd(spec, randomness)
-    vspec.bwd = _vectorized_bwd(spec, randomness)
+    vspec: Any
+    if isinstance(spec, _VjpSpec):
+        vspec, fn = _VjpSpec(spec.op, fun, spec.nondiff_argnums, tuple(spec.all_args(peeled))), _CustomVjpTracedFunction
+        vspec.fwd = _vectorized_fwd(spec, randomness)
+        vspec.bwd = _vectorized_bwd(spec, randomness)
+    else:
+        vspec, fn = _JvpSpec(spec.op, fun, spec.nondiff_argnums, tuple(spec.all_args(peeled))), _CustomJvpTracedFunction
+        vspec.fun = _vectorized_fun(spec, randomness)
+        vspec.jvp_fn = _vectorized_jvp_rule(spec, randomness)
     for _ in levels:
         _vmap_decrement_nesting()
     try:
-        outs = _apply_rule(spec.op, fun, _CustomVjpTracedFunction, vspec)
+        outs = _apply_rule(spec.op, fun, fn, vspec)
     finally:
         for size, (_, _, rnd) in zip(sizes, info):
             _vmap_increment_nesting(size, rnd)
@@ -1009,7 +1017,7 @@ def _vmapped(fn: Callable[..., Any], randomness: Sequence[str]) -> Callable[...,
 
 
 def _vectorized_fwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
-    """`spec.fwd` over the batched arguments of `_traced_vmap_vjp_call`: the output and the
+    """`spec.fwd` over the batched arguments of `_traced_vmap_rule_call`: the output and the
     residuals' tensors come back batched; non-tensor residuals as they are."""
     op = spec.op
 
@@ -1042,8 +1050,60 @@ def _vectorized_fwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., 
     return vfwd
 
 
+def _split_tensors(tree: Any) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
+    """`tree`'s tensor leaves, and a function that rebuilds `tree` with others in their place
+    (the other leaves, None included, kept)."""
+    leaves, td = tree_flatten(tree, none_is_leaf=True)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    def rebuild(new: Sequence[torch.Tensor]) -> Any:
+        it = iter(new)
+        return tree_unflatten(td, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+    return tensors, rebuild
+
+
+def _vectorized_fun(spec: _JvpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """A custom_jvp's `fun` over the batched arguments of `_traced_vmap_rule_call`."""
+
+    def vfun(*all_args: Any) -> Any:
+        tensors = partition(tuple(all_args[i] for i in spec.diff_argnums)).dynamic
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            leaves, box["td"] = _flatten_outputs(spec.op, spec.fun, "output", spec.fun(*spec.all_args(ts)))
+            return tuple(leaves)
+
+        outs = _vmapped(one, randomness)(*tensors)
+        return tree_unflatten(box["td"], list(outs))
+
+    _wraps(vfun, spec.fun)
+    return vfun
+
+
+def _vectorized_jvp_rule(spec: _JvpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """A custom_jvp's rule over the batched primals and tangents of `_traced_vmap_rule_call`:
+    `(primal_out, tangent_out)` come back batched, None where the rule gave None."""
+
+    def vrule(*a: Any) -> Any:
+        p_tensors, p_rebuild = _split_tensors(a[-2])
+        t_tensors, t_rebuild = _split_tensors(a[-1])
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            pair = spec.jvp_fn(*spec.nondiff, p_rebuild(ts[: len(p_tensors)]), t_rebuild(ts[len(p_tensors) :]))
+            out, box["rebuild"] = _split_tensors(pair)
+            return tuple(out)
+
+        got = _vmapped(one, randomness)(*p_tensors, *t_tensors)
+        return box["rebuild"](got)
+
+    _wraps(vrule, spec.jvp_fn)
+    return vrule
+
+
 def _vectorized_bwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
-    """`spec.bwd` over the batched residuals and cotangents of `_traced_vmap_vjp_call`: the
+    """`spec.bwd` over the batched residuals and cotangents of `_traced_vmap_rule_call`: the
     cotangents come back batched (the argument's structure, None where bwd gave None)."""
 
     def vbwd(*a: Any) -> Any:
@@ -1316,9 +1376,10 @@ class custom_jvp:
     such a tensor as a differentiable argument instead.
 
     Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
-    the transposed rule, and forward mode inside the compiled function (`tfun.jvp`,
-    `tfun.jacfwd`, with `tfun.vmap`s around or inside them) applies the rule to the
-    tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
+    the transposed rule, also for a call inside `tfun.vmap`s that `tfun.jit` traces (applied
+    outside the vmaps, vectorised, as for `custom_vjp`, with the same two refusals), and
+    forward mode inside the compiled function (`tfun.jvp`, `tfun.jacfwd`, with `tfun.vmap`s
+    around or inside them) applies the rule to the tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
     rather than `fun`'s own derivative: inside a second transform (a `jvp` of a `jvp`,
     `hessian`, `torch.func.grad`, `tfun.vjp`), or where reverse mode could reach the
     results of a `jvp` (an argument or closed-over tensor that requires grad; pass detached
@@ -1420,7 +1481,7 @@ class custom_jvp:
                 if _forward_only(stack):
                     return _traced_jvp_call(spec, args, stack)
                 if all(k == "Vmap" for k, _ in stack):
-                    return _traced_vmap_call(spec, args, stack)
+                    return _traced_vmap_rule_call(spec, self.fun, stack)
                 _refuse_traced_transforms(op, self.fun, stack)
             fn = _CustomJvpTracedFunction
         outs = _apply_rule(op, self.fun, fn, spec)
@@ -1529,30 +1590,6 @@ def _requires_grad(t: torch.Tensor, stack: tuple[tuple[str, int], ...]) -> bool:
     for _, level in reversed(stack[:at]):
         t, _ = _unwrap_batched(t, level)
     return bool(t.requires_grad)
-
-
-def _traced_vmap_call(spec: _JvpSpec, args: tuple[Any, ...], stack: tuple[tuple[str, int], ...]) -> Any:
-    """A custom_jvp call traced inside `vmap`s only: no transform differentiates it, so `fun`
-    runs, unless an autograd outside could differentiate its output. Dynamo traces an
-    `autograd.Function` inside `vmap` without its backward (torch 2.13: the gradient would be
-    `fun`'s), so that case is refused."""
-    out = spec.fun(*args)
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and _unbatch(t, [lvl for _, lvl in stack])[0].requires_grad
-        for t in [*spec.tensors, *tree_flatten(out)[0]]
-    ):
-        raise JitError(
-            format_message(
-                f"{spec.op}: under tfun.jit, a custom_jvp function called inside tfun.vmap cannot be differentiated "
-                "by reverse mode (an argument, or a tensor the function closes over, requires grad): torch.compile "
-                f"(torch {torch.__version__}) traces it there without its rule, so the gradient would be the "
-                "function's own.",
-                function=describe(spec.fun),
-                revise="Apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule), pass tensors that do "
-                "not require grad when no gradient is wanted, or take the gradient outside tfun.jit.",
-            )
-        )
-    return out
 
 
 def _refuse_outer_reverse(spec: _JvpSpec) -> None:

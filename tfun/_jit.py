@@ -750,12 +750,12 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "call .backward() on its result."
         )
     elif "BatchedTensor(" in str(e) and "autograd_function_apply" in str(e):
-        # a custom_vjp call inside tfun.vmap applies its rule outside the vmap
-        # (`_custom_derivatives._traced_vmap_vjp_call`): a tensor batched by the vmap that the
+        # a custom_vjp/custom_jvp call inside tfun.vmap applies its rule outside the vmap
+        # (`_custom_derivatives._traced_vmap_rule_call`): a tensor batched by the vmap that the
         # function or its rules close over cannot enter it
         revise = (
-            "A tfun.custom_vjp function called inside tfun.vmap closes over a tensor batched by that vmap "
-            "(in `fun`, `fwd` or `bwd`): under tfun.jit its rule is applied outside the vmap, where such a "
+            "A tfun.custom_vjp or custom_jvp function called inside tfun.vmap closes over a tensor batched by "
+            "that vmap (in the function or its rules): under tfun.jit its rule is applied outside the vmap, where such a "
             "tensor cannot follow. Pass the tensor to the custom function as an argument (a differentiable "
             "one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
         )
