@@ -1379,12 +1379,12 @@ class custom_jvp:
     the transposed rule, also for a call inside `tfun.vmap`s that `tfun.jit` traces (applied
     outside the vmaps, vectorised, as for `custom_vjp`, with the same two refusals), and
     forward mode inside the compiled function (`tfun.jvp`, `tfun.jacfwd`, with `tfun.vmap`s
-    around or inside them) applies the rule to the tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
-    rather than `fun`'s own derivative: inside a second transform (a `jvp` of a `jvp`,
-    `hessian`, `torch.func.grad`, `tfun.vjp`), or where reverse mode could reach the
-    results of a `jvp` (an argument or closed-over tensor that requires grad; pass detached
-    tensors or use `torch.no_grad()` when only the forward derivative is wanted). Apply
-    such transforms outside `tfun.jit`.
+    around or inside them) applies the rule to the tangents, as eagerly. Where the traced
+    rule cannot be applied, the call is a `JitError` rather than `fun`'s own derivative:
+    inside a second transform (a `jvp` of a `jvp`, `hessian`, `torch.func.grad`,
+    `tfun.vjp`), or where reverse mode could reach the results of a `jvp` (an argument or
+    closed-over tensor that requires grad; pass detached tensors or use `torch.no_grad()`
+    when only the forward derivative is wanted). Apply such transforms outside `tfun.jit`.
     """
 
     def __init__(

@@ -406,18 +406,17 @@ class Jitted:
         try:
             with _trace_autograd(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            real = _compat.compile_error(e)  # torch can hide it behind a functorch assert
-            if real is not e and not isinstance(real, TfunError) and not _is_dynamo_error(real):
+        except Exception as caught:  # noqa: BLE001 - re-raised below
+            e = _compat.compile_error(caught)  # torch can hide it behind a functorch assert
+            if e is not caught and not isinstance(e, TfunError) and not _is_dynamo_error(e):
                 # a plain exception that ended the trace (inside a Dynamo internal), which the
                 # assert hid: reported as a compile failure naming it
                 raise JitError(
                     format_message(
-                        f"tfun.jit: could not compile `{self._fn_text}`: {type(real).__name__}: {real}",
+                        f"tfun.jit: could not compile `{self._fn_text}`: {type(e).__name__}: {e}",
                         revise="Call the function (or the part of it that fails) outside tfun.jit.",
                     )
-                ) from real
-            e = real
+                ) from e
             err = translate_error(e, self._fn_text, self._cache_size)
             if err is e:
                 raise e
@@ -754,10 +753,10 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         # (`_custom_derivatives._traced_vmap_rule_call`): a tensor batched by the vmap that the
         # function or its rules close over cannot enter it
         revise = (
-            "A tfun.custom_vjp or custom_jvp function called inside tfun.vmap closes over a tensor batched by "
-            "that vmap (in the function or its rules): under tfun.jit its rule is applied outside the vmap, where such a "
-            "tensor cannot follow. Pass the tensor to the custom function as an argument (a differentiable "
-            "one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
+            "A tfun.custom_vjp or custom_jvp function called inside tfun.vmap closes over a tensor batched "
+            "by that vmap (in the function or its rules): under tfun.jit its rule is applied outside the "
+            "vmap, where such a tensor cannot follow. Pass the tensor to the custom function as an argument "
+            "(a differentiable one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
         )
     elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
