@@ -953,7 +953,6 @@ _with_a_loop.defjvp(lambda p, t_: (_with_a_loop(p[0]), t_[0]))
         ("custom_vjp", tfun.errors.JitError, "a custom_vjp function cannot be called inside a torch.func transform"),
         ("control flow", tfun.errors.JitError, "control-flow op"),
         ("jvp of jvp", tfun.errors.JitError, "enclosing torch.func transforms are jvp of jvp"),
-        ("vmap, requires grad", tfun.errors.JitError, "called inside tfun.vmap cannot be differentiated by reverse"),
     ],
 )
 def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
@@ -965,13 +964,12 @@ def test_jit_of_jvp_of_custom_jvp_refusals(case, error, match):
         "custom_vjp": lambda x, t_: tfun.jvp(_vjp_sin, (x,), (t_,)),
         "control flow": lambda x, t_: tfun.jvp(_with_a_loop, (x,), (t_,)),
         "jvp of jvp": lambda x, t_: tfun.jvp(lambda a: tfun.jvp(_twice_sin, (a,), (t_,))[1], (x,), (t_,)),
-        "vmap, requires grad": lambda x, t_: tfun.vmap(_twice_sin)(x) * t_,
     }[case]
-    if case in ("argument requires grad", "vmap, requires grad"):
+    if case == "argument requires grad":
         x = x.clone().requires_grad_()
     with pytest.raises(error, match=match):
         tfun.jit(fn, backend="aot_eager")(x, tx)
-    if case in ("argument requires grad", "closure requires grad", "vmap, requires grad"):
+    if case in ("argument requires grad", "closure requires grad"):
         # without a gradient to take, it runs (and uses the rule)
         with torch.no_grad():
             got = tfun.jit(fn, backend="aot_eager")(x, tx)
@@ -1152,3 +1150,261 @@ def test_forward_over_forward_under_functionalize_is_refused():
         tfun.jvp(lambda a: tfun.jvp(torch.func.functionalize(f), (a,), (x,))[1], (x,), (x,))
     assert re.search(r"The function is `f at \S*test_custom_derivatives\.py:\d+`", str(e.value))
     assert "tfun.hessian" in str(e.value)
+
+
+# ------------------------------------------- custom_vjp inside tfun.vmap inside tfun.jit
+# (porting-guide row jit-vmap-custom-function, narrowed): traced, the call applies the rule
+# outside the vmaps, vectorised over their batch dimensions, so that an outer reverse mode
+# (tfun.vjp / tfun.grad inside tfun.jit, .backward() outside) uses the rule. Each rule below
+# differs from the true derivative, so a gradient that ignored it would not match.
+
+
+@tfun.custom_vjp
+def _vv_f(x, y):
+    return torch.sin(x) * y
+
+
+_vv_f.defvjp(
+    lambda x, y: (_vv_f(x, y), (torch.cos(x), torch.sin(x), y, 2.0)),  # a static residual too
+    lambda res, g: (3 * res[0] * g * res[2] + res[3], 5 * res[1] * g),
+)
+
+
+def _vv_rule(x, y, g):
+    """The rule's cotangents, elementwise (before any sum over an unbatched argument)."""
+    return 3 * torch.cos(x) * g * y + 2.0, 5 * torch.sin(x) * g
+
+
+@tfun.custom_vjp
+def _vv_tree(pair, z):
+    return [pair[0] * pair[1], (torch.exp(z),)]
+
+
+_vv_tree.defvjp(
+    lambda pair, z: (_vv_tree(pair, z), (pair, z, "tag")),
+    lambda res, g: ((7 * g[0] * res[0][1], None), g[1][0] * 11),  # None: a zero cotangent
+)
+
+
+@functools.partial(tfun.custom_vjp, nondiff_argnums=(0, 1))
+def _vv_nondiff(n, fn, x):
+    return fn(x) * n
+
+
+_vv_nondiff.defvjp(lambda n, fn, x: (_vv_nondiff(n, fn, x), x), lambda n, fn, r, g: (g * n * 100 * fn(r),))
+
+
+@tfun.custom_vjp
+def _vv_int(x):
+    return x * 2, torch.argmax(x, dim=-1)
+
+
+_vv_int.defvjp(lambda x: (_vv_int(x), None), lambda r, g: (g[0] * 9,))
+
+
+def _vv_vjp(f):
+    def run(*a):
+        ct, args = a[-1], a[:-1]
+        out, pull = tfun.vjp(f, *args)
+        return out, pull(ct)
+
+    return run
+
+
+def _vv_cases():
+    x, y, ct = t(4, 3, seed=1), t(4, 3, seed=2), t(4, 3, seed=3)
+    y1, ct_t = t(4, seed=4), t(3, 4, seed=5)
+    xb, yb, ctb = t(5, 3, seed=6), t(3, seed=7), t(3, 5, seed=8)
+    xc, yc = t(5, seed=9), t(3, seed=10)
+    a, b, z, cp, cq = t(4, 2, seed=11), t(4, 2, seed=12), t(4, seed=13), t(4, 2, seed=14), t(4, seed=15)
+    gx_t, gy_t = _vv_rule(x.T, y1, ct_t)
+    gx_b, gy_b = _vv_rule(xb.T, yb[:, None], ctb)
+    gx_c, gy_c = _vv_rule(xc[None], yc[:, None], ctb)
+    return {
+        "one vmap": (
+            _vv_vjp(tfun.vmap(_vv_f)),
+            (x, y, ct),
+            (torch.sin(x) * y, _vv_rule(x, y, ct)),
+        ),
+        "nested": (
+            _vv_vjp(tfun.vmap(tfun.vmap(_vv_f))),
+            (x, y, ct),
+            (torch.sin(x) * y, _vv_rule(x, y, ct)),
+        ),
+        "in_axes 1, unbatched y": (
+            _vv_vjp(tfun.vmap(_vv_f, in_axes=(1, None))),
+            (x, y1, ct_t),
+            (torch.sin(x.T) * y1, (gx_t.T, gy_t.sum(0))),
+        ),
+        "nested, y unbatched by the inner": (
+            _vv_vjp(tfun.vmap(tfun.vmap(_vv_f, in_axes=(0, None)), in_axes=(1, 0))),
+            (xb, yb, ctb),
+            (torch.sin(xb.T) * yb[:, None], (gx_b.T, gy_b.sum(1))),
+        ),
+        "nested, x unbatched by the outer": (
+            _vv_vjp(tfun.vmap(tfun.vmap(_vv_f, in_axes=(0, None)), in_axes=(None, 0))),
+            (xc, yc, ctb),
+            (torch.sin(xc[None]) * yc[:, None], (gx_c.sum(0), gy_c.sum(1))),
+        ),
+        "pytrees": (
+            _vv_vjp(lambda a, b, z: tfun.vmap(_vv_tree)((a, b), z)),
+            (a, b, z, [cp, (cq,)]),
+            ([a * b, (torch.exp(z),)], (7 * cp * b, torch.zeros_like(b), cq * 11)),
+        ),
+        "nondiff": (
+            _vv_vjp(tfun.vmap(lambda x: _vv_nondiff(3.0, torch.cos, x))),
+            (x, ct),
+            (torch.cos(x) * 3, (ct * 300 * torch.cos(x),)),
+        ),
+        "integer output": (
+            lambda x, ct: (*_vv_vjp(lambda x: tfun.vmap(_vv_int)(x)[0])(x, ct), tfun.vmap(_vv_int)(x)[1]),
+            (x, ct),
+            (x * 2, (ct * 9,), torch.argmax(x, -1)),
+        ),
+        "grad": (
+            tfun.grad(lambda x, y: tfun.vmap(_vv_f)(x, y).sum(), argnums=(0, 1)),
+            (x, y),
+            _vv_rule(x, y, torch.ones_like(x)),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_vv_cases()))
+def test_jit_of_vmap_of_custom_vjp_uses_the_rule(case):
+    fn, args, want = _vv_cases()[case]
+    _assert_same(fn(*args), want)  # eagerly
+    _assert_same(tfun.jit(fn, backend="aot_eager")(*args), want)
+    assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+@pytest.mark.parametrize("case", ["nested, y unbatched by the inner", "pytrees"])
+def test_jit_of_vmap_of_custom_vjp_inductor(case):
+    fn, args, want = _vv_cases()[case]
+    _assert_same(tfun.jit(fn)(*args), want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_of_vmap_of_custom_vjp_backward_outside(backend):
+    x, y, ct = t(4, 3, seed=1, grad=True), t(4, 3, seed=2, grad=True), t(4, 3, seed=3)
+    options = {} if backend == "inductor" else {"backend": backend}
+    jitted = tfun.jit(lambda x, y: tfun.vmap(tfun.vmap(_vv_f))(x, y), **options)
+    out = jitted(x, y)
+    out.backward(ct)
+    xd, yd = x.detach(), y.detach()
+    _assert_same((out.detach(), (x.grad, y.grad)), (torch.sin(xd) * yd, _vv_rule(xd, yd, ct)))
+    with torch.no_grad():  # nothing to differentiate: the function runs
+        _assert_same(jitted(x, y), torch.sin(x.detach()) * y.detach())
+
+
+def test_jit_of_vmap_of_custom_vjp_batch_sizes_change():
+    # a second size makes tfun.jit compile with symbolic sizes. A call whose arguments the
+    # vmap does not batch is not batched: its rule runs once, on the cotangent summed over the
+    # batch (the rule's `+ 2.0` counts once, as eagerly)
+    jitted = tfun.jit(_vv_vjp(tfun.vmap(_vv_f)), backend="aot_eager")
+    unbatched = tfun.jit(_vv_vjp(lambda x, y: tfun.vmap(lambda xi: _vv_f(y, y) * xi)(x)), backend="aot_eager")
+    for n in (4, 6, 7):
+        x, y, ct = t(n, 3, seed=n), t(n, 3, seed=n + 1), t(n, 3, seed=n + 2)
+        _assert_same(jitted(x, y, ct), (torch.sin(x) * y, _vv_rule(x, y, ct)))
+        gx, gy = unbatched(x, y[0], ct)[1]
+        torch.testing.assert_close(gx, torch.sin(y[0]) * y[0] * ct)
+        rx, ry = _vv_rule(y[0], y[0], (ct * x).sum(0))
+        torch.testing.assert_close(gy, rx + ry)
+
+
+def test_jit_of_vmap_of_custom_vjp_refusals():
+    x, y, ct = t(4, 3, seed=1), t(4, 3, seed=2), t(4, 3, seed=3)
+
+    @functools.partial(tfun.custom_vjp, nondiff_argnums=(0,))
+    def scaled(s, a):
+        return a * s
+
+    scaled.defvjp(lambda s, a: (scaled(s, a), None), lambda s, r, g: (g * s * 10,))
+    # a nondiff tensor that the vmap batches
+    fn = _vv_vjp(lambda x: tfun.vmap(scaled)(y, x))
+    with pytest.raises(tfun.errors.JitError, match="a nondiff argument is a tensor batched by the vmap") as e:
+        tfun.jit(fn, backend="aot_eager")(x, ct)
+    assert re.search(r"The function is `scaled at \S*test_custom_derivatives\.py:\d+`", str(e.value))
+    # one it does not batch is a constant, as eagerly
+    fn = _vv_vjp(lambda x: tfun.vmap(scaled, in_axes=(None, 0))(y[0], x))
+    _assert_same(tfun.jit(fn, backend="aot_eager")(x, ct), fn(x, ct))
+
+    # a tensor batched by the vmap that the function's rules close over
+    def closes_over(x, y, ct):
+        def per(xi, yi):
+            @tfun.custom_vjp
+            def f(a):
+                return torch.sin(a) * yi
+
+            f.defvjp(lambda a: (f(a), a), lambda r, g: (3 * torch.cos(r) * g * yi,))
+            return f(xi)
+
+        out, pull = tfun.vjp(lambda x: tfun.vmap(per)(x, y), x)
+        return out, pull(ct)
+
+    torch.testing.assert_close(closes_over(x, y, ct)[1][0], 3 * torch.cos(x) * ct * y)  # eagerly
+    with pytest.raises(tfun.errors.JitError, match="closes over a tensor batched by that vmap"):
+        tfun.jit(closes_over, backend="aot_eager")(x, y, ct)
+    # forward mode: refused (as eagerly, where it is a TypeError)
+    with pytest.raises(tfun.errors.JitError, match="other than tfun.vmap \\(here jvp of vmap"):
+        tfun.jit(lambda x: tfun.jvp(tfun.vmap(lambda a: _vv_f(a, a)), (x,), (x,)), backend="aot_eager")(x)
+    assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+def test_jit_of_vmap_of_custom_vjp_rule_errors_name_the_rule():
+    @tfun.custom_vjp
+    def f(x, y):
+        return torch.sin(x) * y
+
+    def short_bwd(res, g):
+        return (g,)
+
+    f.defvjp(lambda x, y: (f(x, y), (x, y)), short_bwd)
+    x = t(4, 3)
+    fn = _vv_vjp(tfun.vmap(tfun.vmap(f)))
+    for run in (fn, tfun.jit(fn, backend="aot_eager")):
+        with pytest.raises(StructureMismatchError, match="one entry per differentiable argument") as e:
+            run(x, x, x)
+        assert re.search(r"The function is `short_bwd at \S*test_custom_derivatives\.py:\d+`", str(e.value))
+    assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+def test_jit_of_vmap_of_custom_jvp_reverse_mode_uses_the_rule():
+    """A custom_jvp call inside tfun.vmap under tfun.jit, differentiated by reverse mode (it was
+    a JitError): the transposed rule, applied outside the vmaps as for custom_vjp."""
+
+    @tfun.custom_jvp
+    def f(x, y):
+        return torch.sin(x) * y
+
+    @f.defjvp
+    def f_jvp(p, t_):
+        (x, y), (tx, ty) = p, t_
+        return f(x, y), 3 * torch.cos(x) * y * tx + 5 * torch.sin(x) * ty  # not the true derivative
+
+    def rule(x, y, g):
+        return 3 * torch.cos(x) * y * g, 5 * torch.sin(x) * g
+
+    @tfun.custom_jvp
+    def with_int(x):
+        return x * 2, torch.argmax(x, dim=-1)
+
+    with_int.defjvp(lambda p, t_: (with_int(p[0]), (t_[0] * 9, None)))
+    x, y, ct = t(4, 3, seed=1), t(4, 3, seed=2), t(4, 3, seed=3)
+    y1, ct_t = t(4, seed=4), t(3, 4, seed=5)
+    gx_t, gy_t = rule(x.T, y1, ct_t)
+    cases = [
+        (_vv_vjp(tfun.vmap(tfun.vmap(f))), (x, y, ct), (torch.sin(x) * y, rule(x, y, ct))),
+        (_vv_vjp(tfun.vmap(f, in_axes=(1, None))), (x, y1, ct_t), (torch.sin(x.T) * y1, (gx_t.T, gy_t.sum(0)))),
+        (_vv_vjp(lambda x: tfun.vmap(with_int)(x)[0]), (x, ct), (x * 2, (ct * 9,))),
+        (tfun.grad(lambda x, y: tfun.vmap(f)(x, y).sum(), argnums=(0, 1)), (x, y), rule(x, y, torch.ones_like(x))),
+    ]
+    for fn, args, want in cases:
+        _assert_same(fn(*args), want)
+        _assert_same(tfun.jit(fn, backend="aot_eager")(*args), want)
+    _assert_same(tfun.jit(cases[0][0])(*cases[0][1]), cases[0][2])  # Inductor
+    # .backward() outside tfun.jit (the JitError case "vmap, requires grad" before)
+    xg = _X.clone().requires_grad_()
+    out = tfun.jit(lambda x, t_: tfun.vmap(_twice_sin)(x) * t_, backend="aot_eager")(xg, _T)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(xg.grad, 2 * torch.cos(_X) * _T)
+    assert torch._C._functorch.peek_interpreter_stack() is None

@@ -758,12 +758,15 @@ def compile_error(e: BaseException) -> BaseException:
     around a scan under `tfun.jit`), torch 2.11's Dynamo, unwinding, pops functorch's layer
     stack once too often and raises an internal assert ("!dynamicLayerStack.empty() INTERNAL
     ASSERT FAILED") while handling the real error, which it hides. That real error is the
-    assert's `__context__`: it is returned instead (torch 2.13 raises it directly). Any other
+    assert's `__context__`: it is returned instead (torch 2.13 raises it directly). torch
+    2.13 does the same where an internal Dynamo error ends a trace while a custom function's
+    call inside `tfun.vmap` has left the vmaps (`tfun._custom_derivatives._traced_vmap_rule_call`):
+    there the assert is wrapped in an `InternalTorchDynamoError`, whose context is the assert,
+    so the chain is followed to the first exception that is not the assert. Any other
     exception is returned as it is.
     """
-    context = e.__context__
-    if isinstance(e, RuntimeError) and "dynamicLayerStack.empty()" in str(e) and context is not None:
-        return context
+    while isinstance(e, RuntimeError) and "dynamicLayerStack.empty()" in str(e) and e.__context__ is not None:
+        e = e.__context__
     return e
 
 

@@ -829,9 +829,13 @@ class custom_vjp:
     returns a tuple with one cotangent per differentiable positional argument, each with
     that argument's structure (`None` anywhere marks a zero cotangent).
 
-    Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
-    the rule; a call inside a `torch.func` transform that `tfun.jit` traces (`tfun.vmap`,
-    `tfun.jvp`) is a `JitError`: apply the transform outside `tfun.jit`.
+    Under `tfun.jit`, reverse mode (`tfun.grad`, `tfun.vjp`, `.backward()` on the jitted
+    result) uses the rule, also for a call inside `tfun.vmap`s that `tfun.jit` traces (the
+    rule is applied outside the vmaps, vectorised over their batch dimensions). There a
+    nondiff argument must not be batched by the vmap, and `fun`, `fwd` and `bwd` must not close
+    over a tensor it batches (both a `JitError`: pass such tensors as arguments). A call
+    inside another traced transform (`tfun.jvp`, `tfun.jacfwd`, `torch.func.grad`) is a
+    `JitError`: apply the transform outside `tfun.jit`.
 
     `fun`, `fwd` and `bwd` may close over tensors of enclosing transforms (batched by a
     `vmap`, tracked by an outer `grad`), and nondiff arguments may be such tensors (or
@@ -911,15 +915,20 @@ class custom_vjp:
         fn: Any = _CustomVjpFunction
         if _context.is_tracing():
             if _context.functorch_active():
+                stack = _traced_transforms()
+                if all(k == "Vmap" for k, _ in stack):
+                    return _traced_vmap_rule_call(spec, self.fun, stack)
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
                 # _CustomVjpTracedFunction), and Dynamo traces an autograd.Function inside a
-                # torch.func transform without its rule: every transform is refused. (Forward
-                # mode of a custom_vjp is refused eagerly too, as in JAX.)
+                # torch.func transform without its rule: every transform but vmap is refused.
+                # (Forward mode of a custom_vjp is refused eagerly too, as in JAX.)
+                names = {"Jvp": "jvp", "Vmap": "vmap", "Grad": "grad/vjp", "Functionalize": "functionalize"}
+                shown = " of ".join(names.get(k, k) for k, _ in stack)
                 raise JitError(
                     format_message(
                         f"{op}: under tfun.jit, a custom_vjp function cannot be called inside a torch.func "
-                        "transform (tfun.jvp, tfun.jacfwd, tfun.vmap, torch.func.*): torch.compile (torch "
-                        f"{torch.__version__}) cannot trace its rule there.",
+                        f"transform other than tfun.vmap (here {shown}, outermost first: tfun.jvp, tfun.jacfwd, "
+                        f"torch.func.*): torch.compile (torch {torch.__version__}) cannot trace its rule there.",
                         function=describe(self.fun),
                         revise="Call the transform outside tfun.jit (tfun.vmap(tfun.jit(f)) runs the rule around "
                         "the compiled function), or use reverse mode inside (tfun.grad and .backward() use the "
@@ -930,6 +939,243 @@ class custom_vjp:
             _hop.note_custom_rule()
         outs = _apply_rule(op, self.fun, fn, spec)
         return tree_unflatten(spec.out_td, list(outs[: spec.n_out]))
+
+
+@_hop.assume_constant
+def _traced_vmap_sizes() -> tuple[tuple[int, int | None, str], ...]:
+    """Trace time: the enclosing `vmap`s as `(level, batch size, randomness)`, outermost
+    first; the batch size is None where it is symbolic."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    out = []
+    for i in retrieve_all_functorch_interpreters():
+        size = i.batch_size()
+        out.append((int(i.level()), size if type(size) is int else None, str(i.randomness())))
+    return tuple(out)
+
+
+def _refuse_traced_vmap(spec: _CallSpec, fun: Callable[..., Any], why: str, revise: str) -> None:
+    raise JitError(
+        format_message(
+            f"{spec.op}: under tfun.jit, this call of a custom function inside tfun.vmap is not supported: {why}",
+            function=describe(fun),
+            revise=revise
+            + " Or apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule around the compiled "
+            "function).",
+        )
+    )
+
+
+def _traced_vmap_rule_call(spec: Any, fun: Callable[..., Any], stack: tuple[tuple[str, int], ...]) -> Any:
+    """A custom_vjp (or custom_jvp) call traced inside `vmap`s only (`tfun.jit` of
+    `tfun.vmap(f)`, under an outer reverse mode: `tfun.vjp`/`tfun.grad` inside `tfun.jit`
+    differentiate with autograd).
+
+    Dynamo traces an `autograd.Function` into torch's `autograd_function_apply`, whose own
+    `autograd.Function` has no batching rule: applied while a vmap is live it fails ("does
+    not have vmap support"), even on unbatched tensors. So the batching is done here, outside
+    the vmap: the call takes the batch dimensions off its tensor arguments (each moved to the
+    front, outermost level first; an argument that a level does not batch, where the level
+    batches another, is expanded, so that autograd sums its cotangent over that level, as
+    torch's generated batching rule and JAX do; a level that batches no argument does not
+    batch the call), leaves the vmaps (their levels popped, and
+    pushed again afterwards with the same sizes and randomness, so they get the same level
+    numbers), applies `_CustomVjpTracedFunction` (`_CustomJvpTracedFunction`) to the plain
+    tensors with `fwd` and `bwd` (`fun` and the JVP rule) vectorised by `torch.func.vmap`
+    over those dimensions, and puts the batch dimensions back on its outputs. Autograd outside
+    the vmaps then differentiates through the rule."""
+    from torch._C._functorch import _unwrap_batched
+    from torch._functorch.predispatch import _vmap_decrement_nesting, _vmap_increment_nesting
+
+    levels = [lvl for _, lvl in stack]
+    info = _traced_vmap_sizes()
+    randomness = [r for _, _, r in info]
+    for leaf in tree_flatten(spec.nondiff)[0]:
+        if isinstance(leaf, torch.Tensor) and any(bd is not None for _, bd in _unbatch(leaf, levels)[1]):
+            _refuse_traced_vmap(
+                spec,
+                fun,
+                "a nondiff argument is a tensor batched by the vmap, and a nondiff argument is a constant of the "
+                "rule, which tfun vectorises over the differentiable arguments only.",
+                "Pass that tensor as a differentiable argument (its cotangent may be None).",
+            )
+    # the batch size of each level, from an argument it batches (symbolic sizes stay symbolic)
+    sizes: list[Any] = [size for _, size, _ in info]
+    batched = [False] * len(levels)
+    for t in spec.tensors:
+        inner = t
+        for j in reversed(range(len(levels))):
+            inner, bd = _unwrap_batched(inner, levels[j])
+            if bd is not None and not batched[j]:
+                sizes[j], batched[j] = inner.shape[bd], True
+    if any(s is None for s in sizes):
+        _refuse_traced_vmap(
+            spec,
+            fun,
+            "no differentiable argument is batched by one of the vmaps, whose batch size is symbolic.",
+            "Pass tfun.jit dynamic=False.",
+        )
+    # A level that batches no argument does not batch the call (as eagerly, where the rule then
+    # runs once, with the cotangent summed over that level); a level that batches some: every
+    # argument gets its batch dimension, at the front, outermost level first.
+    peeled = []
+    for t in spec.tensors:
+        for j in reversed(range(len(levels))):
+            t, bd = _unwrap_batched(t, levels[j])
+            if batched[j]:
+                t = t.unsqueeze(0).expand(sizes[j], *t.shape) if bd is None else t.movedim(bd, 0)
+        # one tensor passed twice (`f(y, y)`): a view for the second (Dynamo refuses an
+        # autograd.Function given the same tensor twice, "duplicate tensor input")
+        peeled.append(t.view_as(t) if any(t is p for p in peeled) else t)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in peeled)):
+        # nothing differentiates the call (only vmaps enclose it), unless autograd reaches a
+        # tensor the function closes over, which the rule does not differentiate
+        out = fun(*spec.all_args(spec.tensors))
+        if torch.is_grad_enabled() and any(
+            isinstance(o, torch.Tensor) and _unbatch(o, levels)[0].requires_grad for o in tree_flatten(out)[0]
+        ):
+            _refuse_closure_derivative(spec, fun, "reverse-mode derivative (grad, vjp)")
+        return out
+    randomness = [r for r, b in zip(randomness, batched) if b]
+    vspec: Any
+    if isinstance(spec, _VjpSpec):
+        vspec, fn = _VjpSpec(spec.op, fun, spec.nondiff_argnums, tuple(spec.all_args(peeled))), _CustomVjpTracedFunction
+        vspec.fwd = _vectorized_fwd(spec, randomness)
+        vspec.bwd = _vectorized_bwd(spec, randomness)
+    else:
+        vspec, fn = _JvpSpec(spec.op, fun, spec.nondiff_argnums, tuple(spec.all_args(peeled))), _CustomJvpTracedFunction
+        vspec.fun = _vectorized_fun(spec, randomness)
+        vspec.jvp_fn = _vectorized_jvp_rule(spec, randomness)
+    _hop.note_custom_rule()  # (its traced backward has no graph: see `_hop.custom_rules`)
+    for _ in levels:
+        _vmap_decrement_nesting()
+    try:
+        outs = _apply_rule(spec.op, fun, fn, vspec)
+    finally:
+        for size, (_, _, rnd) in zip(sizes, info):
+            _vmap_increment_nesting(size, rnd)
+    bdims = [(lvl, 0 if b else None) for lvl, b in zip(reversed(levels), reversed(batched))]
+    return tree_unflatten(vspec.out_td, [_rebatch(o, bdims) for o in outs[: vspec.n_out]])
+
+
+def _vmapped(fn: Callable[..., Any], randomness: Sequence[str]) -> Callable[..., Any]:
+    """`fn` vectorised over one leading dimension per level (outermost first) of every input
+    and output."""
+    for rnd in reversed(randomness):
+        fn = torch.func.vmap(fn, in_dims=0, out_dims=0, randomness=rnd)
+    return fn
+
+
+def _vectorized_fwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """`spec.fwd` over the batched arguments of `_traced_vmap_rule_call`: the output and the
+    residuals' tensors come back batched; non-tensor residuals as they are."""
+    op = spec.op
+
+    def vfwd(*all_args: Any) -> tuple[Any, Any]:
+        tensors = partition(tuple(all_args[i] for i in spec.diff_argnums)).dynamic
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+            pair = spec.fwd(*spec.all_args(ts))
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise StructureMismatchError(
+                    format_message(
+                        f"{op}: the fwd rule must return a pair (output, residuals).",
+                        [f"returned: {describe_value(pair)}"],
+                        function=describe(spec.fwd),
+                        revise="Return `(output, residuals)` from fwd.",
+                    )
+                )
+            out_leaves, box["out_td"] = _flatten_outputs(op, spec.fwd, "fwd output", pair[0])
+            res_leaves, box["res_td"] = tree_flatten(pair[1])
+            box["static"] = [None if isinstance(r, torch.Tensor) else r for r in res_leaves]
+            return tuple(out_leaves), tuple(r for r in res_leaves if isinstance(r, torch.Tensor))
+
+        outs, res_t = _vmapped(one, randomness)(*tensors)
+        it = iter(res_t)
+        res = [next(it) if v is None else v for v in box["static"]]
+        return tree_unflatten(box["out_td"], list(outs)), tree_unflatten(box["res_td"], res)
+
+    _wraps(vfwd, spec.fwd)  # errors about the rule name the user's fwd
+    return vfwd
+
+
+def _split_tensors(tree: Any) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
+    """`tree`'s tensor leaves, and a function that rebuilds `tree` with others in their place
+    (the other leaves, None included, kept)."""
+    leaves, td = tree_flatten(tree, none_is_leaf=True)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    def rebuild(new: Sequence[torch.Tensor]) -> Any:
+        it = iter(new)
+        return tree_unflatten(td, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+    return tensors, rebuild
+
+
+def _vectorized_fun(spec: _JvpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """A custom_jvp's `fun` over the batched arguments of `_traced_vmap_rule_call`."""
+
+    def vfun(*all_args: Any) -> Any:
+        tensors = partition(tuple(all_args[i] for i in spec.diff_argnums)).dynamic
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            leaves, box["td"] = _flatten_outputs(spec.op, spec.fun, "output", spec.fun(*spec.all_args(ts)))
+            return tuple(leaves)
+
+        outs = _vmapped(one, randomness)(*tensors)
+        return tree_unflatten(box["td"], list(outs))
+
+    _wraps(vfun, spec.fun)
+    return vfun
+
+
+def _vectorized_jvp_rule(spec: _JvpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """A custom_jvp's rule over the batched primals and tangents of `_traced_vmap_rule_call`:
+    `(primal_out, tangent_out)` come back batched, None where the rule gave None."""
+
+    def vrule(*a: Any) -> Any:
+        p_tensors, p_rebuild = _split_tensors(a[-2])
+        t_tensors, t_rebuild = _split_tensors(a[-1])
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            pair = spec.jvp_fn(*spec.nondiff, p_rebuild(ts[: len(p_tensors)]), t_rebuild(ts[len(p_tensors) :]))
+            out, box["rebuild"] = _split_tensors(pair)
+            return tuple(out)
+
+        got = _vmapped(one, randomness)(*p_tensors, *t_tensors)
+        return box["rebuild"](got)
+
+    _wraps(vrule, spec.jvp_fn)
+    return vrule
+
+
+def _vectorized_bwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., Any]:
+    """`spec.bwd` over the batched residuals and cotangents of `_traced_vmap_rule_call`: the
+    cotangents come back batched (the argument's structure, None where bwd gave None)."""
+
+    def vbwd(*a: Any) -> Any:
+        res_leaves, res_td = tree_flatten(a[-2])
+        g_leaves, g_td = tree_flatten(a[-1])
+        tensor_res = [r for r in res_leaves if isinstance(r, torch.Tensor)]
+        box: dict[str, Any] = {}
+
+        def one(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            it = iter(ts[: len(tensor_res)])
+            res = tree_unflatten(res_td, [next(it) if isinstance(r, torch.Tensor) else r for r in res_leaves])
+            g = tree_unflatten(g_td, list(ts[len(tensor_res) :]))
+            cts = spec.bwd(*spec.nondiff, res, g)
+            leaves, box["td"] = tree_flatten(cts, none_is_leaf=True)
+            box["static"] = [None if isinstance(c, torch.Tensor) else (c,) for c in leaves]
+            return tuple(c for c in leaves if isinstance(c, torch.Tensor))
+
+        got = iter(_vmapped(one, randomness)(*tensor_res, *g_leaves))
+        return tree_unflatten(box["td"], [next(got) if s is None else s[0] for s in box["static"]])
+
+    _wraps(vbwd, spec.bwd)
+    return vbwd
 
 
 # --------------------------------------------------------------------------------------
@@ -1184,14 +1430,15 @@ class custom_jvp:
     such a tensor as a differentiable argument instead.
 
     Under `tfun.jit`, reverse mode (`tfun.grad`, `.backward()` on the jitted result) uses
-    the transposed rule, and forward mode inside the compiled function (`tfun.jvp`,
-    `tfun.jacfwd`, with `tfun.vmap`s around or inside them) applies the rule to the
-    tangents, as eagerly. Where the traced rule cannot be applied, the call is a `JitError`
-    rather than `fun`'s own derivative: inside a second transform (a `jvp` of a `jvp`,
-    `hessian`, `torch.func.grad`, `tfun.vjp`), or where reverse mode could reach the
-    results of a `jvp` (an argument or closed-over tensor that requires grad; pass detached
-    tensors or use `torch.no_grad()` when only the forward derivative is wanted). Apply
-    such transforms outside `tfun.jit`.
+    the transposed rule, also for a call inside `tfun.vmap`s that `tfun.jit` traces (applied
+    outside the vmaps, vectorised, as for `custom_vjp`, with the same two refusals), and
+    forward mode inside the compiled function (`tfun.jvp`, `tfun.jacfwd`, with `tfun.vmap`s
+    around or inside them) applies the rule to the tangents, as eagerly. Where the traced
+    rule cannot be applied, the call is a `JitError` rather than `fun`'s own derivative:
+    inside a second transform (a `jvp` of a `jvp`, `hessian`, `torch.func.grad`,
+    `tfun.vjp`), or where reverse mode could reach the results of a `jvp` (an argument or
+    closed-over tensor that requires grad; pass detached tensors or use `torch.no_grad()`
+    when only the forward derivative is wanted). Apply such transforms outside `tfun.jit`.
     """
 
     def __init__(
@@ -1318,7 +1565,7 @@ class custom_jvp:
                 if _forward_only(stack):
                     return _traced_jvp_call(spec, args, stack)
                 if all(k == "Vmap" for k, _ in stack):
-                    return _traced_vmap_call(spec, args, stack)
+                    return _traced_vmap_rule_call(spec, self.fun, stack)
                 _refuse_traced_transforms(op, self.fun, stack)
             fn = _CustomJvpTracedFunction
             _hop.note_custom_rule()
@@ -1444,30 +1691,6 @@ def _requires_grad(t: torch.Tensor, stack: tuple[tuple[str, int], ...]) -> bool:
     for _, level in reversed(stack[:at]):
         t, _ = unwrap_batched(t, level)
     return bool(t.requires_grad)
-
-
-def _traced_vmap_call(spec: _JvpSpec, args: tuple[Any, ...], stack: tuple[tuple[str, int], ...]) -> Any:
-    """A custom_jvp call traced inside `vmap`s only: no transform differentiates it, so `fun`
-    runs, unless an autograd outside could differentiate its output. Dynamo traces an
-    `autograd.Function` inside `vmap` without its backward (torch 2.13: the gradient would be
-    `fun`'s), so that case is refused."""
-    out = spec.fun(*args)
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and _unbatch(t, [lvl for _, lvl in stack])[0].requires_grad
-        for t in [*spec.tensors, *tree_flatten(out)[0]]
-    ):
-        raise JitError(
-            format_message(
-                f"{spec.op}: under tfun.jit, a custom_jvp function called inside tfun.vmap cannot be differentiated "
-                "by reverse mode (an argument, or a tensor the function closes over, requires grad): torch.compile "
-                f"(torch {torch.__version__}) traces it there without its rule, so the gradient would be the "
-                "function's own.",
-                function=describe(spec.fun),
-                revise="Apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule), pass tensors that do "
-                "not require grad when no gradient is wanted, or take the gradient outside tfun.jit.",
-            )
-        )
-    return out
 
 
 def _refuse_outer_reverse(spec: _JvpSpec) -> None:

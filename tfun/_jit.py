@@ -24,7 +24,7 @@ import torch
 
 from . import _compat, _context, _funcinfo
 from ._compat import is_hashable
-from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
+from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
 from .lax import _hop
 
 __all__ = ["jit", "JitError", "Jitted", "Lowered"]
@@ -406,11 +406,20 @@ class Jitted:
         try:
             with _trace_autograd(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            e = _compat.compile_error(e)  # torch 2.11 can hide it behind a functorch assert
+        except Exception as caught:  # noqa: BLE001 - re-raised below
+            e = _compat.compile_error(caught)  # torch can hide it behind a functorch assert
+            if e is not caught and not isinstance(e, TfunError) and not _is_dynamo_error(e):
+                # a plain exception that ended the trace (inside a Dynamo internal), which the
+                # assert hid: reported as a compile failure naming it
+                raise JitError(
+                    format_message(
+                        f"tfun.jit: could not compile `{self._fn_text}`: {type(e).__name__}: {e}",
+                        revise="Call the function (or the part of it that fails) outside tfun.jit.",
+                    )
+                ) from e
             err = translate_error(e, self._fn_text, self._cache_size)
             if err is e:
-                raise
+                raise e
             if _is_side_effect_error(e):
                 err = _diagnose_eagerly(self._fun, args, kwargs, err)
             raise err from getattr(err, "dynamo_error", e)
@@ -665,6 +674,14 @@ def _fake_tensor_assert(e: AssertionError) -> bool:
     return bool(frames) and "FakeTensor" in (frames[-1].line or "") and "torch" in frames[-1].filename
 
 
+def _is_dynamo_error(e: BaseException) -> bool:
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, TorchDynamoException)
+
+
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
@@ -730,6 +747,16 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "draws. Draw them with tfun.random and an explicit key (pure ops, recomputed exactly), draw "
             "them outside the checkpointed function and pass them in, or jit only the forward pass and "
             "call .backward() on its result."
+        )
+    elif "BatchedTensor(" in str(e) and "autograd_function_apply" in str(e):
+        # a custom_vjp/custom_jvp call inside tfun.vmap applies its rule outside the vmap
+        # (`_custom_derivatives._traced_vmap_rule_call`): a tensor batched by the vmap that the
+        # function or its rules close over cannot enter it
+        revise = (
+            "A tfun.custom_vjp or custom_jvp function called inside tfun.vmap closes over a tensor batched "
+            "by that vmap (in the function or its rules): under tfun.jit its rule is applied outside the "
+            "vmap, where such a tensor cannot follow. Pass the tensor to the custom function as an argument "
+            "(a differentiable one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
         )
     elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions

@@ -1477,7 +1477,7 @@ class TestCustomVJP:
         assert out[1].dtype == torch.int64
 
     @pytest.mark.parametrize("maybe_jit,maybe_vmap", [
-        pytest.param(True, True, id="jit_vmap", marks=skip("jit-vmap-custom-function")),
+        pytest.param(True, True, id="jit_vmap"),
         pytest.param(True, False, id="jit"),
         pytest.param(False, True, id="vmap"),
         pytest.param(False, False, id=""),
