@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -174,6 +174,11 @@ wrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] | None = getattr(_FUN
 #: `retrieve_current_functorch_interpreter()`: the innermost live interpreter, whose `lower()`
 #: runs code at the level below it and whose `level()` is its level.
 current_interpreter: Callable[[], Any] | None = _private("torch._functorch.pyfunctorch", "retrieve_current_functorch_interpreter")
+#: `_vmap_decrement_nesting()` / `_vmap_increment_nesting(batch_size, randomness)`: leave the
+#: innermost vmap level / enter a new one (what `torch.func.vmap` does around its function; in
+#: traced code Dynamo records them in the graph).
+vmap_decrement_nesting: Callable[[], Any] | None = _private("torch._functorch.predispatch", "_vmap_decrement_nesting")
+vmap_increment_nesting: Callable[[Any, str], Any] | None = _private("torch._functorch.predispatch", "_vmap_increment_nesting")
 #: `_add_batch_dim(t, bdim, level)`: `t` batched at vmap `level` along `bdim`.
 add_batch_dim: Callable[[torch.Tensor, int, int], torch.Tensor] | None = _private("torch._functorch.predispatch", "_add_batch_dim")
 #: Tensor-wrapper predicates and accessors of functorch.
@@ -192,6 +197,8 @@ _FUNCTORCH_WHERE = {
     "wrap_for_grad": "torch._C._functorch._wrap_for_grad",
     "current_interpreter": "torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter",
     "add_batch_dim": "torch._functorch.predispatch._add_batch_dim",
+    "vmap_decrement_nesting": "torch._functorch.predispatch._vmap_decrement_nesting",
+    "vmap_increment_nesting": "torch._functorch.predispatch._vmap_increment_nesting",
     "is_batchedtensor": "torch._C._functorch.is_batchedtensor",
     "is_gradtrackingtensor": "torch._C._functorch.is_gradtrackingtensor",
     "is_functionaltensor": "torch._C._functorch.is_functionaltensor",

@@ -352,6 +352,7 @@ def _jvp_wrapped(t: torch.Tensor) -> bool:
 #: `_traced_vmap_call`).
 _JVP_WRAPPED_NEEDS = ("is_functorch_wrapped_tensor", "is_batchedtensor", "maybe_get_level", "get_unwrapped")
 _TRACED_TRANSFORMS_NEED = ("unwrap_batched", "unwrap_for_grad", "add_batch_dim")
+_TRACED_VMAP_NEEDS = ("functorch_interpreters", "unwrap_batched", "add_batch_dim", "vmap_decrement_nesting", "vmap_increment_nesting")
 _LEVEL_BY_LEVEL_NEEDS = ("current_interpreter", "unwrap_for_grad", "wrap_for_grad", "unwrap_batched", "add_batch_dim")
 
 
@@ -945,10 +946,8 @@ class custom_vjp:
 def _traced_vmap_sizes() -> tuple[tuple[int, int | None, str], ...]:
     """Trace time: the enclosing `vmap`s as `(level, batch size, randomness)`, outermost
     first; the batch size is None where it is symbolic."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
     out = []
-    for i in retrieve_all_functorch_interpreters():
+    for i in _compat.functorch_interpreters():  # type: ignore[misc]
         size = i.batch_size()
         out.append((int(i.level()), size if type(size) is int else None, str(i.randomness())))
     return tuple(out)
@@ -984,9 +983,13 @@ def _traced_vmap_rule_call(spec: Any, fun: Callable[..., Any], stack: tuple[tupl
     tensors with `fwd` and `bwd` (`fun` and the JVP rule) vectorised by `torch.func.vmap`
     over those dimensions, and puts the batch dimensions back on its outputs. Autograd outside
     the vmaps then differentiates through the rule."""
-    from torch._C._functorch import _unwrap_batched
-    from torch._functorch.predispatch import _vmap_decrement_nesting, _vmap_increment_nesting
-
+    _require_functorch(
+        spec.op, fun, _TRACED_VMAP_NEEDS, "a custom function inside tfun.vmap inside tfun.jit",
+        "Apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule around the compiled function), or "
+        "install a torch release tfun supports (docs/compatibility.md).",
+    )
+    _unwrap_batched = _compat.unwrap_batched
+    _vmap_decrement_nesting, _vmap_increment_nesting = _compat.vmap_decrement_nesting, _compat.vmap_increment_nesting
     levels = [lvl for _, lvl in stack]
     info = _traced_vmap_sizes()
     randomness = [r for _, _, r in info]

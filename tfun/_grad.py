@@ -477,11 +477,16 @@ def _value_and_grad_call(
                 _refuse_second_order(op, fun)
             if outer and _hop.custom_rules() != customs:
                 _refuse_custom_second_order(op, fun)
-            if value.requires_grad:
+            if value.requires_grad or _context.functorch_active():
                 found = torch.autograd.grad(
                     value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
                 )
-            else:  # the value does not depend on the arguments (a constant gradient, say)
+            else:
+                # the value does not depend on the arguments (the gradient of a linear function,
+                # differentiated again): zeros, as eagerly. (Not inside a torch.func transform,
+                # whose wrapped tensors autograd does not follow: there it stays an error, a
+                # JitError from tfun.jit, never zeros. A custom rule's traced backward, which has
+                # no graph, is refused before this: `_refuse_custom_second_order`.)
                 found = (None,) * len(leaves)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
         if not outer:
