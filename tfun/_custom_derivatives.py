@@ -467,6 +467,19 @@ class _CallSpec:
         return out
 
 
+def _check_fwd_pair(op: str, fwd: Callable[..., Any], pair: Any) -> None:
+    """A custom_vjp `fwd` returns `(output, residuals)`."""
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise StructureMismatchError(
+            format_message(
+                f"{op}: the fwd rule must return a pair (output, residuals).",
+                [f"returned: {describe_value(pair)}"],
+                function=describe(fwd),
+                revise="Return `(output, residuals)` from fwd.",
+            )
+        )
+
+
 def _flatten_outputs(op: str, fn: Callable[..., Any], role: str, out: Any) -> tuple[list[torch.Tensor], Any]:
     pl, td = tree_flatten_with_path(out)
     bad = [f"{role}{_ks(p)}: {describe_value(x)}" for p, x in pl if not isinstance(x, torch.Tensor)]
@@ -583,15 +596,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         n = len(spec.tensors)
         with _Bound(spec, tensors[n:]), _InsideForward():
             pair = spec.fwd(*spec.all_args(tensors[:n]))
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise StructureMismatchError(
-                format_message(
-                    f"{op}: the fwd rule must return a pair (output, residuals).",
-                    [f"returned: {describe_value(pair)}"],
-                    function=describe(spec.fwd),
-                    revise="Return `(output, residuals)` from fwd.",
-                )
-            )
+        _check_fwd_pair(op, spec.fwd, pair)
         out, res = pair
         out_leaves, spec.out_td = _flatten_outputs(op, spec.fwd, "fwd output", out)
         spec.n_out = len(out_leaves)
@@ -1080,15 +1085,7 @@ def _vectorized_fwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., 
 
         def one(*ts: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
             pair = spec.fwd(*spec.all_args(ts))
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise StructureMismatchError(
-                    format_message(
-                        f"{op}: the fwd rule must return a pair (output, residuals).",
-                        [f"returned: {describe_value(pair)}"],
-                        function=describe(spec.fwd),
-                        revise="Return `(output, residuals)` from fwd.",
-                    )
-                )
+            _check_fwd_pair(op, spec.fwd, pair)
             out_leaves, box["out_td"] = _flatten_outputs(op, spec.fwd, "fwd output", pair[0])
             res_leaves, box["res_td"] = tree_flatten(pair[1])
             box["static"] = [None if isinstance(r, torch.Tensor) else r for r in res_leaves]
