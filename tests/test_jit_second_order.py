@@ -233,3 +233,56 @@ def test_first_order_keeps_the_loop_op():
     fn = lambda x: tfun.grad(lambda y: scan_fwd(y, 7))(x)
     torch.testing.assert_close(tfun.jit(fn, backend=backend)(_x()), fn(_x()))
     assert counts and counts[0] >= 1
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.2)])
+def test_lower_precision_matches_eager_in_that_dtype(dtype, tol):
+    """float32 and bfloat16: the unrolled jitted second derivative equals eager's in the same
+    dtype (the same ops), and both stay near the float64 oracle within the dtype's precision."""
+    oracle = _modes(scan_fwd, 5)["grad_of_grad"](_x(seed=3))
+    fn = lambda x: tfun.grad(lambda y: (tfun.grad(lambda z: scan_fwd_dtype(z, 5))(y) ** 2).sum())(x)
+    x = _x(seed=3).to(dtype)
+    eager = fn(x)
+    got = tfun.jit(fn, backend="aot_eager")(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, eager, atol=tol / 10, rtol=tol / 10)
+    torch.testing.assert_close(got.double(), oracle, atol=tol, rtol=tol)
+
+
+def scan_fwd_dtype(x, T):
+    """`scan_fwd` in `x`'s dtype."""
+    w, xs = W.to(x.dtype), torch.linspace(-1, 1, T * 3, dtype=D).reshape(T, 3).to(x.dtype)
+    c, ys = lax.scan(lambda c, xt: (torch.tanh(c @ w + xt), (c * xt).sum()), x, xs)
+    return (c**2).sum() + ys.sum()
+
+
+def test_vmap_around_a_jitted_second_derivative():
+    """`tfun.vmap` of a jitted second derivative through a loop gives each example's eager
+    value; `tfun.jit` of a `tfun.vmap` of it (a torch.func transform around the traced
+    derivative) is a tfun JitError, not a wrong number."""
+    gg = _modes(scan_fwd, 4)["grad_of_grad"]
+    xs = torch.stack([_x(seed=s) for s in range(4)])
+    want = torch.stack([gg(x) for x in xs])
+    torch.testing.assert_close(tfun.vmap(tfun.jit(gg, backend="aot_eager"))(xs), want)
+    torch.testing.assert_close(tfun.vmap(gg)(xs), want)
+    with pytest.raises(JitError, match="torch.func transform"):
+        tfun.jit(tfun.vmap(gg), backend="aot_eager")(xs)
+
+
+def test_checkpoint_in_a_jitted_second_derivative_is_refused():
+    """torch.compile rematerializes for one gradient per graph: a `tfun.checkpoint` body (a
+    loop's, or around the loop) inside a jitted second derivative is a JitError that names
+    tfun.checkpoint and says what to do; eagerly and around the jitted gradient it is fine."""
+    body = lambda c, xt: (torch.tanh(c @ W + xt) * torch.sin(c), None)
+    xs = torch.linspace(-1, 1, 12, dtype=D).reshape(4, 3)
+    for loss in (
+        lambda x: lax.scan(tfun.checkpoint(body), x, xs)[0].pow(2).sum(),
+        tfun.checkpoint(lambda x: lax.scan(body, x, xs)[0].pow(2).sum()),
+    ):
+        gg = lambda x: tfun.grad(lambda y: (tfun.grad(loss)(y) ** 2).sum())(x)
+        with pytest.raises(JitError, match="two gradients through tfun.checkpoint functions"):
+            tfun.jit(gg, backend="aot_eager")(_x())
+        plain = lambda x: tfun.grad(lambda y: (tfun.grad(lambda z: lax.scan(body, z, xs)[0].pow(2).sum())(y) ** 2).sum())(x)
+        torch.testing.assert_close(gg(_x()), plain(_x()))
+        around = lambda x: tfun.grad(lambda y: (tfun.jit(tfun.grad(loss), backend="aot_eager")(y) ** 2).sum())(x)
+        torch.testing.assert_close(around(_x()), plain(_x()))

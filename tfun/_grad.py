@@ -543,26 +543,15 @@ def _refuse_custom_second_order(op: str, fun: Callable[..., Any]) -> None:
     )
 
 
-def _refuse_second_order(op: str, fun: Callable[..., Any], closed: bool = False) -> None:
+def _refuse_second_order(op: str, fun: Callable[..., Any]) -> None:
     """Under tfun.jit, a gradient that something outside may differentiate again must stay
     differentiable, but torch's control-flow HOPs have no double backward: their gradient
     would silently stop there. Refused instead."""
-    if closed:
-        why = (
-            "a tensor it closes over requires grad (a module's parameter, say), so the gradient depends on it "
-            "and an outer .backward() could differentiate it"
-        )
-        revise = (
-            "If the gradient itself is not differentiated (no gradient penalty), call the tfun.grad under "
-            "`torch.no_grad()` or pass the closed-over tensors as arguments; otherwise take this derivative "
-            "outside tfun.jit."
-        )
-    else:
-        why = "an argument it differentiates requires grad, so an outer .backward() or tfun.grad could reach it"
-        revise = (
-            "Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order "
-            "gradient is wanted, or take the higher-order derivative outside tfun.jit."
-        )
+    why = "an argument it differentiates requires grad, so an outer .backward() or tfun.grad could reach it"
+    revise = (
+        "Pass arguments that do not require grad (e.g. `p.detach()`) when only the first-order "
+        "gradient is wanted, or take the higher-order derivative outside tfun.jit."
+    )
     raise JitError(
         format_message(
             f"{op}: under tfun.jit, the gradient of a function with tfun.lax control flow cannot itself be "

@@ -356,7 +356,7 @@ def _escape_remat(push: int | None, pop: bool) -> int:
         _REMAT_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
     stack = _REMAT_STACK[0]
     if push is not None:
-        stack.append(push)
+        stack.append(max(stack[-1] if stack else 0, 1) * push)
     elif pop and stack:
         stack.pop()
     return stack[-1] if stack else -1
@@ -401,20 +401,21 @@ MAX_UNROLLED_STEPS = 1024
 #: (1 at the derivative); and the trace that stack belongs to (as `_REMAT_STACK`). torch's
 #: control-flow HOPs have no second derivative: inside such a derivative, `scan`, `fori_loop`
 #: with static bounds and `map` run their steps in Python (the graph holds each step's ops)
-#: and the other control-flow ops are refused (`begin_lowering`).
+#: and the other control-flow ops are refused (`refuse_unrolled`, called by each of them
+#: before it lowers).
 _UNROLL_STACK: list[Any] = [[], None]
 
 
 @assume_constant
 def _escape_unroll(push: int | None, pop: bool) -> int:
-    """Push a step count, pop, or neither; return the innermost count, or 0 outside every
-    scope."""
+    """Push a step count (`push` times the innermost one, at least 1), pop, or neither;
+    return the innermost count, or 0 outside every scope."""
     trace = _context.current_trace()
     if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
         _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
     stack = _UNROLL_STACK[0]
     if push is not None:
-        stack.append(push)
+        stack.append(max(stack[-1] if stack else 0, 1) * push)
     elif pop and stack:
         stack.pop()
     return stack[-1] if stack else 0
@@ -431,7 +432,7 @@ class unroll_scope:
 
     def __enter__(self) -> None:
         if self.active:
-            _escape_unroll(max(_escape_unroll(None, False), 1) * self.steps, False)
+            _escape_unroll(self.steps, False)
 
     def __exit__(self, *exc: Any) -> None:
         if self.active:
