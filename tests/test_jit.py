@@ -218,6 +218,49 @@ def test_jit_of_grad_with_control_flow_is_a_clear_error():
         tfun.jit(torch.func.grad(_loss), backend="aot_eager")(W, xs)
 
 
+_D = torch.float64
+_W3 = torch.randn(3, 3, generator=torch.Generator().manual_seed(11), dtype=_D) * 0.5
+_U3 = torch.randn(3, generator=torch.Generator().manual_seed(12), dtype=_D)
+
+
+def _smooth(z):
+    return (torch.tanh(z @ _W3) * torch.sin(z)).sum()
+
+
+#: tfun's transforms that run torch.func inside tfun.jit, around a gradient (no control flow):
+#: each was a JitError (`jacrev`: Dynamo cannot compare two functions with `is`; a tfun.grad
+#: inside a torch.func transform differentiated with autograd, which Dynamo cannot trace there)
+_FUNC_AROUND_GRAD = {
+    "hessian": lambda x: tfun.hessian(_smooth)(x),
+    "jacrev": lambda x: tfun.jacrev(lambda z: torch.tanh(z @ _W3))(x),
+    "jacfwd_of_grad": lambda x: tfun.jacfwd(tfun.grad(_smooth))(x),
+    "jacrev_of_grad": lambda x: tfun.jacrev(tfun.grad(_smooth))(x),
+    "jvp_of_grad": lambda x: tfun.jvp(tfun.grad(_smooth), (x,), (_U3,))[1],
+    "vmap_of_grad": lambda x: tfun.vmap(tfun.grad(_smooth))(torch.stack([x, _U3, x * 2])),
+    "vmap_of_value_and_grad": lambda x: tfun.vmap(tfun.value_and_grad(_smooth))(torch.stack([x, _U3])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FUNC_AROUND_GRAD))
+def test_torch_func_transforms_around_a_gradient_compile(name):
+    fn = _FUNC_AROUND_GRAD[name]
+    x = torch.randn(3, generator=torch.Generator().manual_seed(13), dtype=_D)
+    torch.testing.assert_close(tfun.jit(fn, backend="aot_eager")(x), fn(x))
+
+
+def test_torch_func_transforms_around_a_gradient_of_control_flow_say_to_move_them_out():
+    """With a loop inside, torch cannot trace the transform around it: a JitError that names
+    tfun's transforms and the fix, and the fix gives eager's values."""
+    loss = lambda z: lax.scan(lambda c, _: (torch.tanh(c @ _W3), None), z, None, length=4)[0].pow(2).sum()
+    xs = torch.stack([_U3, _U3 * 2])
+    with pytest.raises(JitError, match="tfun.vmap, tfun.jvp, tfun.jacfwd, tfun.jacrev and tfun.hessian") as e:
+        tfun.jit(lambda x: tfun.vmap(tfun.grad(loss))(x), backend="aot_eager")(xs)
+    assert "tfun.vmap(tfun.jit(tfun.grad(loss)))" in str(e.value)
+    want = torch.stack([tfun.grad(loss)(x) for x in xs])
+    torch.testing.assert_close(tfun.vmap(tfun.jit(tfun.grad(loss), backend="aot_eager"))(xs), want)
+    torch.testing.assert_close(tfun.hessian(tfun.jit(loss, backend="aot_eager"))(_U3), tfun.hessian(loss)(_U3))
+
+
 def _cf_loss(params, xs):
     W = params["W"]
     h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(W.shape[0], dtype=W.dtype), xs)

@@ -457,7 +457,12 @@ def _value_and_grad_call(
     # Whether the function closes over such a tensor is learned at trace time by a probe
     # (`_probe_closure`); its ops feed nothing and AOTAutograd drops them before anything runs.
     # (`len(...) > 0`, not `bool(list)`: Dynamo 2.11 cannot trace the builtin `bool` of a list)
-    tracing = len(fl.leaves) > 0 and _context.is_tracing()
+    #
+    # Inside a torch.func transform (`tfun.vmap`, `tfun.jacfwd`, `tfun.jvp` around the
+    # gradient) autograd would see the transform's wrapped tensors, which Dynamo cannot trace
+    # it through ("Expected FakeTensor"): torch.func.grad there, as `tfun.vjp` does
+    # (`_traced_reverse_mode`), which Dynamo traces when there is no control flow inside.
+    tracing = len(fl.leaves) > 0 and _context.is_tracing() and not _context.functorch_active()
     closed = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
         closed = _probe_closure(f_flat, fl.leaves)
@@ -477,16 +482,15 @@ def _value_and_grad_call(
                 _refuse_second_order(op, fun)
             if outer and _hop.custom_rules() != customs:
                 _refuse_custom_second_order(op, fun)
-            if value.requires_grad or _context.functorch_active():
+            if value.requires_grad:
                 found = torch.autograd.grad(
                     value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
                 )
             else:
                 # the value does not depend on the arguments (the gradient of a linear function,
-                # differentiated again): zeros, as eagerly. (Not inside a torch.func transform,
-                # whose wrapped tensors autograd does not follow: there it stays an error, a
-                # JitError from tfun.jit, never zeros. A custom rule's traced backward, which has
-                # no graph, is refused before this: `_refuse_custom_second_order`.)
+                # differentiated again): zeros, as eagerly. (Inside a torch.func transform this
+                # branch is not reached: torch.func.grad below. A custom rule's traced backward,
+                # which has no graph, is refused before this: `_refuse_custom_second_order`.)
                 found = (None,) * len(leaves)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
         if not outer:
@@ -1049,12 +1053,12 @@ def _jacrev_flat(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> 
     return rows, aux
 
 
-def _jac(
-    op: str, torch_jac: Callable[..., Any], fun: Callable[..., Any], argnums: Any, has_aux: bool, holomorphic: bool
-) -> Callable[..., Any]:
+def _jac(op: str, forward: bool, fun: Callable[..., Any], argnums: Any, has_aux: bool, holomorphic: bool) -> Callable[..., Any]:
+    """`jacfwd` (`forward`) or `jacrev`. (A flag, not `torch.func.jacfwd` compared by identity:
+    Dynamo cannot trace `is` between two functions, and `tfun.jacrev(f)` may be called inside
+    `tfun.jit`.)"""
     nums, single = normalize_argnums(op, argnums)
     _check_holomorphic_flag(op, holomorphic)
-    forward = torch_jac is torch.func.jacfwd
 
     @functools.wraps(fun)
     def jac_fun(*args: Any, **kwargs: Any) -> Any:
@@ -1098,7 +1102,7 @@ def _jac(
         elif any(x.is_complex() for x in fl.leaves):
             jac, aux_l = _jacrev_flat(f_flat, fl.leaves)  # torch.func.jacrev refuses complex inputs
         else:
-            jac, aux_l = torch_jac(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
+            jac, aux_l = torch.func.jacrev(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
         per_out = []
         for row in jac:
             if not forward:
@@ -1138,13 +1142,13 @@ _JAC_DOC = """
 def jacfwd(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
 ) -> Callable[..., Any]:
-    return _jac("tfun.jacfwd", torch.func.jacfwd, fun, argnums, has_aux, holomorphic)
+    return _jac("tfun.jacfwd", True, fun, argnums, has_aux, holomorphic)
 
 
 def jacrev(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
 ) -> Callable[..., Any]:
-    return _jac("tfun.jacrev", torch.func.jacrev, fun, argnums, has_aux, holomorphic)
+    return _jac("tfun.jacrev", False, fun, argnums, has_aux, holomorphic)
 
 
 jacfwd.__doc__ = "The Jacobian by forward mode (`vmap` of `jvp`), as `jax.jacfwd`." + _JAC_DOC
@@ -1169,8 +1173,8 @@ def hessian(
     structure `T`, a `T`-of-`T` pytree of tensors of shape `in_i.shape + in_j.shape`
     (output shape first, as in JAX); `(hessian, aux)` with `has_aux=True`.
     """
-    inner = _jac("tfun.hessian", torch.func.jacrev, fun, argnums, has_aux, holomorphic)
-    return _jac("tfun.hessian", torch.func.jacfwd, inner, argnums, has_aux, holomorphic)
+    inner = _jac("tfun.hessian", False, fun, argnums, has_aux, holomorphic)
+    return _jac("tfun.hessian", True, inner, argnums, has_aux, holomorphic)
 
 
 def stop_gradient(x: Any) -> Any:

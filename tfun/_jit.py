@@ -710,11 +710,14 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         err = JitError(
             format_message(
                 f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
-                "transform (grad, vmap, ...) around a control-flow op (cond, scan, map, while_loop) in "
-                f"torch {torch.__version__}.",
-                revise="Use `tfun.grad` / `tfun.value_and_grad` / `tfun.vjp` instead of `torch.func.grad` / `vjp` "
-                "inside `tfun.jit` (traced, they differentiate with autograd, which compiles to one graph), or "
-                "compile the function without the transform and call `.backward()`.",
+                "transform (grad, vmap, jvp, ...) around a control-flow op (cond, scan, map, while_loop) in "
+                f"torch {torch.__version__}. Inside tfun.jit, tfun.vmap, tfun.jvp, tfun.jacfwd, tfun.jacrev and "
+                "tfun.hessian are such transforms; tfun.grad, tfun.value_and_grad and tfun.vjp are not (traced, "
+                "they differentiate with autograd, which compiles to one graph).",
+                revise="Apply the transform outside tfun.jit, around the jitted function: "
+                "`tfun.vmap(tfun.jit(tfun.grad(loss)))` for per-example gradients, `tfun.hessian(tfun.jit(f))`, "
+                "`tfun.jacrev(tfun.jit(f))`; use `tfun.grad` / `tfun.vjp` instead of `torch.func.grad` / `vjp` "
+                "inside `tfun.jit`; or compile the function without the transform and call `.backward()`.",
             )
         )
         err.dynamo_error = e  # type: ignore[attr-defined]
