@@ -949,9 +949,65 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         zeros = prim.map_static(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x)
         return tuple(zeros.combine(grads))
 
+    pullback = _VjpFunction(fun, primals, has_aux, vjp_fn, _hop.trace_key())
     if has_aux:
-        return out, vjp_fn, _unpack_aux(box, aux_l)
-    return out, vjp_fn
+        return out, pullback, _unpack_aux(box, aux_l)
+    return out, pullback
+
+
+class _VjpFunction:
+    """The `vjp_fn` that `tfun.vjp` returns: callable on a cotangent, and a pytree (as JAX's
+    `Partial`) whose leaves are the primals' leaves, its function and `has_aux` static.
+
+    It pulls back with the pullback built when `tfun.vjp` ran (`pull`), where that pullback
+    still holds its autograd graph: always for one built eagerly (`trace == 0`), and in the
+    same trace for one built in traced code. Elsewhere (returned from `tfun.jit`, called
+    in another jitted function, or rebuilt from its leaves by `tree_unflatten`, as a
+    `custom_vjp` residual is) it recomputes: `tfun.vjp(fun, *primals)` runs the forward
+    again and pulls back with that, as `tfun.checkpoint` recomputes. Outside traced code
+    the recomputed pullback is kept, so the forward runs again once.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        primals: tuple[Any, ...],
+        has_aux: bool,
+        pull: Callable[[Any], tuple[Any, ...]] | None,
+        trace: int,
+    ) -> None:
+        self.fun = fun
+        self.primals = primals
+        self.has_aux = has_aux
+        self._pull = pull
+        self._trace = trace
+        self._recomputed: Any = None
+
+    def __call__(self, ct: Any) -> tuple[Any, ...]:
+        pull = self._pull
+        if pull is not None and (self._trace == 0 or _hop.trace_key() == self._trace):
+            return pull(ct)
+        if self._recomputed is not None:
+            return self._recomputed(ct)
+        res = vjp(self.fun, *self.primals, has_aux=self.has_aux)
+        if not _context.is_tracing():
+            self._recomputed = res[1]
+        return res[1](ct)
+
+    def __repr__(self) -> str:
+        return f"<tfun.vjp function of {describe(self.fun)}>"
+
+
+def _flatten_vjp_function(v: _VjpFunction) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    return (v.primals,), (v.fun, v.has_aux)
+
+
+def _unflatten_vjp_function(meta: tuple[Any, ...], children: Any) -> _VjpFunction:
+    (primals,) = children
+    return _VjpFunction(meta[0], tuple(primals), meta[1], None, 0)
+
+
+optree.register_pytree_node(_VjpFunction, _flatten_vjp_function, _unflatten_vjp_function, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------
