@@ -40,7 +40,7 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._tree import NAMESPACE, Partition, keystr, partition, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from ._tree import NAMESPACE, Partition, keystr, partition, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
 from .lax import _hop
 
 __all__ = [
@@ -987,12 +987,13 @@ class _VjpFunction:
         pull = self._pull
         if pull is not None and (self._trace == 0 or _hop.trace_key() == self._trace):
             return pull(ct)
-        if self._recomputed is not None:
-            return self._recomputed(ct)
-        res = vjp(self.fun, *self.primals, has_aux=self.has_aux)
-        if not _context.is_tracing():
-            self._recomputed = res[1]
-        return res[1](ct)
+        if _context.is_tracing():
+            # in another trace: the forward is traced again there (a pullback kept from an
+            # eager call holds an eager graph, which that trace cannot follow)
+            return vjp(self.fun, *self.primals, has_aux=self.has_aux)[1](ct)
+        if self._recomputed is None:
+            self._recomputed = vjp(self.fun, *self.primals, has_aux=self.has_aux)[1]
+        return self._recomputed(ct)
 
     def __repr__(self) -> str:
         return f"<tfun.vjp function of {describe(self.fun)}>"
@@ -1008,6 +1009,26 @@ def _unflatten_vjp_function(meta: tuple[Any, ...], children: Any) -> _VjpFunctio
 
 
 optree.register_pytree_node(_VjpFunction, _flatten_vjp_function, _unflatten_vjp_function, namespace=NAMESPACE)  # type: ignore[arg-type]
+
+
+def _is_vjp_function(v: Any) -> bool:
+    return isinstance(v, _VjpFunction)
+
+
+def _drop_live_pullbacks(out: Any) -> Any:
+    """Traced, at the end of a `tfun.jit` function: its vjp functions without their pullback
+    (it holds the trace's autograd graph, which Dynamo would otherwise return as tensors:
+    torch 2.13's AOTAutograd fails on some, as a scan's). Outside, they recompute."""
+    if not any(_is_vjp_function(v) for v in tree_leaves(out, is_leaf=_is_vjp_function)):
+        return out
+    return tree_map(
+        lambda v: _VjpFunction(v.fun, v.primals, v.has_aux, None, 0) if _is_vjp_function(v) else v,
+        out,
+        is_leaf=_is_vjp_function,
+    )
+
+
+_hop.JIT_OUTPUT_HOOKS.append(_drop_live_pullbacks)
 
 
 # --------------------------------------------------------------------------------------

@@ -362,6 +362,18 @@ def _escape_remat(push: int | None, pop: bool) -> int:
     return stack[-1] if stack else -1
 
 
+#: Functions applied, in traced code, to what a `tfun.jit` function returns (registered by
+#: the transforms): a traced `tfun.vjp`'s pullback leaves its trace without its autograd graph.
+JIT_OUTPUT_HOOKS: list[Callable[[Any], Any]] = []
+
+
+def jit_output(out: Any) -> Any:
+    """What a compiled `tfun.jit` function returns: `out` through `JIT_OUTPUT_HOOKS`."""
+    for hook in JIT_OUTPUT_HOOKS:
+        out = hook(out)
+    return out
+
+
 #: The trace `trace_key` last numbered (a weak reference) and its number.
 _TRACE_KEY: list[Any] = [None, 0]
 _TRACE_NUMBERS = itertools.count(1)
