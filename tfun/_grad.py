@@ -868,9 +868,20 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     is JAX's pullback, the transpose of the tangent map (for a holomorphic `f`,
     `vjp_fn(ct) = ct * f'(z)`), not torch's conjugate transpose.
 
+    `vjp_fn` is a pytree, as JAX's: its leaves are the primals' leaves (`fun` and `has_aux`
+    are static), so it may be returned from `tfun.jit`, be part of a `custom_vjp` `fwd`'s
+    residuals (JAX's nestable-vjp idiom), or go through `tfun.tree` functions.
+
     Inside `tfun.jit`, `tfun.vjp` differentiates with autograd, as `tfun.grad` does, so
-    `tfun.lax` control flow and custom rules compile into one graph with it (`vjp_fn` must
-    be called inside the same jitted function).
+    `tfun.lax` control flow and custom rules compile into one graph with it when `vjp_fn` is
+    called inside the same jitted function. Anywhere else, a `vjp_fn` made in traced code
+    no longer has that graph, and one rebuilt from its leaves has none: it **recomputes**,
+    running `tfun.vjp(fun, *primals, has_aux=has_aux)` on the primals it holds (the forward
+    runs again, as under `tfun.checkpoint`) and pulling back with that. Called eagerly
+    (`tfun.jit(partial(tfun.vjp, f))(x)` and then `vjp_fn(ct)`) the forward runs eagerly
+    once, at the first call, and later calls reuse that pullback; called inside another
+    jitted function, or in a `custom_vjp`'s `bwd`, the forward is traced into that graph.
+    The recomputation reads the primals' values at the time of the call.
     """
     op = "tfun.vjp"
     pl, ptd = tree_flatten_with_path(primals)
