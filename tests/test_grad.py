@@ -109,6 +109,23 @@ def test_jvp_vjp():
     assert aux == "aux"
 
 
+def test_vjp_function_is_a_pytree_of_its_primals():
+    """Eagerly too, the vjp function's leaves are the primals' leaves; one rebuilt from
+    leaves (new primals) recomputes at those primals."""
+    f = lambda d, n: torch.sin(d["a"]) * d["b"] * n
+    d, ct = {"a": t(3, seed=1), "b": t(3, seed=2)}, t(3, seed=3)
+    _, pull = tfun.vjp(f, d, 2)
+    leaves, treedef = tfun.tree.tree_flatten(pull)
+    assert len(leaves) == 3 and leaves[0] is d["a"] and leaves[1] is d["b"] and leaves[2] == 2
+    d2 = {"a": t(3, seed=4), "b": t(3, seed=5)}
+    rebuilt = tfun.tree.tree_unflatten(treedef, [d2["a"], d2["b"], 3])
+    got, want = rebuilt(ct), tfun.vjp(f, d2, 3)[1](ct)
+    assert_close_tree(got[0], want[0])
+    assert_close_tree(rebuilt(ct)[0], want[0])
+    assert got[1] == want[1]
+    assert not torch.allclose(got[0]["a"], pull(ct)[0]["a"])
+
+
 def test_vjp_integer_primal_and_output():
     out, fn = tfun.vjp(lambda x, i: (x * i, i), t(2), torch.arange(2))
     gx, gi = fn((torch.ones(2, dtype=D), torch.zeros(2, dtype=torch.long)))

@@ -40,7 +40,18 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._tree import NAMESPACE, Partition, keystr, partition, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
+from ._tree import (
+    NAMESPACE,
+    Partition,
+    keystr,
+    partition,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 from .lax import _hop
 
 __all__ = [
@@ -1019,7 +1030,7 @@ def _unflatten_vjp_function(meta: tuple[Any, ...], children: Any) -> _VjpFunctio
     return _VjpFunction(meta[0], tuple(primals), meta[1], None, 0)
 
 
-optree.register_pytree_node(_VjpFunction, _flatten_vjp_function, _unflatten_vjp_function, namespace=NAMESPACE)  # type: ignore[arg-type]
+register_pytree_node(_VjpFunction, _flatten_vjp_function, _unflatten_vjp_function)
 
 
 def _is_vjp_function(v: Any) -> bool:
