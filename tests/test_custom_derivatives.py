@@ -1408,3 +1408,55 @@ def test_jit_of_vmap_of_custom_jvp_reverse_mode_uses_the_rule():
     out.backward(torch.ones_like(out))
     torch.testing.assert_close(xg.grad, 2 * torch.cos(_X) * _T)
     assert torch._C._functorch.peek_interpreter_stack() is None
+
+
+# ---------------------------------------------------------------- a vjp function as a residual
+
+
+def _vjp_function_residual_rule():
+    """JAX's nestable-vjp idiom: fwd returns `tfun.vjp`'s function (with `has_aux`, inside a
+    pytree with other residuals) and bwd pulls back with it. bwd scales by 2 where the
+    derivative scales by 3, so a path that ignores the rule is caught."""
+
+    def f(w, x):
+        return torch.sin(w * x), {"s": w.sum()}
+
+    @tfun.custom_vjp
+    def g(w, x):
+        return torch.sin(w * x) * 3
+
+    def fwd(w, x):
+        y, pull, aux = tfun.vjp(f, w, x, has_aux=True)
+        return y * 3, {"pull": pull, "k": torch.tensor(2.0, dtype=D), "s": aux["s"]}
+
+    g.defvjp(fwd, lambda r, yb: r["pull"](yb * r["k"]))
+    return g
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_grad_of_custom_vjp_with_vjp_function_residual(backend):
+    """The residual's vjp function crosses the rule's traced forward/backward as its leaves
+    (the primals) and recomputes in the backward: the rule's gradient, as eagerly."""
+    g = _vjp_function_residual_rule()
+    w, x = t(3, seed=1), t(3, seed=2)
+
+    def loss(w, x):
+        return (g(w, x) ** 2).sum()
+
+    yb = 2 * torch.sin(w * x) * 3
+    rule = (yb * 2 * torch.cos(w * x) * x, yb * 2 * torch.cos(w * x) * w)
+    eager = tfun.grad(loss, argnums=(0, 1))(w, x)
+    got = tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend=backend)(w, x)
+    for a, b, c in zip(got, eager, rule):
+        torch.testing.assert_close(b, c)
+        torch.testing.assert_close(a, c)
+
+
+def test_jit_custom_vjp_with_vjp_function_residual_backward_outside():
+    """Compiled forward, `.backward()` after: the compiled backward uses the rule."""
+    g = _vjp_function_residual_rule()
+    w, x = t(3, seed=3, grad=True), t(3, seed=4)
+    loss = tfun.jit(lambda w, x: (g(w, x) ** 2).sum(), backend="aot_eager")(w, x)
+    loss.backward()
+    w0 = w.detach()
+    torch.testing.assert_close(w.grad, 2 * torch.sin(w0 * x) * 3 * 2 * torch.cos(w0 * x) * x)

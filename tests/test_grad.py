@@ -109,6 +109,23 @@ def test_jvp_vjp():
     assert aux == "aux"
 
 
+def test_vjp_function_is_a_pytree_of_its_primals():
+    """Eagerly too, the vjp function's leaves are the primals' leaves; one rebuilt from
+    leaves (new primals) recomputes at those primals."""
+    f = lambda d, n: torch.sin(d["a"]) * d["b"] * n
+    d, ct = {"a": t(3, seed=1), "b": t(3, seed=2)}, t(3, seed=3)
+    _, pull = tfun.vjp(f, d, 2)
+    leaves, treedef = tfun.tree.tree_flatten(pull)
+    assert len(leaves) == 3 and leaves[0] is d["a"] and leaves[1] is d["b"] and leaves[2] == 2
+    d2 = {"a": t(3, seed=4), "b": t(3, seed=5)}
+    rebuilt = tfun.tree.tree_unflatten(treedef, [d2["a"], d2["b"], 3])
+    got, want = rebuilt(ct), tfun.vjp(f, d2, 3)[1](ct)
+    assert_close_tree(got[0], want[0])
+    assert_close_tree(rebuilt(ct)[0], want[0])
+    assert got[1] == want[1]
+    assert not torch.allclose(got[0]["a"], pull(ct)[0]["a"])
+
+
 def test_vjp_integer_primal_and_output():
     out, fn = tfun.vjp(lambda x, i: (x * i, i), t(2), torch.arange(2))
     gx, gi = fn((torch.ones(2, dtype=D), torch.zeros(2, dtype=torch.long)))
@@ -505,6 +522,75 @@ def test_vjp_inside_jit_matches_eager(case, backend):
     assert_close_tree(out, want_out)
     assert_close_tree(got, want)
     assert_close_tree(again, want)
+
+
+@pytest.mark.parametrize(
+    "case, backend",
+    [(c, "aot_eager") for c in ["scan", "custom_vjp_in_cond", "pytree_int_and_constant_outputs", "no_floating_output"]]
+    + [("custom_vjp_in_cond", "inductor")],  # one Inductor cell (each compiles for seconds)
+)
+def test_vjp_fn_returned_from_jit_matches_eager(case, backend):
+    """JAX's `jit(partial(vjp, f))(x)`: the vjp function returned from a jitted function
+    recomputes outside it (the trace's autograd graph is gone), called twice, against the
+    eager float64 oracle; it is a pytree whose leaves are the primals' leaves."""
+    fun, primals, ct = _vjp_cases()[case]
+    want_out, pull = tfun.vjp(fun, *primals)
+    want = pull(ct)
+    out, got_pull = tfun.jit(lambda *p: tfun.vjp(fun, *p), backend=backend)(*primals)
+    assert_close_tree(out, want_out)
+    assert_close_tree(got_pull(ct), want)
+    assert_close_tree(got_pull(ct), want)
+    assert_close_tree(tfun.tree.tree_leaves(got_pull), tfun.tree.tree_leaves(primals))
+
+
+def test_vjp_fn_returned_from_jit_has_aux_checks_and_outer_backward():
+    """The returned vjp function with `has_aux=True` and pytrees in and out; its cotangent
+    is checked as eagerly; its cotangents stay differentiable by an outer `.backward()` where
+    the primals require grad, as eagerly."""
+
+    def f(d):
+        return {"y": torch.sin(d["a"]) * d["b"], "z": (d["a"] ** 2).sum()}, {"n": d["a"].sum() * 0 + 1}
+
+    d = {"a": t(4, seed=1), "b": t(4, seed=2)}
+    ct = {"y": t(4, seed=3), "z": torch.tensor(0.7, dtype=D)}
+    want_out, pull, want_aux = tfun.vjp(f, d, has_aux=True)
+    want = pull(ct)
+    out, got_pull, aux = tfun.jit(lambda d: tfun.vjp(f, d, has_aux=True), backend="aot_eager")(d)
+    assert_close_tree((out, aux), (want_out, want_aux))
+    assert_close_tree(got_pull(ct), want)
+    assert isinstance(got_pull(ct), tuple) and set(got_pull(ct)[0]) == {"a", "b"}
+    with pytest.raises(TensorMismatchError, match=r"cotangent\['y'\]: output is a tensor of shape \(4,\)"):
+        got_pull({"y": t(3), "z": torch.tensor(0.7, dtype=D)})
+    with pytest.raises(StructureMismatchError):
+        got_pull({"y": t(4)})
+
+    grads = {}
+    for how in ("eager", "jit"):
+        x = t(4, seed=5).requires_grad_(True)
+        vjp_of = (lambda x: tfun.vjp(torch.sin, x)) if how == "eager" else tfun.jit(lambda x: tfun.vjp(torch.sin, x), backend="aot_eager")
+        (g,) = vjp_of(x)[1](t(4, seed=6))
+        (g * g).sum().backward()
+        grads[how] = (g.detach(), x.grad)
+    assert_close_tree(grads["jit"], grads["eager"])
+
+
+def test_vjp_fn_returned_from_jit_called_inside_another_jit():
+    """A vjp function from one jitted function called inside another: traced again there
+    (each new vjp function does not recompile the second), against the eager oracle."""
+    from tfun import lax
+
+    def f(w, xs):
+        return lax.scan(lambda c, x: (torch.tanh(c * w + x), c), torch.zeros(3, dtype=D), xs)[0]
+
+    make = tfun.jit(lambda w, xs: tfun.vjp(f, w, xs), backend="aot_eager")
+    use = tfun.jit(lambda pull, ct: pull(ct), backend="aot_eager")
+    ct = t(3, seed=9)
+    for k in range(3):
+        w, xs = t(3, seed=k), t(4, 3, seed=10 + k)
+        _, pull = make(w, xs)
+        if k == 1:
+            pull(ct)  # an eager call first: its kept pullback is not used by the trace
+        assert_close_tree(use(pull, ct), tfun.vjp(f, w, xs)[1](ct))
 
 
 def assert_close_tree(a, b):

@@ -40,7 +40,18 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._tree import NAMESPACE, Partition, keystr, partition, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from ._tree import (
+    NAMESPACE,
+    Partition,
+    keystr,
+    partition,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 from .lax import _hop
 
 __all__ = [
@@ -861,9 +872,20 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     is JAX's pullback, the transpose of the tangent map (for a holomorphic `f`,
     `vjp_fn(ct) = ct * f'(z)`), not torch's conjugate transpose.
 
+    `vjp_fn` is a pytree, as JAX's: its leaves are the primals' leaves (`fun` and `has_aux`
+    are static), so it may be returned from `tfun.jit`, be part of a `custom_vjp` `fwd`'s
+    residuals (JAX's nestable-vjp idiom), or go through `tfun.tree` functions.
+
     Inside `tfun.jit`, `tfun.vjp` differentiates with autograd, as `tfun.grad` does, so
-    `tfun.lax` control flow and custom rules compile into one graph with it (`vjp_fn` must
-    be called inside the same jitted function).
+    `tfun.lax` control flow and custom rules compile into one graph with it when `vjp_fn` is
+    called inside the same jitted function. Anywhere else, a `vjp_fn` made in traced code
+    no longer has that graph, and one rebuilt from its leaves has none: it **recomputes**,
+    running `tfun.vjp(fun, *primals, has_aux=has_aux)` on the primals it holds (the forward
+    runs again, as under `tfun.checkpoint`) and pulling back with that. Called eagerly
+    (`tfun.jit(partial(tfun.vjp, f))(x)` and then `vjp_fn(ct)`) the forward runs eagerly
+    once, at the first call, and later calls reuse that pullback; called inside another
+    jitted function, or in a `custom_vjp`'s `bwd`, the forward is traced into that graph.
+    The recomputation reads the primals' values at the time of the call.
     """
     op = "tfun.vjp"
     pl, ptd = tree_flatten_with_path(primals)
@@ -942,9 +964,86 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         zeros = prim.map_static(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x)
         return tuple(zeros.combine(grads))
 
+    pullback = _VjpFunction(fun, primals, has_aux, vjp_fn, _hop.trace_key())
     if has_aux:
-        return out, vjp_fn, _unpack_aux(box, aux_l)
-    return out, vjp_fn
+        return out, pullback, _unpack_aux(box, aux_l)
+    return out, pullback
+
+
+class _VjpFunction:
+    """The `vjp_fn` that `tfun.vjp` returns: callable on a cotangent, and a pytree (as JAX's
+    `Partial`) whose leaves are the primals' leaves, its function and `has_aux` static.
+
+    It pulls back with the pullback built when `tfun.vjp` ran (`pull`), where that pullback
+    still holds its autograd graph: always for one built eagerly (`trace == 0`), and in the
+    same trace for one built in traced code. Elsewhere (returned from `tfun.jit`, called
+    in another jitted function, or rebuilt from its leaves by `tree_unflatten`, as a
+    `custom_vjp` residual is) it recomputes: `tfun.vjp(fun, *primals)` runs the forward
+    again and pulls back with that, as `tfun.checkpoint` recomputes. Outside traced code
+    the recomputed pullback is kept, so the forward runs again once.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        primals: tuple[Any, ...],
+        has_aux: bool,
+        pull: Callable[[Any], tuple[Any, ...]] | None,
+        trace: int,
+    ) -> None:
+        self.fun = fun
+        self.primals = primals
+        self.has_aux = has_aux
+        self._pull = pull
+        self._trace = trace
+        self._recomputed: Any = None
+
+    def __call__(self, ct: Any) -> tuple[Any, ...]:
+        pull = self._pull
+        if pull is not None and (self._trace == 0 or _hop.trace_key() == self._trace):
+            return pull(ct)
+        if _context.is_tracing():
+            # in another trace: the forward is traced again there (a pullback kept from an
+            # eager call holds an eager graph, which that trace cannot follow)
+            return vjp(self.fun, *self.primals, has_aux=self.has_aux)[1](ct)
+        if self._recomputed is None:
+            self._recomputed = vjp(self.fun, *self.primals, has_aux=self.has_aux)[1]
+        return self._recomputed(ct)
+
+    def __repr__(self) -> str:
+        return f"<tfun.vjp function of {describe(self.fun)}>"
+
+
+def _flatten_vjp_function(v: _VjpFunction) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    return (v.primals,), (v.fun, v.has_aux)
+
+
+def _unflatten_vjp_function(meta: tuple[Any, ...], children: Any) -> _VjpFunction:
+    (primals,) = children
+    return _VjpFunction(meta[0], tuple(primals), meta[1], None, 0)
+
+
+register_pytree_node(_VjpFunction, _flatten_vjp_function, _unflatten_vjp_function)
+
+
+def _is_vjp_function(v: Any) -> bool:
+    return isinstance(v, _VjpFunction)
+
+
+def _drop_live_pullbacks(out: Any) -> Any:
+    """Traced, at the end of a `tfun.jit` function: its vjp functions without their pullback
+    (it holds the trace's autograd graph, which Dynamo would otherwise return as tensors:
+    torch 2.13's AOTAutograd fails on some, as a scan's). Outside, they recompute."""
+    if not any(_is_vjp_function(v) for v in tree_leaves(out, is_leaf=_is_vjp_function)):
+        return out
+    return tree_map(
+        lambda v: _VjpFunction(v.fun, v.primals, v.has_aux, None, 0) if _is_vjp_function(v) else v,
+        out,
+        is_leaf=_is_vjp_function,
+    )
+
+
+_hop.JIT_OUTPUT_HOOKS.append(_drop_live_pullbacks)
 
 
 # --------------------------------------------------------------------------------------

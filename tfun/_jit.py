@@ -349,7 +349,7 @@ class Jitted:
                 fun = self._fun
 
                 def tfun_jit_call(*a: Any, **k: Any) -> Any:
-                    return fun(*a, **k)
+                    return _hop.jit_output(fun(*a, **k))
 
                 # A code name of its own per tfun.jit function: Dynamo keeps its "automatic
                 # dynamic" state (which sizes it has seen change, and so compiles symbolic) per
@@ -493,9 +493,15 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
                 args.append(_tfun_static_scalar_pos[j])  # type: ignore[name-defined]  # noqa: F821
             else:
                 args.append(next(it))
-        return fun(*args, **other_kw, **_tfun_static_scalar_kw, **kw)  # type: ignore[name-defined]  # noqa: F821
+        out = fun(*args, **other_kw, **_tfun_static_scalar_kw, **kw)  # type: ignore[name-defined]  # noqa: F821
+        return _tfun_jit_output(out)  # type: ignore[name-defined]  # noqa: F821
 
-    g = {"__builtins__": builtins, "_tfun_static_scalar_pos": scalar_pos, "_tfun_static_scalar_kw": scalar_kw}
+    g = {
+        "__builtins__": builtins,
+        "_tfun_static_scalar_pos": scalar_pos,
+        "_tfun_static_scalar_kw": scalar_kw,
+        "_tfun_jit_output": _hop.jit_output,
+    }
     return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
 
 

@@ -1104,7 +1104,6 @@ class TestCustomVJP:
         (y,) = g_vjp(T(1.0))
         assert_all_close(y, 2.0)
 
-    @skip("jit-returns-function")
     def test_nestable_vjp_residual_function(self):
         """The second half of test_nestable_vjp: the residual is the vjp function itself,
         returned from a jitted function."""

@@ -362,6 +362,40 @@ def _escape_remat(push: int | None, pop: bool) -> int:
     return stack[-1] if stack else -1
 
 
+#: Functions applied, in traced code, to what a `tfun.jit` function returns (registered by
+#: the transforms): a traced `tfun.vjp`'s pullback leaves its trace without its autograd graph.
+JIT_OUTPUT_HOOKS: list[Callable[[Any], Any]] = []
+
+
+def jit_output(out: Any) -> Any:
+    """What a compiled `tfun.jit` function returns: `out` through `JIT_OUTPUT_HOOKS`."""
+    for hook in JIT_OUTPUT_HOOKS:
+        out = hook(out)
+    return out
+
+
+#: The trace `trace_key` last numbered (a weak reference) and its number.
+_TRACE_KEY: list[Any] = [None, 0]
+_TRACE_NUMBERS = itertools.count(1)
+
+
+@assume_constant
+def _escape_trace_key() -> int:
+    trace = _context.current_trace()
+    if trace is None:
+        return -1  # traced without a Dynamo trace (non-strict torch.export): one key for all
+    if _TRACE_KEY[0] is None or _TRACE_KEY[0]() is not trace:
+        _TRACE_KEY[:] = [weakref.ref(trace), next(_TRACE_NUMBERS)]
+    return int(_TRACE_KEY[1])
+
+
+def trace_key() -> int:
+    """A number for the trace running now, a compile-time constant in traced code (0 when not
+    tracing): a value captured in one trace (a traced `tfun.vjp`'s pullback, which holds that
+    trace's autograd graph) tells by it whether it is used in the same trace."""
+    return _escape_trace_key() if _context.is_tracing() else 0
+
+
 class remat_scope:
     """Trace time: while active, `remat_body` checkpoints the bodies of the control-flow ops
     lowered, with the policy of `policy_key` (`with remat_scope(key): out = fun(*args)` in a
