@@ -261,6 +261,32 @@ def test_torch_func_transforms_around_a_gradient_of_control_flow_say_to_move_the
     torch.testing.assert_close(tfun.hessian(tfun.jit(loss, backend="aot_eager"))(_U3), tfun.hessian(loss)(_U3))
 
 
+def test_loop_index_into_a_tensor_says_what_to_write_instead():
+    """`xs[i]` with a fori_loop/while_loop index is refused by torch under tracing (a
+    data-dependent integer): the JitError names the user's line and the idioms that compile,
+    and those give eager's values and gradients."""
+    xs = torch.randn(5, 3, generator=torch.Generator().manual_seed(3), dtype=_D)
+    c0 = torch.zeros(3, dtype=_D)
+    bad = {
+        "fori_loop": lambda xs, c: lax.fori_loop(0, 5, lambda i, c: c * 0.5 + xs[i], c),
+        "while_loop": lambda xs, c: lax.while_loop(lambda s: s[0] < 5, lambda s: (s[0] + 1, s[1] * 0.5 + xs[s[0]]), (0, c))[1],
+    }
+    for fn in bad.values():
+        with pytest.raises(JitError, match=r"tfun\.at\(xs\)\[i\]\.get\(\)") as e:
+            tfun.jit(fn, backend="aot_eager")(xs, c0)
+        assert "test_jit.py:" in str(e.value)
+    good = {
+        "at": lambda xs, c: lax.fori_loop(0, 5, lambda i, c: c * 0.5 + tfun.at(xs)[i].get(), c),
+        "index_select": lambda xs, c: lax.fori_loop(0, 5, lambda i, c: c * 0.5 + torch.index_select(xs, 0, i.reshape(1))[0], c),
+    }
+    want = bad["fori_loop"](xs, c0)
+    want_g = tfun.grad(lambda xs: bad["fori_loop"](xs, c0).pow(2).sum())(xs)
+    for fn in good.values():
+        torch.testing.assert_close(tfun.jit(fn, backend="aot_eager")(xs, c0), want)
+        g = tfun.jit(tfun.grad(lambda xs: fn(xs, c0).pow(2).sum()), backend="aot_eager")(xs)
+        torch.testing.assert_close(g, want_g)
+
+
 def _cf_loss(params, xs):
     W = params["W"]
     h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(W.shape[0], dtype=W.dtype), xs)

@@ -767,6 +767,16 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "vmap, where such a tensor cannot follow. Pass the tensor to the custom function as an argument "
             "(a differentiable one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
         )
+    elif "data-dependent expression" in str(e) or "PendingUnbackedSymbolNotFound" in str(e):
+        # most often `xs[i]` with a loop index (a traced 0-d tensor) inside a loop body: torch
+        # turns the index into an unbacked integer it cannot bound (docs/porting.md)
+        revise = (
+            "That line needs the value of a traced tensor as a Python int. Indexing a tensor with a loop "
+            "index (`xs[i]` in a fori_loop or while_loop body, where `i` is a traced 0-d tensor) is the "
+            "usual cause: write `tfun.at(xs)[i].get()` (`.set`/`.add` to write) or "
+            "`torch.index_select(xs, 0, i.reshape(1))[0]`, or scan over `xs` instead. Otherwise keep the "
+            "value a tensor (tfun.lax ops instead of Python control flow on it, no .item())."
+        )
     elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
         revise = (
