@@ -1460,3 +1460,110 @@ def test_jit_custom_vjp_with_vjp_function_residual_backward_outside():
     loss.backward()
     w0 = w.detach()
     torch.testing.assert_close(w.grad, 2 * torch.sin(w0 * x) * 3 * 2 * torch.cos(w0 * x) * x)
+
+
+# --------------------------------------------------------------------------------------
+# control flow inside a custom function under tfun.jit
+# --------------------------------------------------------------------------------------
+
+
+def _fixed_point(f, a, x_guess):
+    """JAX's custom_vjp tutorial: `x* = f(a, x*)` by iteration, differentiated implicitly
+    (a while_loop in the function, its fwd and its bwd)."""
+
+    def cond(c):
+        x_prev, x, k = c
+        return ((x_prev - x).abs().max() > 1e-12) & (k < 200)
+
+    def body(c):
+        _, x, k = c
+        return x, f(a, x), k + 1
+
+    return tfun.lax.while_loop(cond, body, (x_guess, f(a, x_guess), torch.tensor(0)))[1]
+
+
+@functools.partial(tfun.custom_vjp, nondiff_argnums=(0,))
+def fixed_point(f, a, x_guess):
+    return _fixed_point(f, a, x_guess)
+
+
+def _fixed_point_fwd(f, a, x_guess):
+    x_star = _fixed_point(f, a, x_guess)
+    return x_star, (a, x_star)
+
+
+def _fixed_point_bwd(f, res, x_star_bar):
+    a, x_star = res
+    _, vjp_a = tfun.vjp(lambda a: f(a, x_star), a)
+    _, vjp_x = tfun.vjp(lambda x: f(a, x), x_star)
+    w = _fixed_point(lambda v, w: v + vjp_x(w)[0], x_star_bar, x_star_bar)
+    return vjp_a(w)[0], torch.zeros_like(x_star)
+
+
+fixed_point.defvjp(_fixed_point_fwd, _fixed_point_bwd)
+
+
+def _newton_sqrt(a):
+    return fixed_point(lambda a, x: 0.5 * (x + a / x), a, a)
+
+
+@tfun.custom_vjp
+def _sqrt_by_newton(a):
+    return _fixed_point(lambda a, x: 0.5 * (x + a / x), a, a)
+
+
+def _sqrt_fwd(a):
+    x = _fixed_point(lambda a, x: 0.5 * (x + a / x), a, a)
+    return x, x
+
+
+_sqrt_by_newton.defvjp(_sqrt_fwd, lambda x, g: (g * 0.5 / x,))
+
+
+@tfun.custom_vjp
+def _scan_rnn(x):
+    return _rnn_scan(x)
+
+
+_W_RNN = torch.randn(3, 3, generator=torch.Generator().manual_seed(21), dtype=D) * 0.5
+
+
+def _rnn_scan(x):
+    return tfun.lax.scan(lambda c, _: (torch.tanh(c @ _W_RNN), None), x, None, length=4)[0]
+
+
+_scan_rnn.defvjp(lambda x: tfun.vjp(_rnn_scan, x), lambda f_vjp, g: f_vjp(g * 1.5))  # not the derivative
+
+
+@tfun.custom_jvp
+def _cond_fn(x):
+    return tfun.lax.cond(x.sum() > 0, torch.sin, torch.cos, x)
+
+
+_cond_fn.defjvp(lambda p, t: (_cond_fn(p[0]), t[0] * 2.0))  # not the derivative
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_control_flow_inside_the_rule_under_jit(backend):
+    """A tfun.lax op in a custom function, its fwd or its rule (JAX's fixed-point example: a
+    while_loop in all three), under tfun.jit(tfun.grad(...)): the rule's gradient, as eagerly.
+    On torch 2.13/2.14 this was a Dynamo error ("'_VjpSpec' object has no attribute
+    'res_src'"): see `_Results`."""
+    a = torch.tensor([2.0, 3.0, 0.5], dtype=D)
+    sqrt_grad = tfun.grad(lambda a: _sqrt_by_newton(a).sum())
+    torch.testing.assert_close(tfun.jit(sqrt_grad, backend=backend)(a), 0.5 / a.sqrt())
+    torch.testing.assert_close(tfun.jit(_sqrt_by_newton, backend=backend)(a), a.sqrt())
+    # JAX's fixed point, whose bwd iterates a pullback in a while_loop: eagerly exact; under
+    # tfun.jit a pullback inside a loop body (torch.autograd.grad in a HOP) is a JitError
+    newton_grad = tfun.grad(lambda a: _newton_sqrt(a).sum())
+    torch.testing.assert_close(newton_grad(a), 0.5 / a.sqrt())
+    torch.testing.assert_close(tfun.jit(_newton_sqrt, backend=backend)(a), a.sqrt())
+    with pytest.raises(tfun.errors.JitError):
+        tfun.jit(newton_grad, backend=backend)(a)
+    x = torch.randn(3, generator=torch.Generator().manual_seed(22), dtype=D)
+    for f in (_scan_rnn, _cond_fn):
+        g = tfun.grad(lambda z: (f(z) ** 2).sum())
+        torch.testing.assert_close(tfun.jit(g, backend=backend)(x), g(x))
+    # the rules differ from the derivatives: the rule's gradient is what came out
+    plain = tfun.grad(lambda z: (_rnn_scan(z) ** 2).sum())(x)
+    assert not torch.allclose(tfun.grad(lambda z: (_scan_rnn(z) ** 2).sum())(x), plain)

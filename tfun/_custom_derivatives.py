@@ -430,8 +430,31 @@ def _check_rule_flags(op: str, symbolic_zeros: Any, optimize_remat: Any = False)
         )
 
 
+class _Results:
+    """What a custom function's forward learns about its outputs (`_CallSpec.results`).
+
+    Created empty and written only by the forward: torch 2.13 and 2.14's Dynamo drop the
+    attribute writes that a traced `autograd.Function` forward makes to an object that
+    already has attribute writes pending in the same trace (as a `_CallSpec` built there
+    has) whenever the forward runs a control-flow HOP (a `tfun.lax` op in `fwd`); an object
+    with no pending writes keeps them (`tests/test_custom_derivatives.py`,
+    `test_control_flow_inside_the_rule_under_jit`)."""
+
+
+def _result(name: str) -> Any:
+    return property(lambda self: getattr(self.results, name, None), doc=f"`results.{name}`")
+
+
 class _CallSpec:
     """The static half of one call: nondiff args, argument structure, non-tensor leaves."""
+
+    #: the forward's findings, read from `results` (see `_Results`)
+    out_td = _result("out_td")
+    n_out = _result("n_out")
+    out_meta = _result("out_meta")
+    res_td = _result("res_td")
+    res_src = _result("res_src")
+    in_meta = _result("in_meta")
 
     def __init__(self, op: str, fun: Callable[..., Any], nondiff_argnums: tuple[int, ...], args: tuple[Any, ...]):
         for i in nondiff_argnums:
@@ -452,7 +475,7 @@ class _CallSpec:
         self.diff = partition(tuple(args[i] for i in self.diff_argnums))
         self.tensor_pos = self.diff.positions
         self.tensors = self.diff.dynamic
-        self.out_td: Any = None
+        self.results = _Results()
 
     def diff_args(self, tensors: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(self.diff.combine(tensors[: len(self.tensors)]))
@@ -598,22 +621,24 @@ class _CustomVjpFunction(torch.autograd.Function):
             pair = spec.fwd(*spec.all_args(tensors[:n]))
         _check_fwd_pair(op, spec.fwd, pair)
         out, res = pair
-        out_leaves, spec.out_td = _flatten_outputs(op, spec.fwd, "fwd output", out)
-        spec.n_out = len(out_leaves)
-        res_leaves, spec.res_td = tree_flatten(res)
-        spec.res_src = []
+        found = spec.results  # (written there, not on `spec`: see `_Results`)
+        out_leaves, found.out_td = _flatten_outputs(op, spec.fwd, "fwd output", out)
+        found.n_out = len(out_leaves)
+        res_leaves, found.res_td = tree_flatten(res)
+        res_src: list[tuple[str, Any]] = []
         extra: list[torch.Tensor] = []
         for r in res_leaves:
             if not isinstance(r, torch.Tensor):
-                spec.res_src.append(("static", r))
+                res_src.append(("static", r))
             elif any(r is t for t in tensors):
-                spec.res_src.append(("in", next(i for i, t in enumerate(tensors) if r is t)))
+                res_src.append(("in", next(i for i, t in enumerate(tensors) if r is t)))
             elif any(r is o for o in out_leaves):
-                spec.res_src.append(("out", next(i for i, o in enumerate(out_leaves) if r is o)))
+                res_src.append(("out", next(i for i, o in enumerate(out_leaves) if r is o)))
             else:
-                spec.res_src.append(("res", len(extra)))
+                res_src.append(("res", len(extra)))
                 extra.append(r)
-        spec.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors[:n]]
+        found.res_src = res_src
+        found.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors[:n]]
         out_leaves = [o.view_as(o) if any(o is t for t in tensors) else o for o in out_leaves]
         return tuple(out_leaves) + tuple(extra)
 
@@ -1245,9 +1270,10 @@ class _CustomJvpFunction(torch.autograd.Function):
         n = len(spec.tensors)
         with _Bound(spec, tensors[n:]), _InsideForward():
             out = spec.fun(*spec.all_args(tensors[:n]))
-        leaves, spec.out_td = _flatten_outputs("tfun.custom_jvp", spec.fun, "output", out)
-        spec.n_out = len(leaves)
-        spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+        found = spec.results  # (written there, not on `spec`: see `_Results`)
+        leaves, found.out_td = _flatten_outputs("tfun.custom_jvp", spec.fun, "output", out)
+        found.n_out = len(leaves)
+        found.out_meta = [(o.shape, o.dtype) for o in leaves]
         # an output that is an input is returned as an alias so autograd can track it
         return tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in leaves)
 
@@ -1661,9 +1687,10 @@ def _traced_jvp_call(spec: _JvpSpec, args: tuple[Any, ...], stack: tuple[tuple[s
     # `fun` would leave set. Custom functions that `fun` calls see primals with no tangent
     # at the jvp's level and just run their function.)
     out = spec.fun(*spec.all_args(primals))
-    leaves, spec.out_td = _flatten_outputs(op, spec.fun, "output", out)
-    spec.n_out = len(leaves)
-    spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+    found = spec.results
+    leaves, found.out_td = _flatten_outputs(op, spec.fun, "output", out)
+    found.n_out = len(leaves)
+    found.out_meta = [(o.shape, o.dtype) for o in leaves]
     flat = _call_jvp_rule(spec, primals, tans, out)
     duals = []
     for o, f in zip(leaves, flat):
@@ -1790,9 +1817,10 @@ def _forward_over_forward_call(custom: custom_jvp, spec: _JvpSpec) -> Any:
     primals = [p for p, _ in parts]
     with interp.lower(), _Bound(spec, caps):
         out = custom(*spec.all_args(primals))
-        leaves, spec.out_td = _flatten_outputs(op, spec.fun, "output", out)
-        spec.n_out = len(leaves)
-        spec.out_meta = [(o.shape, o.dtype) for o in leaves]
+        found = spec.results
+        leaves, found.out_td = _flatten_outputs(op, spec.fun, "output", out)
+        found.n_out = len(leaves)
+        found.out_meta = [(o.shape, o.dtype) for o in leaves]
         if all(t is None for _, t in parts):
             flat: list[Any] = [None] * len(leaves)
         else:
