@@ -287,6 +287,23 @@ def test_loop_index_into_a_tensor_says_what_to_write_instead():
         torch.testing.assert_close(g, want_g)
 
 
+def test_a_failed_compile_inside_a_jvp_leaves_forward_mode_usable():
+    """Dynamo stopping inside a forward-mode transform (a jvp in a while_loop body under a
+    gradient, which torch cannot compile) left torch's dual level open: every later jvp in
+    the process raised "Nested forward mode AD is not supported". tfun.jit closes it."""
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(5), dtype=_D)
+
+    def fn(x):
+        body = lambda s: (s[0] + tfun.jvp(torch.sin, (s[0],), (torch.ones_like(s[0]),))[1] * 0.1, s[1] + 1)
+        return lax.while_loop(lambda s: s[1] < 3, body, (x, 0))[0].pow(2).sum()
+
+    with pytest.raises(JitError):
+        tfun.jit(tfun.grad(fn), backend="aot_eager")(x)
+    torch.testing.assert_close(tfun.jvp(torch.sin, (x,), (x,))[1], torch.cos(x) * x)
+    torch.testing.assert_close(torch.func.jvp(torch.sin, (x,), (x,))[1], torch.cos(x) * x)
+    torch.testing.assert_close(tfun.grad(fn)(x), tfun.grad(fn)(x))  # eagerly fine
+
+
 def _cf_loss(params, xs):
     W = params["W"]
     h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(W.shape[0], dtype=W.dtype), xs)

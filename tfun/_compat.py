@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -67,6 +67,40 @@ def forward_ad_level_active() -> bool:
     """
     level = getattr(getattr(torch.autograd, "forward_ad", None), "_current_level", None)
     return not isinstance(level, int) or level >= 0
+
+
+def forward_ad_level() -> int | None:
+    """The open `torch.autograd.forward_ad` dual level (-1 when none), or None where this torch
+    keeps it elsewhere (see `forward_ad_level_active`)."""
+    level = getattr(getattr(torch.autograd, "forward_ad", None), "_current_level", None)
+    return level if isinstance(level, int) else None
+
+
+def close_forward_ad_levels(down_to: int | None) -> None:
+    """Exit the forward-AD dual levels opened above `down_to` and left open.
+
+    When Dynamo stops tracing with an error inside a forward-mode transform (`tfun.jvp` in a
+    loop body that torch cannot compile), torch 2.13 does not unwind the dual level the
+    transform entered: every later `jvp` in the process then fails ("Nested forward mode AD
+    is not supported at the moment"). Python's record of the level (`_current_level`) is
+    restored with the trace's other side effects, but torch's own (C++) level stays open.
+    `tfun.jit` calls this after a failed call, with the level it found before it: the
+    level above it is exited in C++ where it is open (torch answers a level that is not open
+    with a RuntimeError, the only way to ask it), and Python's record set back. Nothing
+    happens where the level cannot be read."""
+    if down_to is None:
+        return
+    forward_ad = torch.autograd.forward_ad
+    while (level := forward_ad_level()) is not None and level > down_to:
+        forward_ad.exit_dual_level(level=level)
+    exit_cpp = getattr(torch._C, "_exit_dual_level", None)
+    if exit_cpp is None:
+        return
+    try:
+        exit_cpp(level=down_to + 1)
+    except RuntimeError as e:
+        if "not the last that was created" not in str(e):
+            raise
 
 
 def triton_launcher(kernel: Any) -> Any:

@@ -215,7 +215,12 @@ def _apply_rule(op: str, fun: Callable[..., Any], fn: Any, spec: Any) -> Any:
     """`fn.apply(spec, *tensors)`, with torch.func's internal assertions turned into a tfun error."""
     try:
         cap = spec.captures.tensors if getattr(spec, "captures", None) is not None else []
-        return fn.apply(spec, *spec.tensors, *cap)
+        inputs = [*spec.tensors, *cap]
+        if _context.is_tracing():
+            # Dynamo refuses one tensor passed to several inputs of an autograd.Function
+            # (`f(a, a)`): a view of it for each repeat (gradients still sum into it)
+            inputs = [t.view_as(t) if any(t is u for u in inputs[:k]) else t for k, t in enumerate(inputs)]
+        return fn.apply(spec, *inputs)
     except (RuntimeError, AssertionError) as e:
         if isinstance(e, TfunError) or not any(m in str(e) for m in _FUNCTORCH_ASSERTS):
             raise

@@ -509,12 +509,14 @@ def _value_and_grad_call(
             aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
     elif fl.leaves and holomorphic:
         # torch.func.grad wants a real output: pull back the cotangent 1 instead
+        _hop.note_func_reverse()
         with _hop.unroll_scope(closed):  # (traced: see below)
             value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
         grads = pull(torch.ones_like(value))
     elif fl.leaves:
         # traced with `closed`: the gradient depends on a closed-over tensor that requires
         # grad and stays differentiable, so the loops inside are unrolled (`_hop.unroll_scope`)
+        _hop.note_func_reverse()
         with _hop.unroll_scope(closed):
             grads, (value, aux_leaves) = torch.func.grad_and_value(
                 f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
@@ -921,6 +923,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
     elif diff_primals:
         # traced, the cotangents depend on a closed-over tensor that requires grad: they stay
         # differentiable, so the loops inside are unrolled (torch's HOPs have no second derivative)
+        _hop.note_func_reverse()
         with _hop.unroll_scope(_context.is_tracing() and not _context.functorch_active()):
             diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
@@ -1199,8 +1202,10 @@ def _jac(op: str, forward: bool, fun: Callable[..., Any], argnums: Any, has_aux:
             # torch.func.jacfwd refuses complex inputs and outputs, which JAX allows
             jac, aux_l = _jacfwd_flat(f_flat, fl.leaves)
         elif any(x.is_complex() for x in fl.leaves):
+            _hop.note_func_reverse()
             jac, aux_l = _jacrev_flat(f_flat, fl.leaves)  # torch.func.jacrev refuses complex inputs
         else:
+            _hop.note_func_reverse()
             jac, aux_l = torch.func.jacrev(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
         per_out = []
         for row in jac:

@@ -403,10 +403,12 @@ class Jitted:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
+        fwd_level = _compat.forward_ad_level()
         try:
             with _trace_autograd(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
         except Exception as caught:  # noqa: BLE001 - re-raised below
+            _compat.close_forward_ad_levels(fwd_level)  # (a trace stopped inside a jvp leaves its level open)
             e = _compat.compile_error(caught)  # torch can hide it behind a functorch assert
             if e is not caught and not isinstance(e, TfunError) and not _is_dynamo_error(e):
                 # a plain exception that ended the trace (inside a Dynamo internal), which the

@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
+import tfun
 from tfun import lax
+from tfun.errors import JitError
 from tfun.tree import tree_map
 
 
@@ -326,3 +328,49 @@ def test_fori_loop_body_closing_over_its_tensor_bound_under_jit():
     for n in (0, 2, 3, 5):
         ref = f(torch.tensor(n), x.double())
         torch.testing.assert_close(j(torch.tensor(n), x), ref.float())
+
+
+_STEPS = {
+    "jacrev": lambda c: c + tfun.jacrev(lambda z: (z**3).sum())(c) * 0.1,
+    "vmap_of_grad": lambda c: c + tfun.vmap(tfun.grad(lambda z: z**3))(c) * 0.1,
+}
+
+
+@pytest.mark.parametrize("step", sorted(_STEPS))
+def test_reverse_mode_inside_a_differentiated_jitted_while_loop_is_refused(step):
+    """torch's while_loop backward takes the derivative of a body that runs a reverse-mode
+    torch.func transform at the first step's values for every step (torch 2.13-2.15: the
+    jitted gradient was 2.197 = 1.3**3 for a true 2.4558): refused, never returned. The
+    forward alone, the same body in a scan, and the eager gradient are right."""
+    body = _STEPS[step]
+    x = torch.tensor([0.5, -0.3], dtype=torch.float64)
+    loop = lambda x: lax.while_loop(lambda s: s[1] < 3, lambda s: (body(s[0]), s[1] + 1), (x, 0))[0].pow(2).sum()
+    scan = lambda x: lax.scan(lambda c, _: (body(c), None), x, None, length=3)[0].pow(2).sum()
+    want = tfun.grad(loop)(x)
+    eps = 1e-6
+    fd = torch.stack([(loop(x + eps * e) - loop(x - eps * e)) / (2 * eps) for e in torch.eye(2, dtype=x.dtype)])
+    torch.testing.assert_close(want, fd, rtol=1e-6, atol=1e-6)  # eager is right
+    with pytest.raises(JitError, match=r"tfun\.lax\.while_loop: .* loop is itself differentiated") as e:
+        tfun.jit(tfun.grad(loop), backend="aot_eager")(x)
+    assert "test_loops.py:" in str(e.value) and "lax.scan" in str(e.value)
+    xr = x.clone().requires_grad_()
+    with pytest.raises(JitError, match="loop is itself differentiated"):
+        tfun.jit(loop, backend="aot_eager")(xr)  # differentiable: .backward() could follow
+    torch.testing.assert_close(tfun.jit(loop, backend="aot_eager")(x), loop(x))
+    torch.testing.assert_close(tfun.jit(tfun.grad(scan), backend="aot_eager")(x), tfun.grad(scan)(x))
+
+
+@pytest.mark.parametrize("name", ["jacfwd", "hessian"])
+def test_derivatives_inside_a_jitted_scan_body_match_eager(name):
+    """A scan body that takes a Jacobian or Hessian per step: the jitted gradient of the
+    loop is eager's (and a while_loop body with them is a JitError, not a number)."""
+    per_step = {
+        "jacfwd": lambda c: c + tfun.jacfwd(lambda z: (z**3).sum())(c) * 0.1,
+        "hessian": lambda c: c + (tfun.hessian(lambda z: (z**3).sum())(c) @ c) * 0.1,
+    }[name]
+    x = torch.tensor([0.5, -0.3], dtype=torch.float64)
+    scan = lambda x: lax.scan(lambda c, _: (per_step(c), None), x, None, length=3)[0].pow(2).sum()
+    torch.testing.assert_close(tfun.jit(tfun.grad(scan), backend="aot_eager")(x), tfun.grad(scan)(x))
+    loop = lambda x: lax.while_loop(lambda s: s[1] < 3, lambda s: (per_step(s[0]), s[1] + 1), (x, 0))[0].pow(2).sum()
+    with pytest.raises(JitError):
+        tfun.jit(tfun.grad(loop), backend="aot_eager")(x)

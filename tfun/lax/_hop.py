@@ -79,6 +79,8 @@ __all__ = [
     "lowerings",
     "custom_rules",
     "note_custom_rule",
+    "func_reverse_modes",
+    "note_func_reverse",
     "remat_scope",
     "unroll_scope",
     "unrolled_steps",
@@ -263,6 +265,31 @@ def note_custom_rule() -> None:
     _escape_custom_rules(True)
 
 
+#: How many reverse-mode torch.func transforms (`torch.func.grad`/`vjp`/`jacrev`, as
+#: `tfun.grad` inside `tfun.vmap`, or `tfun.jacrev`, run them) tfun has applied in traced code.
+#: torch's while_loop backward differentiates a body that runs one wrongly (see
+#: `refuse_func_reverse_in_while`).
+_FUNC_REVERSE = [0]
+
+
+@assume_constant
+def _escape_func_reverse(count: bool) -> int:
+    if count:
+        _FUNC_REVERSE[0] += 1
+    return _FUNC_REVERSE[0]
+
+
+def func_reverse_modes() -> int:
+    """A counter of reverse-mode torch.func transforms applied in traced code."""
+    return _escape_func_reverse(False)
+
+
+def note_func_reverse() -> None:
+    """Called where tfun applies a reverse-mode torch.func transform (traced code only)."""
+    if _context.is_tracing():
+        _escape_func_reverse(True)
+
+
 @assume_constant
 def _escape_lowerings(count: bool) -> int:
     if count:
@@ -356,7 +383,7 @@ def _escape_remat(push: int | None, pop: bool) -> int:
         _REMAT_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
     stack = _REMAT_STACK[0]
     if push is not None:
-        stack.append(max(stack[-1] if stack else 0, 1) * push)
+        stack.append(push)
     elif pop and stack:
         stack.pop()
     return stack[-1] if stack else -1
@@ -442,14 +469,14 @@ _UNROLL_STACK: list[Any] = [[], None]
 
 @assume_constant
 def _escape_unroll(push: int | None, pop: bool) -> int:
-    """Push a step count (`push` times the innermost one, at least 1), pop, or neither;
-    return the innermost count, or 0 outside every scope."""
+    """Push a step count, pop, or neither; return the innermost count, or 0 outside every
+    scope."""
     trace = _context.current_trace()
     if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
         _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
     stack = _UNROLL_STACK[0]
     if push is not None:
-        stack.append(max(stack[-1] if stack else 0, 1) * push)
+        stack.append(push)
     elif pop and stack:
         stack.pop()
     return stack[-1] if stack else 0
@@ -466,7 +493,7 @@ class unroll_scope:
 
     def __enter__(self) -> None:
         if self.active:
-            _escape_unroll(self.steps, False)
+            _escape_unroll(max(_escape_unroll(None, False), 1) * self.steps, False)
 
     def __exit__(self, *exc: Any) -> None:
         if self.active:

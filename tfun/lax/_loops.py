@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 
 from .. import _context, _rules
-from .._errors import ArgumentTypeError, ArgumentValueError, format_message
-from .._tree import tree_flatten, tree_structure, tree_unflatten
+from .._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
+from .._funcinfo import describe
+from .._tree import tree_flatten, tree_leaves, tree_structure, tree_unflatten
 from . import _batching, _hop
 from ._scan import (
     REVISE_CARRY,
@@ -432,8 +433,11 @@ def _lower_while_loop(
     def b(*flat: Any) -> Any:
         td_in = tree_structure(carrier)
         state = _hop.torch_state()
+        reverse = _hop.func_reverse_modes()
         out = body_fun(tree_unflatten(td_in, list(flat)))
         _hop.check_state(op, "body_fun", body_fun, state)
+        if _hop.func_reverse_modes() != reverse:
+            _refuse_func_reverse_if_differentiated(op, body_fun, flat, out)
         new = _hop.check_result(
             op,
             "body_fun input and output",
@@ -449,6 +453,28 @@ def _lower_while_loop(
 
     out = _hop.torch_while_loop()(c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
     return tree_unflatten(td, list(out))
+
+
+def _refuse_func_reverse_if_differentiated(op: str, body_fun: Callable[..., Any], flat: Sequence[Any], out: Any) -> None:
+    """Traced: the body ran a reverse-mode torch.func transform (a `tfun.grad` inside
+    `tfun.vmap`, `tfun.jacrev`, `tfun.hessian`, ...). If the loop can be differentiated (grad
+    mode, and a carry or a body output requires grad), refuse: torch's while_loop backward
+    (2.13 through 2.15) takes such a body's derivative at the loop's first carry for every
+    step, a silently wrong gradient (tests/lax/test_loops.py). scan's backward is right."""
+    tensors = [x for x in [*flat, *tree_leaves(out)] if isinstance(x, torch.Tensor)]
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
+        return
+    raise JitError(
+        format_message(
+            f"{op}: under tfun.jit, this loop's body runs a reverse-mode derivative (tfun.grad, tfun.vjp, "
+            "tfun.jacrev or tfun.hessian, through torch.func) and the loop is itself differentiated. torch "
+            f"{torch.__version__}'s while_loop backward gets that wrong (it takes the body's derivative at the "
+            "first step's values for every step), so tfun refuses rather than return a wrong gradient.",
+            function=describe(body_fun),
+            revise="Write the loop with tfun.lax.scan or fori_loop with Python-int bounds (their backward is "
+            "right), or take the outer gradient outside tfun.jit.",
+        )
+    )
 
 
 __all__ = ["while_loop", "fori_loop"]
