@@ -269,10 +269,11 @@ def test_vmap_around_a_jitted_second_derivative():
         tfun.jit(tfun.vmap(gg), backend="aot_eager")(xs)
 
 
-def test_checkpoint_in_a_jitted_second_derivative_is_refused():
-    """torch.compile rematerializes for one gradient per graph: a `tfun.checkpoint` body (a
+def test_checkpoint_in_a_jitted_second_derivative_is_refused_or_right():
+    """torch 2.13+ rematerializes for one gradient per graph: a `tfun.checkpoint` body (a
     loop's, or around the loop) inside a jitted second derivative is a JitError that names
-    tfun.checkpoint and says what to do; eagerly and around the jitted gradient it is fine."""
+    tfun.checkpoint and says what to do (torch 2.11 compiles it: then it must equal eager);
+    eagerly and around the jitted gradient it is fine."""
     body = lambda c, xt: (torch.tanh(c @ W + xt) * torch.sin(c), None)
     xs = torch.linspace(-1, 1, 12, dtype=D).reshape(4, 3)
     for loss in (
@@ -280,8 +281,12 @@ def test_checkpoint_in_a_jitted_second_derivative_is_refused():
         tfun.checkpoint(lambda x: lax.scan(body, x, xs)[0].pow(2).sum()),
     ):
         gg = lambda x: tfun.grad(lambda y: (tfun.grad(loss)(y) ** 2).sum())(x)
-        with pytest.raises(JitError, match="two gradients through tfun.checkpoint functions"):
-            tfun.jit(gg, backend="aot_eager")(_x())
+        try:
+            got = tfun.jit(gg, backend="aot_eager")(_x())
+        except JitError as e:
+            assert "two gradients through tfun.checkpoint functions" in str(e), str(e)
+        else:
+            torch.testing.assert_close(got, gg(_x()))
         plain = lambda x: tfun.grad(lambda y: (tfun.grad(lambda z: lax.scan(body, z, xs)[0].pow(2).sum())(y) ** 2).sum())(x)
         torch.testing.assert_close(gg(_x()), plain(_x()))
         around = lambda x: tfun.grad(lambda y: (tfun.jit(tfun.grad(loss), backend="aot_eager")(y) ** 2).sum())(x)
