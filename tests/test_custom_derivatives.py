@@ -1296,6 +1296,7 @@ def test_jit_of_vmap_of_custom_vjp_backward_outside(backend):
         _assert_same(jitted(x, y), torch.sin(x.detach()) * y.detach())
 
 
+@pytest.mark.heavy
 def test_jit_of_vmap_of_custom_vjp_batch_sizes_change():
     # a second size makes tfun.jit compile with symbolic sizes. A call whose arguments the
     # vmap does not batch is not batched: its rule runs once, on the cotangent summed over the
@@ -1368,6 +1369,7 @@ def test_jit_of_vmap_of_custom_vjp_rule_errors_name_the_rule():
     assert torch._C._functorch.peek_interpreter_stack() is None
 
 
+@pytest.mark.heavy
 def test_jit_of_vmap_of_custom_jvp_reverse_mode_uses_the_rule():
     """A custom_jvp call inside tfun.vmap under tfun.jit, differentiated by reverse mode (it was
     a JitError): the transposed rule, applied outside the vmaps as for custom_vjp."""
@@ -1543,7 +1545,7 @@ def _cond_fn(x):
 _cond_fn.defjvp(lambda p, t: (_cond_fn(p[0]), t[0] * 2.0))  # not the derivative
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
 def test_control_flow_inside_the_rule_under_jit(backend):
     """A tfun.lax op in a custom function, its fwd or its rule (JAX's fixed-point example: a
     while_loop in all three), under tfun.jit(tfun.grad(...)): the rule's gradient, as eagerly.

@@ -123,12 +123,14 @@ def test_jit_with_an_input_that_does_not_require_grad(name: str, path: str) -> N
     _check_path(name, JIT_SPECS[1], path)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", ["inductor/frozen0", "inductor+grad/frozen0"])
 @pytest.mark.parametrize("name", ["scan", "while_loop", "cond"])
 def test_jit_inductor_with_an_input_that_does_not_require_grad(name: str, path: str) -> None:
     _check_path(name, {"T": 5, "C": 2, "seed": 5, "reverse": True}, path)
 
 
+@pytest.mark.heavy
 def test_compiled_paths_one_after_another() -> None:
     """Cells in one process, without resetting Dynamo between them, as a user's program runs
     them (Dynamo caches and automatic dynamic shapes carry over from one to the next)."""

@@ -102,8 +102,19 @@ def _close(what: str, a: torch.Tensor, b: torch.Tensor, backend: str) -> None:
     torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{backend}: {what} differs from eager float64\n{m}")
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", list(LAYERS))
+# the multi-layer RNN stacks on Inductor are the slowest cells: CI's second torch phase leaves
+# them out (`heavy`) and keeps every layer on aot_eager and the one-layer ones on Inductor
+_HEAVY_INDUCTOR = {"GRU_2layer_bidirectional", "LSTM_2layer", "LSTM_bidirectional_proj", "RNN_2layer_relu"}
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        pytest.param(n, b, marks=pytest.mark.heavy) if (b == "inductor" and n in _HEAVY_INDUCTOR) else (n, b)
+        for n in LAYERS
+        for b in ["aot_eager", "inductor"]
+    ],
+)
 def test_layer_outputs_and_gradients_match_eager_float64(name, backend):
     torch.manual_seed(0)
     layer = LAYERS[name]()
@@ -203,6 +214,7 @@ def test_lax_scans_cond_map_gradients_match_eager_float64(backend):
         _close(f"gradient of {name}", a, b, backend)
 
 
+@pytest.mark.heavy
 def test_jax_style_training_step_every_layer_in_one_program():
     """`tfun.jit(tfun.value_and_grad(loss))(params, x)`, the parameters passed as a dict through
     `torch.func.functional_call`, every layer one after another in one process (as a user's

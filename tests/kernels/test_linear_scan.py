@@ -372,7 +372,7 @@ def test_reduce_order_emulation_catches_a_non_commutative_reduce() -> None:
         ((2048, 4), 0),
         ((8192, 1), 0),
         ((2, 3, 1537), -1),
-        ((1031, 17), 0),  # two channel tiles, an odd length
+        pytest.param((1031, 17), 0, marks=pytest.mark.heavy),  # two channel tiles, an odd length
     ],
 )
 @pytest.mark.parametrize("reverse", [False, True])

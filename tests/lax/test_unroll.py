@@ -59,16 +59,19 @@ def _check(T: int, reverse: bool, unroll: Any, backend: str) -> None:
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize(("T", "unroll"), [(1, 4), (7, 2), (7, 3), (8, 4), (8, True), (5, 0), (6, 1), (3, False), (4, 9)])
+@pytest.mark.parametrize(("T", "unroll"), [(1, 4), (7, 2), (7, 3), (8, 4), pytest.param(8, True, marks=pytest.mark.heavy),
+     pytest.param(5, 0, marks=pytest.mark.heavy), (6, 1), (3, False), (4, 9)])
 def test_scan_unroll_matches_eager_float64(T: int, unroll: Any, reverse: bool) -> None:
     _check(T, reverse, unroll, "aot_eager")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("reverse", [False, True])
 def test_scan_unroll_inductor(reverse: bool) -> None:
     _check(11, reverse, 4, "inductor")
 
 
+@pytest.mark.heavy
 @settings(max_examples=15, deadline=None)
 @given(T=st.integers(1, 13), unroll=st.one_of(st.integers(0, 15), st.booleans()), reverse=st.booleans())
 def test_scan_unroll_hypothesis(T: int, unroll: Any, reverse: bool) -> None:
