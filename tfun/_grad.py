@@ -473,7 +473,12 @@ def _value_and_grad_call(
     # gradient) autograd would see the transform's wrapped tensors, which Dynamo cannot trace
     # it through ("Expected FakeTensor"): torch.func.grad there, as `tfun.vjp` does
     # (`_traced_reverse_mode`), which Dynamo traces when there is no control flow inside.
-    tracing = len(fl.leaves) > 0 and _context.is_tracing() and not _context.functorch_active()
+    #
+    # Inside a HOP body (a lowered loop's body or a branch, `_hop.in_body`) autograd is off
+    # while the HOP runs the body: torch.func.grad there too, traced into the body's graph.
+    tracing = (
+        len(fl.leaves) > 0 and _context.is_tracing() and not _context.functorch_active() and not _hop.in_body()
+    )
     closed = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
         closed = _probe_closure(f_flat, fl.leaves)
@@ -799,9 +804,10 @@ def _traced_reverse_mode(
     cotangents depend on that tensor: torch.func keeps them differentiable; with control flow
     inside that is refused, as in `tfun.grad`), or inside a torch.func transform.
     `f_flat(*leaves)` returns `(differentiable outputs, rest)`."""
-    if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active():
+    if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active() or _hop.in_body():
         # inside a torch.func transform (`vmap` of `vjp` under tfun.jit) autograd would see
-        # the transform's wrapped tensors, whose graph it cannot follow: torch.func.vjp there
+        # the transform's wrapped tensors, whose graph it cannot follow; inside a HOP body
+        # autograd is off: torch.func.vjp there
         return False
     if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
         with torch.enable_grad():

@@ -1302,7 +1302,7 @@ class TestLaxControlFlow:
 
         tfun.jacfwd(loop, argnums=(0,))(T(0.5))  # JAX jits it; eagerly here
 
-    @skip("jit-grad-in-body")
+    @skip("jit-jacfwd-of-loop")
     def testIssue757Jit(self):
         """The jitted half of testIssue757: jit(jacfwd(loop)) (grad inside a scan body)."""
 

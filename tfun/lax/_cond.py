@@ -420,8 +420,11 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
     def branch(*flat: Any) -> Any:
         operands = tree_unflatten(tree_structure(op_carrier), list(flat))
         state = _hop.torch_state()
+        reverse = _hop.func_reverse_modes()
         out = fn(*operands)
         _hop.check_state(op, label, fn, state)
+        if _hop.func_reverse_modes() != reverse:
+            _hop.refuse_func_reverse_if_differentiated(op, "branch", fn, [*flat, *tree_flatten(out)[0]])
         _hop.check_output_leaves(op, "the branch output", fn, out)
         leaves, td = tree_flatten(out)
         leaves = [_hop.as_tensor(x) for x in leaves]

@@ -81,6 +81,7 @@ __all__ = [
     "note_custom_rule",
     "func_reverse_modes",
     "note_func_reverse",
+    "refuse_func_reverse_if_differentiated",
     "remat_scope",
     "unroll_scope",
     "unrolled_steps",
@@ -88,6 +89,7 @@ __all__ = [
     "refuse_unrolled",
     "MAX_UNROLLED_STEPS",
     "remat_body",
+    "in_body",
     "register_remat",
     "escape_policy_key",
     "keyed_policy",
@@ -268,7 +270,7 @@ def note_custom_rule() -> None:
 #: How many reverse-mode torch.func transforms (`torch.func.grad`/`vjp`/`jacrev`, as
 #: `tfun.grad` inside `tfun.vmap`, or `tfun.jacrev`, run them) tfun has applied in traced code.
 #: torch's while_loop backward differentiates a body that runs one wrongly (see
-#: `refuse_func_reverse_in_while`).
+#: `refuse_func_reverse_if_differentiated`).
 _FUNC_REVERSE = [0]
 
 
@@ -288,6 +290,52 @@ def note_func_reverse() -> None:
     """Called where tfun applies a reverse-mode torch.func transform (traced code only)."""
     if _context.is_tracing():
         _escape_func_reverse(True)
+
+
+#: What torch's backward of each HOP does with a body that runs a reverse-mode torch.func
+#: transform (see `refuse_func_reverse_if_differentiated`); scan's (and so fori_loop's with
+#: Python-int bounds) is right, and has no entry.
+_FUNC_REVERSE_WRONG = {
+    "tfun.lax.while_loop": (
+        "loop",
+        "torch's while_loop backward takes that body's derivative at the first step's values for every step",
+    ),
+    "tfun.lax.cond": ("cond", "torch's cond backward drops the derivative through that gradient"),
+    "tfun.lax.switch": ("switch", "torch's cond backward drops the derivative through that gradient"),
+    "tfun.lax.map": ("map", "torch's map backward returns zeros through that gradient"),
+}
+_FUNC_REVERSE_REVISE = {
+    "tfun.lax.while_loop": "Write the loop with tfun.lax.scan, or fori_loop with Python-int bounds (their backward "
+    "is right), or take the outer gradient outside tfun.jit.",
+    "tfun.lax.cond": "Take the derivative outside the branch (compute it before the cond, or compute both "
+    "branches and pick with tfun.lax.select), or take the outer gradient outside tfun.jit.",
+    "tfun.lax.switch": "Take the derivative outside the branches (compute it before the switch, or compute every "
+    "branch and pick with tfun.lax.select), or take the outer gradient outside tfun.jit.",
+    "tfun.lax.map": "For per-row gradients use tfun.vmap instead of the map (`tfun.vmap(tfun.grad(f))(xs)` "
+    "compiles where f has no control flow), or take the outer gradient outside tfun.jit.",
+}
+
+
+def refuse_func_reverse_if_differentiated(op: str, role: str, fn: Callable[..., Any], tensors: Sequence[Any]) -> None:
+    """Traced, in a HOP body (`role` of `op`) that ran a reverse-mode torch.func transform (a
+    traced `tfun.grad` or `tfun.vjp` inside a body, a `tfun.grad` inside `tfun.vmap`,
+    `tfun.jacrev`, `tfun.hessian`): if the HOP can be differentiated (grad mode, and one of
+    `tensors`, the body's inputs and outputs, requires grad), refuse. torch's backward of
+    while_loop, cond and map (2.13 through 2.15) differentiates such a body wrongly, without
+    an error (tests/lax/test_loops.py, tests/test_jit_grad_in_body.py); scan's is right."""
+    if not (torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)):
+        return
+    noun, wrong = _FUNC_REVERSE_WRONG[op]
+    raise _errors.JitError(
+        _errors.format_message(
+            f"{op}: under tfun.jit, this {role} runs a reverse-mode derivative (tfun.grad, tfun.vjp, tfun.jacrev "
+            f"or tfun.hessian, through torch.func) and the {noun} is itself differentiated. "
+            f"{wrong} (torch {torch.__version__}), so tfun refuses rather than return a wrong "
+            "gradient.",
+            function=_funcinfo.describe(fn),
+            revise=_FUNC_REVERSE_REVISE[op],
+        )
+    )
 
 
 @assume_constant
@@ -439,14 +487,59 @@ class remat_scope:
 
 
 def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` checkpointed (its intermediates recomputed in backward, but for what the
-    innermost scope's policy saves) inside a `remat_scope`, else `fn`: called by every
-    lowering on the functions its HOP runs."""
+    """`fn` as a HOP body: called by every lowering on the functions its HOP runs. Checkpointed
+    (its intermediates recomputed in backward, but for what the innermost scope's policy
+    saves) inside a `remat_scope`; marked as a body while it runs (`in_body`)."""
     if _REMAT:
         key = _escape_remat(None, False)
         if key >= 0:
-            return _REMAT[0](fn, key)
-    return fn
+            fn = _REMAT[0](fn, key)
+    return _as_body(fn)
+
+
+# ----------------------------------------------------------------------------------------
+# Inside a HOP body
+# ----------------------------------------------------------------------------------------
+
+#: How many HOP bodies enclose the code being traced, and the trace that count belongs to
+#: (as `_REMAT_STACK`). A HOP runs its body with autograd off (torch's scan, while_loop, cond
+#: and map differentiate the body as a graph), so a traced `tfun.grad` there cannot use
+#: `torch.autograd.grad` on fresh leaves ("element 0 of tensors does not require grad"): it
+#: uses torch.func's transform, which Dynamo traces into the body's graph.
+_BODY_DEPTH: list[Any] = [0, None]
+
+
+@assume_constant
+def _escape_body(delta: int) -> int:
+    """Add `delta` to the body depth of the trace running now; return the depth."""
+    trace = _context.current_trace()
+    if _BODY_DEPTH[1] is None or _BODY_DEPTH[1]() is not trace:
+        _BODY_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
+    _BODY_DEPTH[0] = max(_BODY_DEPTH[0] + delta, 0)
+    return int(_BODY_DEPTH[0])
+
+
+class _body_scope:
+    def __enter__(self) -> None:
+        _escape_body(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        _escape_body(-1)
+
+
+def _as_body(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        with _body_scope():
+            return fn(*args, **kwargs)
+
+    return body
+
+
+def in_body() -> bool:
+    """Trace time: whether the code being traced runs inside a HOP body (a lowered loop's or
+    branch's function), where autograd is off."""
+    return _escape_body(0) > 0
 
 
 # ----------------------------------------------------------------------------------------

@@ -437,7 +437,7 @@ def _lower_while_loop(
         out = body_fun(tree_unflatten(td_in, list(flat)))
         _hop.check_state(op, "body_fun", body_fun, state)
         if _hop.func_reverse_modes() != reverse:
-            _refuse_func_reverse_if_differentiated(op, body_fun, flat, out)
+            _hop.refuse_func_reverse_if_differentiated(op, "loop's body", body_fun, [*flat, *tree_leaves(out)])
         new = _hop.check_result(
             op,
             "body_fun input and output",
@@ -453,28 +453,6 @@ def _lower_while_loop(
 
     out = _hop.torch_while_loop()(c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
     return tree_unflatten(td, list(out))
-
-
-def _refuse_func_reverse_if_differentiated(op: str, body_fun: Callable[..., Any], flat: Sequence[Any], out: Any) -> None:
-    """Traced: the body ran a reverse-mode torch.func transform (a `tfun.grad` inside
-    `tfun.vmap`, `tfun.jacrev`, `tfun.hessian`, ...). If the loop can be differentiated (grad
-    mode, and a carry or a body output requires grad), refuse: torch's while_loop backward
-    (2.13 through 2.15) takes such a body's derivative at the loop's first carry for every
-    step, a silently wrong gradient (tests/lax/test_loops.py). scan's backward is right."""
-    tensors = [x for x in [*flat, *tree_leaves(out)] if isinstance(x, torch.Tensor)]
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)):
-        return
-    raise JitError(
-        format_message(
-            f"{op}: under tfun.jit, this loop's body runs a reverse-mode derivative (tfun.grad, tfun.vjp, "
-            "tfun.jacrev or tfun.hessian, through torch.func) and the loop is itself differentiated. torch "
-            f"{torch.__version__}'s while_loop backward gets that wrong (it takes the body's derivative at the "
-            "first step's values for every step), so tfun refuses rather than return a wrong gradient.",
-            function=describe(body_fun),
-            revise="Write the loop with tfun.lax.scan or fori_loop with Python-int bounds (their backward is "
-            "right), or take the outer gradient outside tfun.jit.",
-        )
-    )
 
 
 __all__ = ["while_loop", "fori_loop"]

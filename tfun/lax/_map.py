@@ -153,8 +153,11 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
 
     def body(x_flat: list[Any]) -> Any:
         state = _hop.torch_state()
+        reverse = _hop.func_reverse_modes()
         y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
         _hop.check_state("tfun.lax.map", "function", f, state)
+        if _hop.func_reverse_modes() != reverse:
+            _hop.refuse_func_reverse_if_differentiated("tfun.lax.map", "function", f, [*x_flat, *tree_flatten(y)[0]])
         _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)

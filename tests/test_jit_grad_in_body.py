@@ -1,0 +1,293 @@
+"""A derivative taken inside a loop body or a branch, under `tfun.jit`.
+
+JAX users write inner optimisation steps (`c - lr * grad(energy)(c)`) in `lax.scan` bodies and
+jit the whole program, often with an outer `grad` on top. Under `tfun.jit` a `tfun.grad`,
+`tfun.value_and_grad` or `tfun.vjp` inside a HOP body (where torch runs the body with autograd
+off) is traced as torch.func's transform into the body's graph (`_hop.in_body`).
+
+The float64 eager result is the oracle for every cell: the jitted forward, `tfun.jit` of the
+outer `tfun.grad`, and `.backward()` of the jitted forward into a closed-over parameter.
+torch's backward of `while_loop`, `cond` and `map` differentiates such a body wrongly (checked
+here with torch alone), so when one of those is differentiated tfun refuses with a `JitError`;
+their forward compiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun import lax
+from tfun.errors import JitError
+
+D = torch.float64
+
+
+def _energy(c, w):
+    return (torch.tanh(c @ w) ** 2).sum() + (c**4).sum()
+
+
+def scan_grad(c0, w, xs):
+    def body(c, x):
+        g = tfun.grad(_energy)(c, w)
+        return c - 0.1 * x * g, (g**2).sum()
+
+    c, ys = lax.scan(body, c0, xs)
+    return c.sum() + ys.sum()
+
+
+def scan_grad_reverse(c0, w, xs):
+    def body(c, x):
+        g = tfun.grad(_energy)(c, w)
+        return c - 0.1 * x * g, g
+
+    c, ys = lax.scan(body, c0, xs, reverse=True)
+    return (c**2).sum() + (ys * xs[:, None]).sum()
+
+
+def scan_value_and_grad_aux(c0, w, xs):
+    def body(c, x):
+        (v, aux), g = tfun.value_and_grad(lambda c: (_energy(c, w), c.sum()), has_aux=True)(c)
+        return c - 0.1 * x * g, v + aux
+
+    c, ys = lax.scan(body, c0, xs)
+    return c.sum() + ys.sum()
+
+
+def scan_vjp(c0, w, xs):
+    def body(c, x):
+        y, pull = tfun.vjp(lambda c: torch.sin(c @ w), c)
+        (ct,) = pull(torch.cos(y))
+        return c - 0.1 * x * ct, y.sum()
+
+    c, ys = lax.scan(body, c0, xs)
+    return c.sum() + ys.sum()
+
+
+def scan_pytree_carry(c0, w, xs):
+    def body(carry, x):
+        c, m = carry["c"], carry["m"]
+        g = tfun.grad(lambda p: _energy(p["c"], w) + (p["c"] * p["m"]).sum())({"c": c, "m": m})
+        return {"c": c - 0.1 * x * g["c"], "m": 0.9 * m + g["m"]}, g["c"].sum()
+
+    carry, ys = lax.scan(body, {"c": c0, "m": torch.zeros_like(c0)}, xs)
+    return carry["c"].sum() + carry["m"].sum() + ys.sum()
+
+
+def fori_grad(c0, w, xs):
+    return (lax.fori_loop(0, 4, lambda i, c: c - 0.05 * tfun.grad(_energy)(c, w), c0) ** 2).sum()
+
+
+SCANS = {
+    "scan": scan_grad,
+    "scan_reverse": scan_grad_reverse,
+    "value_and_grad_aux": scan_value_and_grad_aux,
+    "vjp": scan_vjp,
+    "pytree_carry": scan_pytree_carry,
+    "fori_loop": fori_grad,
+}
+
+
+def cond_grad(c0, w, xs):
+    c = lax.cond(c0.sum() > 0, lambda c: c - 0.1 * tfun.grad(_energy)(c, w), lambda c: c * 2.0, c0)
+    return (c**2).sum()
+
+
+def switch_grad(c0, w, xs):
+    c = lax.switch(1, [lambda c: c * 2.0, lambda c: c - 0.1 * tfun.grad(_energy)(c, w)], c0)
+    return (c**2).sum()
+
+
+def map_grad(c0, w, xs):
+    gs = lax.map(lambda c: tfun.grad(_energy)(c, w), c0[None] * xs[:, None])
+    return (gs**2).sum()
+
+
+def while_grad(c0, w, xs):
+    def body(s):
+        i, c = s
+        return i + 1, c - 0.05 * tfun.grad(_energy)(c, w)
+
+    _, c = lax.while_loop(lambda s: s[0] < 4, body, (0, c0))
+    return (c**2).sum()
+
+
+REFUSED = {
+    "cond": (cond_grad, "tfun.lax.cond"),
+    "switch": (switch_grad, "tfun.lax.switch"),
+    "map": (map_grad, "tfun.lax.map"),
+    "while_loop": (while_grad, "tfun.lax.while_loop"),
+}
+
+
+def _inputs(length=5):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 3, dtype=D, generator=g)
+    c0 = torch.tensor([0.5, -0.3, 0.2], dtype=D)
+    xs = torch.linspace(0.5, 1.0, length, dtype=D)
+    return c0, w, xs
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+# every program on aot_eager; two representative ones on Inductor as well
+CELLS = [(name, "aot_eager") for name in SCANS] + [
+    pytest.param("scan", "inductor", marks=pytest.mark.heavy),  # (CI's torch 2.14.1 phase: aot_eager only)
+    pytest.param("vjp", "inductor", marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.parametrize(("name", "backend"), CELLS)
+def test_scan_body_derivative_under_jit_matches_eager(name, backend):
+    f = SCANS[name]
+    c0, w, xs = _inputs()
+    ref = f(c0, w, xs)
+    ref_g = tfun.grad(f, argnums=(0, 1))(c0, w, xs)
+    _close(tfun.jit(f, backend=backend)(c0, w, xs), ref)
+    got = tfun.jit(tfun.grad(f, argnums=(0, 1)), backend=backend)(c0, w, xs)
+    for a, b in zip(got, ref_g):
+        _close(a, b)
+    # .backward() of the jitted forward into a parameter the bodies close over
+    wp = w.clone().requires_grad_(True)
+    tfun.jit(f, backend=backend)(c0, wp, xs).backward()
+    _close(wp.grad, ref_g[1])
+
+
+@pytest.mark.parametrize("length", [1, 2, 7])
+def test_scan_body_derivative_lengths(length):
+    c0, w, xs = _inputs(length)
+    ref = tfun.grad(scan_grad, argnums=(0, 1))(c0, w, xs)
+    got = tfun.jit(tfun.grad(scan_grad, argnums=(0, 1)), backend="aot_eager")(c0, w, xs)
+    for a, b in zip(got, ref):
+        _close(a, b)
+
+
+def test_scan_body_derivative_matches_finite_differences():
+    """The eager oracle itself: the outer gradient of a scan whose body takes a gradient."""
+    c0, w, xs = _inputs()
+    g = tfun.grad(scan_grad)(c0, w, xs)
+    eps = 1e-6
+    for i in range(3):
+        e = torch.zeros(3, dtype=D)
+        e[i] = eps
+        fd = (scan_grad(c0 + e, w, xs) - scan_grad(c0 - e, w, xs)) / (2 * eps)
+        assert abs(float(fd) - float(g[i])) < 1e-6
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_derivative_in_other_bodies_forward_compiles(name):
+    f, _ = REFUSED[name]
+    c0, w, xs = _inputs()
+    _close(tfun.jit(f, backend="aot_eager")(c0, w, xs), f(c0, w, xs))
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_derivative_in_other_bodies_differentiated_is_refused(name):
+    f, op = REFUSED[name]
+    c0, w, xs = _inputs()
+    with pytest.raises(JitError) as info:
+        tfun.jit(tfun.grad(f), backend="aot_eager")(c0, w, xs)
+    msg = str(info.value)
+    assert msg.startswith(op + ":"), msg
+    assert "tfun refuses rather than return a wrong gradient" in msg
+    assert "test_jit_grad_in_body.py" in msg  # the user's function, file:line
+    wp = w.clone().requires_grad_(True)
+    with pytest.raises(JitError, match="reverse-mode derivative"):
+        tfun.jit(f, backend="aot_eager")(c0, wp, xs).backward()
+
+
+def test_the_map_rewrite_the_error_suggests_is_right():
+    """map's message says to use tfun.vmap for per-row gradients: that compiles and equals eager."""
+
+    def vmapped(c0, w, xs):
+        gs = tfun.vmap(lambda c: tfun.grad(_energy)(c, w))(c0[None] * xs[:, None])
+        return (gs**2).sum()
+
+    c0, w, xs = _inputs()
+    ref = tfun.grad(map_grad)(c0, w, xs)
+    _close(tfun.grad(vmapped)(c0, w, xs), ref)
+    _close(tfun.jit(tfun.grad(vmapped), backend="aot_eager")(c0, w, xs), ref)
+
+
+@pytest.mark.parametrize("hop", ["cond", "map"])
+def test_torch_cond_and_map_backward_of_a_func_grad_body_is_wrong(hop):
+    """Why cond and map refuse: torch alone (no tfun), a torch.func.grad inside the branch or
+    the mapped function, compiled, differentiated. If a torch release fixes it this fails, and
+    the refusal can be lifted for that release (through tfun._compat)."""
+    from torch._higher_order_ops.map import map as torch_map
+
+    def energy(c):
+        return (c**4).sum()
+
+    c0 = torch.tensor([0.5, -0.3, 0.7], dtype=D, requires_grad=True)
+    if hop == "cond":
+
+        def f(c0):
+            c = torch.cond(c0.sum() > 0, lambda c: c - 0.1 * torch.func.grad(energy)(c), lambda c: c * 2.0, (c0,))
+            return (c**2).sum()
+
+        def ref(c0):
+            return ((c0 - 0.1 * torch.func.grad(energy)(c0)) ** 2).sum()
+
+    else:
+        scale = torch.linspace(0.5, 1, 4, dtype=D)[:, None]
+
+        def f(c0):
+            return (torch_map(lambda c: torch.func.grad(energy)(c), c0[None] * scale) ** 2).sum()
+
+        def ref(c0):
+            return (torch.stack([torch.func.grad(energy)(c) for c in c0[None] * scale]) ** 2).sum()
+
+    (expected,) = torch.autograd.grad(ref(c0), c0)
+    (got,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(c0), c0)
+    assert not torch.allclose(got, expected)
+
+
+def test_a_gradient_returned_as_ys_is_an_error_or_right():
+    """A body that returns the gradient itself (or a linear function of it) as a per-step
+    output, differentiated: torch 2.13's scan autograd fails on it ("scan might be aliasing"),
+    a JitError; a torch that compiles it must give eager's gradient."""
+
+    def ys_is_gradient(c0, w, xs):
+        _, gs = lax.scan(lambda c, x: (c * x, tfun.grad(_energy)(c, w)), c0, xs)
+        return (gs**2).sum()
+
+    c0, w, xs = _inputs()
+    _close(tfun.jit(ys_is_gradient, backend="aot_eager")(c0, w, xs), ys_is_gradient(c0, w, xs))
+    ref = tfun.grad(ys_is_gradient)(c0, w, xs)
+    try:
+        got = tfun.jit(tfun.grad(ys_is_gradient), backend="aot_eager")(c0, w, xs)
+    except JitError as e:
+        assert "could not compile" in str(e)
+    else:
+        _close(got, ref)
+
+
+def test_scan_in_scan_body_with_a_derivative_is_an_error_or_right():
+    """A derivative in the body of a scan nested in a scan body: torch 2.13's scan autograd
+    fails on it ("scan might be aliasing"), which tfun reports as a JitError; a torch that
+    compiles it must give eager's gradient."""
+
+    def nested(c0, w, xs):
+        def outer(c, x):
+            def inner(c, _):
+                return c - 0.05 * x * tfun.grad(_energy)(c, w), None
+
+            c, _ = lax.scan(inner, c, None, length=2)
+            return c, c.sum()
+
+        _, ys = lax.scan(outer, c0, xs)
+        return ys.sum()
+
+    c0, w, xs = _inputs()
+    _close(tfun.jit(nested, backend="aot_eager")(c0, w, xs), nested(c0, w, xs))
+    ref = tfun.grad(nested)(c0, w, xs)
+    try:
+        got = tfun.jit(tfun.grad(nested), backend="aot_eager")(c0, w, xs)
+    except JitError as e:
+        assert "could not compile" in str(e)
+    else:
+        _close(got, ref)
