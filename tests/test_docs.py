@@ -18,6 +18,8 @@ import inspect
 import io
 import os
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -124,7 +126,11 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if _python_blocks(p))
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_page_code_runs(page: Path) -> None:
-    ns: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    # the blocks run in a module of their own, registered while they run: Dynamo (tfun.jit)
+    # looks a traced function's globals up by their module's name, as it finds a script's
+    module = types.ModuleType(f"docs_{page.stem}")
+    ns: dict[str, object] = module.__dict__
+    sys.modules[module.__name__] = module
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
@@ -136,3 +142,4 @@ def test_page_code_runs(page: Path) -> None:
                 pytest.fail(f"{page.relative_to(ROOT)}, code block at line {line} raised {type(e).__name__}: {e}")
     finally:
         os.chdir(cwd)
+        sys.modules.pop(module.__name__, None)

@@ -532,7 +532,11 @@ def _rematerialize_invariants(impl_self: Any) -> None:
     copy per step. The values `bw_gm` computes are the same ops on the same values: gradients
     are unchanged. A trailing layout `clone` whose every consumer is a matmul is not rebuilt
     (the matmul reads the strided view, as the eager backward does). Carry placeholders are left
-    alone: a carry changes every step, so torch stacks it anyway.
+    alone: a carry changes every step, so torch stacks it anyway. A placeholder is saved once:
+    a second intermediate of the same one (`W.t()` and `zeros_like(W)` where the body takes a
+    gradient, `tfun.grad` in a loop body) is left as torch saves it, since the same tensor
+    saved twice reaches the backward scan as two aliasing inputs, which torch's scan refuses
+    ("scan might be aliasing the input or the output").
     """
     graph = impl_self.hop_partitioned_graph
     fw_gm, bw_gm, n_out = graph.fw_gm, graph.bw_gm, graph.n_fw_outputs
@@ -542,13 +546,15 @@ def _rematerialize_invariants(impl_self: Any) -> None:
     out_node = next(iter(fw_gm.graph.find_nodes(op="output")))
     outs = list(out_node.args[0])
     bw_phs = list(bw_gm.graph.find_nodes(op="placeholder"))
+    saved = {o for o in outs[n_out:] if isinstance(o, torch.fx.Node) and o in sources}
     changed = False
     for i in range(n_out, len(outs)):
         if not isinstance(outs[i], torch.fx.Node):
             continue
         src, chain = _recomputable_chain(outs[i], sources)
-        if src is None:
+        if src is None or src in saved:
             continue
+        saved.add(src)
         ph = bw_phs[i - n_out]
         users = list(ph.users)
         if all(_aten_name(u) in _STRIDED_OK for u in users):
@@ -575,13 +581,43 @@ def _rematerialize_invariants(impl_self: Any) -> None:
         bw_gm.recompile()
 
 
+def _copy_repeated_intermediates(impl_self: Any) -> None:
+    """Where the partitioner saves one forward node twice as an intermediate (seen for a body
+    that takes a gradient with torch.func, `tfun.grad` in the body of a scan nested in a scan
+    body: `expand_copy` of the inner gradient's seed), the forward scan's step returns the
+    same tensor twice, which torch's scan refuses ("scan might be aliasing the input or the
+    output"). The repeats are returned as copies (same values; one more per-step copy)."""
+    graph = impl_self.hop_partitioned_graph
+    fw_gm, n_out = graph.fw_gm, graph.n_fw_outputs
+    out_node = next(iter(fw_gm.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    seen: set[Any] = set()
+    changed = False
+    for i, o in enumerate(outs):
+        if not isinstance(o, torch.fx.Node):
+            continue
+        if i >= n_out and o in seen and o.op != "placeholder":
+            with fw_gm.graph.inserting_before(out_node):
+                copy = fw_gm.graph.call_function(torch.ops.aten.clone.default, (o,))
+            copy.meta = dict(o.meta)
+            outs[i] = copy
+            changed = True
+        seen.add(o)
+    if changed:
+        out_node.args = (tuple(outs),)
+        fw_gm.graph.lint()
+        fw_gm.recompile()
+
+
 def _add_invariant_rematerialization(impl: Any) -> None:
-    """Install fix 3 of `scan_autograd_fixes` (`_rematerialize_invariants`) in front of
+    """Install fix 3 of `scan_autograd_fixes` (`_rematerialize_invariants`, and
+    `_copy_repeated_intermediates`) in front of
     `ScanAutogradImpl._optimize_forward_intermediates`."""
     optimize = impl._optimize_forward_intermediates
 
     def _optimize_forward_intermediates(self: Any) -> None:
         _rematerialize_invariants(self)
+        _copy_repeated_intermediates(self)
         optimize(self)
 
     impl._optimize_forward_intermediates = _optimize_forward_intermediates

@@ -33,7 +33,7 @@ from ._errors import (
     format_message,
 )
 from ._funcinfo import describe
-from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact
+from ._grad import PrefixMismatch, _is_node, broadcast_prefix, conj_ct, describe_value, is_inexact, require_pair
 from ._tree import partition, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .lax import _hop
 
@@ -497,15 +497,7 @@ class _CallSpec:
 
 def _check_fwd_pair(op: str, fwd: Callable[..., Any], pair: Any) -> None:
     """A custom_vjp `fwd` returns `(output, residuals)`."""
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-        raise StructureMismatchError(
-            format_message(
-                f"{op}: the fwd rule must return a pair (output, residuals).",
-                [f"returned: {describe_value(pair)}"],
-                function=describe(fwd),
-                revise="Return `(output, residuals)` from fwd.",
-            )
-        )
+    require_pair(op, fwd, pair, "the fwd rule", "output, residuals", "Return `(output, residuals)` from fwd.")
 
 
 def _flatten_outputs(op: str, fn: Callable[..., Any], role: str, out: Any) -> tuple[list[torch.Tensor], Any]:
@@ -1230,16 +1222,9 @@ def _call_jvp_rule(
     p_args = spec.diff_args(primals)
     t_args = spec.diff_args(tangents)
     pair = spec.jvp_fn(*spec.nondiff, p_args, t_args)
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-        raise StructureMismatchError(
-            format_message(
-                f"{op}: the jvp rule must return a pair (primal_out, tangent_out).",
-                [f"returned: {describe_value(pair)}"],
-                function=describe(spec.jvp_fn),
-                revise="Return `(primal_out, tangent_out)`.",
-            )
-        )
-    prim, tan = pair
+    prim, tan = require_pair(
+        op, spec.jvp_fn, pair, "the jvp rule", "primal_out, tangent_out", "Return `(primal_out, tangent_out)`."
+    )
     expected = tree_unflatten(spec.out_td, list(range(spec.n_out))) if out is None else out
     # the primal output itself comes from `fun`, but as in JAX the rule's must match it
     _check_cotangents(

@@ -331,17 +331,26 @@ def _check_allow_int_flag(op: str, allow_int: Any) -> None:
         raise ArgumentTypeError(format_message(f"{op}: allow_int must be a bool, got {describe_value(allow_int)}."))
 
 
-def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+def require_pair(op: str, fn: Callable[..., Any], value: Any, what: str, names: str, revise: str) -> tuple[Any, Any]:
+    """`value` as `(first, second)`, else the error of every "must return a pair" rule (a
+    `has_aux` function, a custom_vjp `fwd`, a custom_jvp rule): "`op`: `what` must return a
+    pair (`names`)", what it returned, the user's function and `revise`."""
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
         raise StructureMismatchError(
             format_message(
-                f"{op}: with has_aux=True the function must return a pair (output, aux).",
-                [f"returned: {describe_value(out)}"],
-                function=describe(fun),
-                revise="Return `(output, aux)`, or pass has_aux=False.",
+                f"{op}: {what} must return a pair ({names}).",
+                [f"returned: {describe_value(value)}"],
+                function=describe(fn),
+                revise=revise,
             )
         )
-    return out[0], out[1]
+    return value[0], value[1]
+
+
+def _split_aux(op: str, fun: Callable[..., Any], out: Any) -> tuple[Any, Any]:
+    return require_pair(
+        op, fun, out, "with has_aux=True the function", "output, aux", "Return `(output, aux)`, or pass has_aux=False."
+    )
 
 
 _forward_ad_ready = forward_ad_ready  # torch's forward-AD import warns once; tfun._compat

@@ -421,7 +421,8 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         operands = tree_unflatten(tree_structure(op_carrier), list(flat))
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
-        out = fn(*operands)
+        with _hop.body_scope():
+            out = fn(*operands)
         _hop.check_state(op, label, fn, state)
         if _hop.func_reverse_modes() != reverse:
             _hop.refuse_func_reverse_if_differentiated(op, "branch", fn, [*flat, *tree_flatten(out)[0]])

@@ -90,6 +90,7 @@ __all__ = [
     "MAX_UNROLLED_STEPS",
     "remat_body",
     "in_body",
+    "body_scope",
     "register_remat",
     "escape_policy_key",
     "keyed_policy",
@@ -312,7 +313,8 @@ _FUNC_REVERSE_REVISE = {
     "tfun.lax.switch": "Take the derivative outside the branches (compute it before the switch, or compute every "
     "branch and pick with tfun.lax.select), or take the outer gradient outside tfun.jit.",
     "tfun.lax.map": "For per-row gradients use tfun.vmap instead of the map (`tfun.vmap(tfun.grad(f))(xs)` "
-    "compiles where f has no control flow), or take the outer gradient outside tfun.jit.",
+    "compiles where f has no control flow), or write the map as a scan, whose backward is right "
+    "(`tfun.lax.scan(lambda c, x: (c, f(x)), None, xs)[1]`), or take the outer gradient outside tfun.jit.",
 }
 
 
@@ -487,14 +489,14 @@ class remat_scope:
 
 
 def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as a HOP body: called by every lowering on the functions its HOP runs. Checkpointed
-    (its intermediates recomputed in backward, but for what the innermost scope's policy
-    saves) inside a `remat_scope`; marked as a body while it runs (`in_body`)."""
+    """`fn` checkpointed (its intermediates recomputed in backward, but for what the
+    innermost scope's policy saves) inside a `remat_scope`, else `fn`: called by every
+    lowering on the functions its HOP runs."""
     if _REMAT:
         key = _escape_remat(None, False)
         if key >= 0:
-            fn = _REMAT[0](fn, key)
-    return _as_body(fn)
+            return _REMAT[0](fn, key)
+    return fn
 
 
 # ----------------------------------------------------------------------------------------
@@ -519,21 +521,15 @@ def _escape_body(delta: int) -> int:
     return int(_BODY_DEPTH[0])
 
 
-class _body_scope:
+class body_scope:
+    """Trace time: the user's function of a HOP body runs inside it (`with body_scope(): out =
+    f(...)`, in every lowering's body wrapper), so that `in_body` answers True there."""
+
     def __enter__(self) -> None:
         _escape_body(1)
 
     def __exit__(self, *exc: Any) -> None:
         _escape_body(-1)
-
-
-def _as_body(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def body(*args: Any, **kwargs: Any) -> Any:
-        with _body_scope():
-            return fn(*args, **kwargs)
-
-    return body
 
 
 def in_body() -> bool:

@@ -434,7 +434,8 @@ def _lower_while_loop(
         td_in = tree_structure(carrier)
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
-        out = body_fun(tree_unflatten(td_in, list(flat)))
+        with _hop.body_scope():
+            out = body_fun(tree_unflatten(td_in, list(flat)))
         _hop.check_state(op, "body_fun", body_fun, state)
         if _hop.func_reverse_modes() != reverse:
             _hop.refuse_func_reverse_if_differentiated(op, "loop's body", body_fun, [*flat, *tree_leaves(out)])

@@ -154,7 +154,8 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
     def body(x_flat: list[Any]) -> Any:
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
-        y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
+        with _hop.body_scope():
+            y = f(tree_unflatten(tree_structure(x_carrier), list(x_flat)))
         _hop.check_state("tfun.lax.map", "function", f, state)
         if _hop.func_reverse_modes() != reverse:
             _hop.refuse_func_reverse_if_differentiated("tfun.lax.map", "function", f, [*x_flat, *tree_flatten(y)[0]])

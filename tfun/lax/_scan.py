@@ -479,7 +479,8 @@ def _lower_scan(
         carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
         state = _hop.torch_state()
-        res = f(carry, x)
+        with _hop.body_scope():
+            res = f(carry, x)
         _hop.check_state(op, "body function", f, state)
         new_leaves, y = _check_step(op, f, res, c_td_in, carry_flat[:n_c], revise)
         new_leaves = [t.contiguous() for t in new_leaves]
