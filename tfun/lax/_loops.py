@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
 
 from .. import _context, _rules
-from .._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
-from .._funcinfo import describe
+from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_leaves, tree_structure, tree_unflatten
 from . import _batching, _hop
 from ._scan import (
