@@ -63,14 +63,18 @@ def bench_lstm(repeats: int) -> list[str]:
         variants = [("torch.nn.LSTM", ref), ("tfun.nn.LSTM (eager, fused: torch._VF.lstm)", ours),
                     ("tfun.nn.LSTM (eager, fused=False: tfun.lax.scan)", scan)]
         if hasattr(tfun, "jit"):
-            try:
-                jitted = tfun.jit(scan)  # traced: the scan path, whatever `fused` says
-                t0 = time.perf_counter()
-                fwd_bwd(jitted, x)()
-                compile_s = time.perf_counter() - t0
-                variants.append((f"tfun.nn.LSTM (tfun.jit, first call {compile_s:.1f} s)", jitted))
-            except Exception as e:  # noqa: BLE001 - report, do not fail the benchmark
-                rows.append(f"| tfun.jit(tfun.nn.LSTM) failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | {T} | {B} | {I} | {H} | - |")
+            # traced, the default layer runs oneDNN's fused layer through the tfun::rnn_fused op
+            # (CPU, float32); fused=False compiles the scan
+            for label, layer in (("fused: tfun::rnn_fused op", ours), ("fused=False: scan", scan)):
+                try:
+                    jitted = tfun.jit(layer)
+                    t0 = time.perf_counter()
+                    fwd_bwd(jitted, x)()
+                    compile_s = time.perf_counter() - t0
+                    variants.append((f"tfun.nn.LSTM (tfun.jit, {label}; first call {compile_s:.1f} s)", jitted))
+                except Exception as e:  # noqa: BLE001 - report, do not fail the benchmark
+                    rows.append(f"| tfun.jit(tfun.nn.LSTM, {label}) failed: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:80]} | {T} | {B} | {I} | {H} | - |")
         for name, m in variants:
             ms = 1e3 * _time(fwd_bwd(m, x), repeats)
             rows.append(f"| {name} | {T} | {B} | {I} | {H} | {ms:.2f} |")

@@ -6,15 +6,18 @@ multiply; the scan body only applies the recurrent weight. Parameter names, shap
 registration order and initialization are torch's, so `state_dict`s move between
 `torch.nn.LSTM` and `tfun.nn.LSTM` (strict) and seeded initialization gives the same weights.
 
-Fused eager path: `RNN`, `LSTM` and `GRU` (not the cells) called eagerly, outside any
-`torch.func` transform and forward-AD dual level, with no inter-layer dropout active, on a
-CPU floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
+Fused path (`tfun.nn._rnn_fused`): `RNN`, `LSTM` and `GRU` (not the cells) called eagerly,
+outside any `torch.func` transform and forward-AD dual level, with no inter-layer dropout
+active, on a CPU floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
 `gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does: oneDNN's
-`mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA, see `_FUSED_DTYPES`), since a Python-level scan step costs several
-dispatches per time step. Traced (`tfun.jit`, `torch.compile`, `torch.export`) or under a
-transform the scan runs, which lowers to torch's scan higher-order op and has every
-transform's rules. `fused=False` always runs the scan. Both paths share `_prepare`
-(tfun's argument errors) and compute the same function.
+`mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA), since a Python-level scan step costs
+several dispatches per time step. Traced (`tfun.jit`, `torch.compile`), an LSTM on oneDNN
+(CPU, float32 or bfloat16, no projections) calls the fused function through one opaque op,
+`tfun::rnn_fused`, under the same conditions and not inside a loop body or a derivative that
+is differentiated again; every other traced call (`torch.export` included) runs the scan,
+which lowers to torch's scan higher-order op and has every transform's rules. `fused=False`
+always runs the scan. Both paths share `_prepare` (tfun's argument errors) and compute the
+same function.
 """
 
 from __future__ import annotations
@@ -26,58 +29,15 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import _VF, Tensor, nn
+from torch import Tensor, nn
 
 from .. import _compat, _context, lax
 from .._errors import ArgumentValueError
+from ..lax import _hop
+from . import _rnn_fused
 from ._common import check_input, check_state, check_tensor
 
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
-
-# The dtypes torch's fused RNN functions run (forward and backward) per device type; anything
-# else (other devices, complex, integer) takes the scan. CUDA (cuDNN) is left out until it is
-# measured on a GPU: cuDNN wants the weights in one flat buffer (`flatten_parameters`, a no-op
-# here) and has no double backward, where the scan has one.
-_FUSED_DTYPES = {
-    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-}
-
-
-def _fused(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    bidirectional: bool,
-    has_proj: bool,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Every layer and direction in one call of torch's fused RNN function (what
-    `torch.nn.RNNBase.forward` calls). `x`: (T, B, F); `weights`: `_flat_weights_names` order.
-
-    Called only with no dropout active, so dropout is 0. `train` only selects whether the
-    kernel keeps what its backward needs (cuDNN refuses a backward of an inference-mode
-    forward): on whenever autograd records, so an `eval()` layer is differentiable as on the
-    scan path.
-    """
-    train = torch.is_grad_enabled()
-    if mode == "LSTM":
-        hx = (h0, cast(Tensor, c0))
-        if not has_proj:
-            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
-            return out, h, c
-        # with projections torch's CPU kernel warns that oneDNN has none and runs ATen's cells:
-        # a note about torch's own choice of kernel, not about the caller's code
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"LSTM with projections is not supported with oneDNN")
-            out, h, c = _VF.lstm(x, hx, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
-        return out, h, c
-    fn = {"GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
-    out, h = fn(x, h0, weights, has_biases, num_layers, 0.0, train, bidirectional, False)
-    return out, h, None
-
 
 def _out(h: Tensor) -> Tensor:
     """The per-step output `h`: a copy when compiling, since scan's body outputs may not alias each other."""
@@ -304,14 +264,23 @@ class _RNNBase(nn.Module):
     def _use_fused(self, x: Tensor, h0: Tensor | None, c0: Tensor | None) -> list[Tensor] | None:
         """The flat weights for torch's fused kernels (`_fused`) where this call may run them,
         else None: see the module docstring."""
-        # tracing first: Dynamo folds it to True, so it never looks at the probes below
-        if not self.fused or _context.is_tracing():
+        if not self.fused:
             return None
         if self.dropout > 0 and self.training:  # the scan draws the dropout masks
             return None
-        if _context.functorch_active() or _compat.forward_ad_level_active():
+        if _context.is_tracing():
+            # traced: the fused op (`_rnn_fused`), but not for torch.export (a portable graph
+            # of aten ops), inside a torch.func transform (the op has no batching or
+            # forward-mode rule), inside a loop body or branch (torch runs HOP bodies with
+            # autograd off), nor inside a derivative that is differentiated again (the op's
+            # backward has no derivative; there the scan's loops are unrolled)
+            if _compat.is_exporting() or _context.functorch_active() or _hop.in_body() or _hop.unrolled_steps():
+                return None
+            if not _rnn_fused.traced_pays(self.mode, x, self.proj_size > 0):
+                return None
+        elif _context.functorch_active() or _compat.forward_ad_level_active():
             return None
-        if x.dtype not in _FUSED_DTYPES.get(x.device.type, ()):
+        if x.dtype not in _rnn_fused.FUSED_DTYPES.get(x.device.type, ()):
             return None
         weights = [getattr(self, n) for n in self._flat_weights_names]
         states = [t for t in (h0, c0) if t is not None]
@@ -329,8 +298,8 @@ class _RNNBase(nn.Module):
         if self.mode == "LSTM" and c0 is None:
             c0 = x.new_zeros(self.num_layers * nd, batch, self.hidden_size)
         if weights is not None:
-            return _fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
-                          self.proj_size > 0)
+            return _rnn_fused.fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
+                                    self.proj_size > 0)
         h_n, c_n = [], []
         k = 0
         for layer in range(self.num_layers):
@@ -426,7 +395,7 @@ class RNN(_RNNBase):
       (`torch._VF.rnn_tanh` / `rnn_relu` / `lstm` / `gru`, as `torch.nn.RNN` does: oneDNN or
       ATen's C++ cells) with identical semantics, where all of these hold:
       not traced (`tfun.jit`, `torch.compile`, `torch.export` keep the scan, which lowers to
-      torch's scan op), no `torch.func` transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, ...)
+      torch's scan op; but see `tfun.nn.LSTM` for its traced fused path), no `torch.func` transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, ...)
       and no `torch.autograd.forward_ad` dual level active, no dropout active (`dropout == 0`
       or `eval()`), parameters, input and state of one CPU floating dtype. Otherwise the
       scan runs: on CUDA too, for now (cuDNN is not yet measured on a GPU; it would need
@@ -493,6 +462,14 @@ class LSTM(_RNNBase):
     the input projection of all steps is one matmul before it. Eager calls outside
     `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on CPU; the
     scan on CUDA for now; see `fused` in `tfun.nn.RNN`), several times faster.
+
+    Under `tfun.jit` and `torch.compile` too, on the CPU in float32 and bfloat16 without
+    projections (where torch runs oneDNN's fused LSTM layer), the layer calls that fused
+    function through one opaque op, `tfun::rnn_fused`, so a compiled training step runs
+    oneDNN's kernel instead of a compiled scan (3-4x faster here: benchmarks/RESULTS.md);
+    its backward runs the fused forward once more. Inside a `torch.func` transform, a loop
+    body, or a derivative that is differentiated again (`tfun.grad` of `tfun.grad`), and for
+    `torch.export`, the traced layer runs the scan.
 
     **Arguments:**
 

@@ -1,0 +1,227 @@
+"""The traced fused path of tfun.nn.LSTM (`tfun.nn._rnn_fused`, the `tfun::rnn_fused` op):
+taken where it pays and is allowed, never elsewhere, and the same outputs and gradients as the
+float64 eager scan on every path that takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun.nn import _rnn_fused
+
+DT = torch.float64
+IN, HID, B = 3, 4, 2
+
+needs_onednn = pytest.mark.skipif(not _rnn_fused._onednn_lstm()[0], reason="torch's CPU LSTM does not run oneDNN here")
+
+
+def _layers(dtype=torch.float32, **kw):
+    """(the layer under test, a float64 scan oracle with the same weights)."""
+    torch.manual_seed(0)
+    oracle = tfun.nn.LSTM(IN, HID, dtype=DT, fused=False, **kw)
+    layer = tfun.nn.LSTM(IN, HID, dtype=dtype, **kw)
+    layer.load_state_dict(oracle.state_dict())
+    return layer, oracle
+
+
+def _inputs(steps, num_layers=1, bidirectional=False, batch_first=False, unbatched=False, give_hx=True):
+    g = torch.Generator().manual_seed(1)
+    shape = (steps, IN) if unbatched else ((B, steps, IN) if batch_first else (steps, B, IN))
+    x = torch.randn(shape, dtype=DT, generator=g)
+    lead = (num_layers * (2 if bidirectional else 1),) + (() if unbatched else (B,))
+    hx = (torch.randn(*lead, HID, dtype=DT, generator=g), torch.randn(*lead, HID, dtype=DT, generator=g))
+    return x, hx if give_hx else None
+
+
+def _loss_and_grads(fn, m, x, hx, dtype):
+    """Outputs, and the gradients of a random projection of them w.r.t. the input, the
+    parameters and the initial state."""
+    xi = x.detach().to(dtype).requires_grad_()
+    hi = tuple(h.detach().to(dtype).requires_grad_() for h in hx) if hx is not None else None
+    out, (h, c) = fn(xi, hi)
+    gen = torch.Generator().manual_seed(2)
+    loss = sum((t * torch.randn(t.shape, dtype=DT, generator=gen).to(dtype)).sum() for t in (out, h, c))
+    inputs = [xi, *m.parameters(), *(hi or ())]
+    return [t.detach() for t in (out, h, c)], list(torch.autograd.grad(loss, inputs))
+
+
+def _close(got, want, rtol, atol):
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol * scale, msg=lambda m, k=k: f"leaf {k}: {m}")
+
+
+# (steps, num_layers, bidirectional, batch_first, unbatched, give_hx, bias)
+CASES = [
+    (1, 1, False, False, False, True, True),
+    (7, 2, True, True, False, False, True),
+    (63, 1, True, False, True, True, False),
+    (5, 2, False, False, False, True, False),
+]
+
+
+def _case_id(c):
+    return "T{}_L{}_bi{}_bf{}_unb{}_hx{}_bias{}".format(*c)
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    # every case on aot_eager; two on Inductor (a compile each)
+    [pytest.param(c, "aot_eager", id=f"{_case_id(c)}-aot_eager") for c in CASES]
+    + [pytest.param(c, "inductor", id=f"{_case_id(c)}-inductor") for c in CASES[:2]],
+)
+def test_jitted_lstm_takes_the_op_and_matches_float64(case, backend, fused_calls):
+    steps, num_layers, bidirectional, batch_first, unbatched, give_hx, bias = case
+    kw = dict(num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias)
+    layer, oracle = _layers(**kw)
+    x, hx = _inputs(steps, num_layers, bidirectional, batch_first, unbatched, give_hx)
+    want = _loss_and_grads(oracle, oracle, x, hx, DT)
+    got = _loss_and_grads(tfun.jit(layer, backend=backend), layer, x, hx, torch.float32)
+    assert fused_calls == ["LSTM", "LSTM"]  # the op's forward, and its backward's forward
+    _close(got[0], want[0], 1e-4, 2e-5)
+    _close(got[1], want[1], 1e-4, 2e-5)
+
+
+@needs_onednn
+def test_jitted_gradient_and_no_grad_forward(fused_calls):
+    layer, oracle = _layers(num_layers=2)
+    x, _ = _inputs(9, num_layers=2)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def loss(params, x):
+        return torch.func.functional_call(layer, params, (x,))[0].pow(2).sum()
+
+    # traced tfun.grad differentiates with autograd here: the op, forward and backward
+    got = tfun.jit(tfun.grad(loss), backend="aot_eager")(params, x.float())
+    assert fused_calls == ["LSTM", "LSTM"]
+    want = tfun.grad(lambda p: torch.func.functional_call(oracle, p, (x,))[0].pow(2).sum())(
+        {k: v.detach() for k, v in oracle.named_parameters()}
+    )
+    _close([got[k] for k in want], list(want.values()), 1e-4, 2e-5)
+    with torch.no_grad():
+        out = tfun.jit(layer, backend="aot_eager")(x.float())[0]
+    assert fused_calls == ["LSTM"] * 3
+    _close([out], [oracle(x)[0].detach()], 1e-4, 2e-5)
+
+
+@needs_onednn
+def test_plain_torch_compile_takes_the_op_too(fused_calls):
+    layer, oracle = _layers()
+    x, hx = _inputs(6)
+    got = _loss_and_grads(torch.compile(layer, backend="aot_eager", fullgraph=True), layer, x, hx, torch.float32)
+    assert fused_calls == ["LSTM", "LSTM"]
+    want = _loss_and_grads(oracle, oracle, x, hx, DT)
+    _close(got[0], want[0], 1e-4, 2e-5)
+    _close(got[1], want[1], 1e-4, 2e-5)
+
+
+@pytest.mark.skipif(not _rnn_fused._onednn_lstm()[1], reason="oneDNN has no bfloat16 LSTM on this CPU")
+def test_jitted_bfloat16(fused_calls):
+    layer, oracle = _layers(dtype=torch.bfloat16)
+    x, hx = _inputs(7)
+    got = _loss_and_grads(tfun.jit(layer, backend="aot_eager"), layer, x, hx, torch.bfloat16)
+    assert fused_calls == ["LSTM", "LSTM"]
+    want = _loss_and_grads(oracle, oracle, x, hx, DT)
+    _close(got[0], want[0], 5e-2, 5e-2)
+    _close(got[1], want[1], 5e-2, 5e-2)
+
+
+# ----------------------------------------------------------------------------------------
+# Where the traced layer keeps the scan
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tfun.nn.GRU(IN, HID),  # ATen's per-step cells: the op's extra forward costs more
+        lambda: tfun.nn.RNN(IN, HID),
+        lambda: tfun.nn.LSTM(IN, HID, proj_size=2),
+        lambda: tfun.nn.LSTM(IN, HID, dtype=DT),
+        lambda: tfun.nn.LSTM(IN, HID, fused=False),
+        lambda: tfun.nn.LSTM(IN, HID, num_layers=2, dropout=0.5),  # training: the scan's masks
+    ],
+    ids=["gru", "rnn", "lstm_proj", "lstm_float64", "fused_false", "dropout"],
+)
+def test_jitted_layers_that_keep_the_scan(make, fused_calls):
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(5, B, IN, dtype=next(m.parameters()).dtype)
+    out = tfun.jit(lambda x: m(x)[0], backend="aot_eager")(x)
+    assert fused_calls == []
+    assert out.shape[:2] == (5, B)
+
+
+# torch.export's Dynamo reads `.grad` of a non-leaf tensor of its own while it wraps the
+# module's state (a warning from torch's tracer, on main before the op as well)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_op_not_taken_in_transforms_loop_bodies_second_order_or_export(fused_calls):
+    layer, oracle = _layers()
+    xs, _ = _inputs(4)
+    x = xs.float()
+
+    # a torch.func transform inside the jitted function: tfun.grad of a function closing over
+    # parameters that require grad runs torch.func.grad there
+    got = tfun.jit(tfun.grad(lambda x: layer(x)[0].pow(2).sum()), backend="aot_eager")(x)
+    want = tfun.grad(lambda x: oracle(x)[0].pow(2).sum())(xs)
+    _close([got], [want], 1e-4, 2e-5)
+
+    # a scan body (frozen weights: a scan nested in a scan body that closes over a tensor
+    # requiring grad does not compile on torch 2.13, with the scan or the op alike)
+    frozen, _ = _layers()
+    frozen.requires_grad_(False)
+
+    def body(c, xt):
+        return c + frozen(xt.unsqueeze(0))[0].sum(), None
+
+    total, _ = tfun.jit(lambda x: tfun.lax.scan(body, torch.zeros(()), x), backend="aot_eager")(x)
+    want = sum(oracle(xs[t : t + 1])[0].sum() for t in range(xs.shape[0])).detach()
+    _close([total], [want], 1e-4, 2e-5)
+
+    # a derivative differentiated again
+    def f(s):
+        return layer(x * s)[0].pow(2).sum()
+
+    got = tfun.jit(tfun.grad(tfun.grad(f)), backend="aot_eager")(torch.tensor(0.7))
+    s = torch.tensor(0.7, dtype=DT, requires_grad=True)
+    (g,) = torch.autograd.grad(oracle(xs * s)[0].pow(2).sum(), s, create_graph=True)
+    (want2,) = torch.autograd.grad(g, s)
+    _close([got], [want2], 1e-4, 2e-5)
+
+    # torch.export: a graph of aten ops
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = layer
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    ep = torch.export.export(M(), (x,))
+    assert not any("rnn_fused" in str(n.target) for n in ep.graph.nodes)
+    assert fused_calls == []
+    _close([ep.module()(x)], [oracle(xs)[0].detach()], 1e-4, 2e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# The ops themselves
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_opcheck(mode):
+    m = getattr(tfun.nn, mode)(IN, HID, num_layers=2, bidirectional=True)
+    weights = [getattr(m, n).detach().requires_grad_() for n in m._flat_weights_names]
+    x = torch.randn(5, B, IN, requires_grad=True)
+    h0 = torch.randn(4, B, HID, requires_grad=True)
+    c0 = torch.randn(4, B, HID, requires_grad=True) if mode == "LSTM" else None
+    torch.library.opcheck(
+        torch.ops.tfun.rnn_fused.default,
+        (mode, x, h0, c0, weights, True, 2, True, False),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
