@@ -278,3 +278,25 @@ def test_autograd_records_inside_an_op_under_the_guard():
     before = torch._C._dispatch_tls_local_exclude_set()
     torch.testing.assert_close(torch.ops.tfun_test_compat.grad_of_square(x, True), 2 * x.detach())
     assert torch._C._dispatch_tls_local_exclude_set() == before  # restored
+
+
+def test_inductor_checks_no_subgraph_input_layouts_per_step():
+    # a lowered scan's body is an Inductor subgraph run once per step; its input asserts
+    # repeat the layout checks Inductor made when it compiled the loop
+    from torch._inductor.utils import run_and_get_code
+
+    import tfun
+
+    W = torch.randn(5, 5, dtype=torch.float64)
+    xs = torch.randn(9, 2, 5, dtype=torch.float64)
+
+    def f(W, xs):
+        return tfun.lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(2, 5, dtype=W.dtype), xs)[1]
+
+    out, codes = run_and_get_code(tfun.jit(f), W, xs)
+    torch.testing.assert_close(out, f(W, xs))
+    code = "\n".join(codes)
+    body = code[code.index("def while_loop_body_graph") :]
+    body = body[: body.index("\n\n")]
+    assert "assert_size_stride" not in body
+    assert "assert_size_stride" in code[code.index("def call(") :]  # the graph's own inputs: checked

@@ -225,3 +225,18 @@ def test_opcheck(mode):
         (mode, x, h0, c0, weights, True, 2, True, False),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
+
+
+@needs_onednn
+def test_jitted_checkpointed_lstm(fused_calls):
+    # tfun.checkpoint around the layer: the op runs forward, again when the checkpoint
+    # recomputes, and in its backward
+    layer, oracle = _layers(num_layers=2, bidirectional=True)
+    x, _ = _inputs(6, num_layers=2, bidirectional=True)
+    f = tfun.jit(lambda x: tfun.checkpoint(lambda x: layer(x)[0])(x).pow(2).sum(), backend="aot_eager")
+    xi = x.float().requires_grad_()
+    got = torch.autograd.grad(f(xi), [xi, *layer.parameters()])
+    assert fused_calls == ["LSTM"] * 3
+    xo = x.clone().requires_grad_()
+    want = torch.autograd.grad(oracle(xo)[0].pow(2).sum(), [xo, *oracle.parameters()])
+    _close(list(got), list(want), 1e-4, 2e-5)

@@ -128,6 +128,7 @@ def is_tracing() -> bool:
 
 def torch_cond() -> Callable[..., Any]:
     _compat.cond_autograd_fixes()  # torch 2.13's backward fails on strided gradients (see there)
+    _compat.subgraph_input_asserts_off()  # per-call layout checks Inductor made when compiling
     return torch.cond
 
 
@@ -135,6 +136,7 @@ def torch_scan() -> Callable[..., Any]:
     from torch._higher_order_ops.scan import scan as _scan
 
     _compat.scan_autograd_fixes()  # torch 2.11's scan autograd lacks two fixes of 2.13 (see there)
+    _compat.subgraph_input_asserts_off()  # per-step layout checks Inductor made when compiling
     return _scan
 
 
@@ -143,6 +145,7 @@ def torch_while_loop() -> Callable[..., Any]:
     if fn is None:
         from torch._higher_order_ops.while_loop import while_loop as fn
     _compat.while_loop_autograd_fixes()  # torch 2.11's backward keeps strided gradients (see there)
+    _compat.subgraph_input_asserts_off()  # per-step layout checks Inductor made when compiling
     return fn
 
 
