@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import _VF, Tensor
@@ -137,17 +137,11 @@ def _rnn_fused(
     return out.contiguous(), h.contiguous(), (c.contiguous() if c is not None else h.new_empty(0))
 
 
+# The fakes (shapes only) read the inputs they need; the configuration follows as `*config`.
 @_rnn_fused.register_fake
 def _rnn_fused_fake(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    bidirectional: bool,
-    has_proj: bool,
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool, *config: Any,
 ) -> tuple[Tensor, Tensor, Tensor]:
     directions = 2 if bidirectional else 1
     out = x.new_empty(x.shape[0], x.shape[1], directions * h0.shape[-1])
@@ -192,18 +186,7 @@ def _rnn_fused_backward(
 
 @_rnn_fused_backward.register_fake
 def _rnn_fused_backward_fake(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    bidirectional: bool,
-    has_proj: bool,
-    grad_out: Tensor | None,
-    grad_h: Tensor | None,
-    grad_c: Tensor | None,
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], *config_and_grads: Any
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     gc0 = torch.empty_like(c0) if c0 is not None else h0.new_empty(0)
     return torch.empty_like(x), torch.empty_like(h0), gc0, [torch.empty_like(w) for w in weights]
