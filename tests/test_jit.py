@@ -310,6 +310,38 @@ def test_a_failed_compile_inside_a_jvp_leaves_forward_mode_usable():
     torch.testing.assert_close(tfun.grad(fn)(x), tfun.grad(fn)(x))  # eagerly fine
 
 
+def test_jit_sets_dynamo_tracing_settings_only_while_it_traces():
+    """tfun.jit lets Dynamo trace `torch.autograd.grad` (one graph for jit(grad(f))) by
+    setting `trace_autograd_ops` from inside the trace, and puts it back when the call
+    returns, after a compile, a cached call, a failed compile and a nested call alike: a plain
+    torch.compile in the same process sees torch's own setting."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "trace_autograd_ops"):
+        pytest.skip("this torch has no trace_autograd_ops")
+    before = dynamo_config.trace_autograd_ops
+    x = torch.randn(3, dtype=_D)
+    f = tfun.jit(tfun.grad(lambda x: (x**3).sum()), backend="aot_eager")
+    for _ in range(2):  # compiled, then cached
+        torch.testing.assert_close(f(x), 3 * x**2)
+        assert dynamo_config.trace_autograd_ops == before
+    graphs = tfun.jit(tfun.grad(lambda x: (x.sin() ** 2).sum())).lower(x).graphs
+    assert len(graphs) == 1  # no graph break at the autograd.grad call
+    assert dynamo_config.trace_autograd_ops == before
+
+    def bad(x):
+        return lax.cond(x.sum() > 0, lambda x: x, lambda x: (x, x), x)
+
+    with pytest.raises(TfunError):
+        tfun.jit(bad, backend="aot_eager")(x)
+    assert dynamo_config.trace_autograd_ops == before
+
+    inner = tfun.jit(tfun.grad(lambda x: (x**2).sum()), backend="aot_eager")
+    outer = tfun.jit(lambda x: inner(x) * 2, backend="aot_eager", fullgraph=False)
+    torch.testing.assert_close(outer(x), 4 * x)
+    assert dynamo_config.trace_autograd_ops == before
+
+
 def _cf_loss(params, xs):
     W = params["W"]
     h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(W.shape[0], dtype=W.dtype), xs)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "autograd_inside_op", "bitcast", "close_forward_ad_levels", "compile_error", "complex_of_float", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "autograd_inside_op", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -721,6 +722,39 @@ class autograd_inside_op:
 
     def __exit__(self, *exc: Any) -> None:
         self._guard.__exit__(*exc)
+
+
+def _compile_takes(name: str) -> bool:
+    try:
+        return name in inspect.signature(torch.compile).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+#: Whether `torch.compile` takes a per-region `recompile_limit=` (else tfun.jit patches Dynamo's
+#: global `recompile_limit` around each call).
+compile_takes_recompile_limit: bool = _compile_takes("recompile_limit")
+
+
+def _custom_graph_pass() -> type:
+    """Inductor's base class for a custom graph pass with a cache key
+    (`torch._inductor.custom_graph_pass.CustomGraphPass`), or `object` where this torch has none
+    (then tfun adds no pass: `tfun._small_matmul.compile_options`)."""
+    try:
+        module = importlib.import_module("torch._inductor.custom_graph_pass")
+    except ImportError:  # pragma: no cover - a torch without Inductor's custom passes
+        return object
+    base = getattr(module, "CustomGraphPass", None)
+    return base if isinstance(base, type) else object
+
+
+CustomGraphPass: type = _custom_graph_pass()
+
+
+def fake_mode_of(values: Any) -> Any:
+    """The fake-tensor mode of the fake tensors among `values` (a graph node's `val`s), or None."""
+    detect = getattr(importlib.import_module("torch._guards"), "detect_fake_mode", None)
+    return detect(values) if detect is not None else None
 
 
 def is_exporting() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, _context, _funcinfo
+from . import _compat, _context, _funcinfo, _small_matmul
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
 from .lax import _hop
@@ -75,7 +76,10 @@ def jit(
       `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
       steps from C++ (about 4x less overhead per step, a few seconds more compilation);
       it is not the default because torch 2.13's C++ wrapper fails on some loop programs
-      (docs/performance.md).
+      (docs/performance.md). With Inductor in its default mode, small CPU matrix products
+      (at most 2^18 multiply-adds, static sizes) are compiled as fused loops rather than
+      extern GEMM calls (`tfun._small_matmul`); `options={"post_grad_custom_pre_pass":
+      None}` keeps torch's GEMMs.
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
     introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
@@ -306,7 +310,10 @@ class Jitted:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, name)
         try:
-            return torch.compile(run, fullgraph=self._fullgraph, **self._options)
+            options = _small_matmul.compile_options(self._options)
+            if _compat.compile_takes_recompile_limit and "recompile_limit" not in options:
+                options = {**options, "recompile_limit": _recompile_limit_for(self._cache_size)}
+            return torch.compile(run, fullgraph=self._fullgraph, **options)
         except Exception as e:
             if type(e).__name__ != "InvalidBackend":  # torch._dynamo.exc.InvalidBackend
                 raise
@@ -349,6 +356,7 @@ class Jitted:
                 fun = self._fun
 
                 def tfun_jit_call(*a: Any, **k: Any) -> Any:
+                    _trace_settings()
                     return _hop.jit_output(fun(*a, **k))
 
                 # A code name of its own per tfun.jit function: Dynamo keeps its "automatic
@@ -404,8 +412,12 @@ class Jitted:
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
         fwd_level = _compat.forward_ad_level()
+        depth = getattr(_SETTINGS, "depth", 0)
+        _SETTINGS.depth = depth + 1
         try:
-            with _trace_autograd(self._cache_size):
+            if _compat.compile_takes_recompile_limit:
+                return compiled(*dyn_args, **dyn_kwargs)
+            with _recompile_limit(self._cache_size):
                 return compiled(*dyn_args, **dyn_kwargs)
         except Exception as caught:  # noqa: BLE001 - re-raised below
             _compat.close_forward_ad_levels(fwd_level)  # (a trace stopped inside a jvp leaves its level open)
@@ -425,6 +437,10 @@ class Jitted:
             if _is_side_effect_error(e):
                 err = _diagnose_eagerly(self._fun, args, kwargs, err)
             raise err from getattr(err, "dynamo_error", e)
+        finally:
+            _SETTINGS.depth = depth
+            if depth == 0:
+                _restore_trace_settings()
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace `fun` on these arguments and return the captured graph(s), without running
@@ -445,14 +461,19 @@ class Jitted:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, "tfun_jit_lower")
         compiled = torch.compile(run, backend=recorder, fullgraph=False, dynamic=self._options.get("dynamic"))
+        depth = getattr(_SETTINGS, "depth", 0)
+        _SETTINGS.depth = depth + 1
         try:
-            with _trace_autograd():
-                compiled(*dyn_args, **dyn_kwargs)
+            compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001
             err = translate_error(e, self._fn_text)
             if err is e:
                 raise
             raise err from getattr(err, "dynamo_error", e)
+        finally:
+            _SETTINGS.depth = depth
+            if depth == 0:
+                _restore_trace_settings()
         return Lowered(graphs, self._fn_text)
 
     def clear_cache(self) -> None:
@@ -485,6 +506,7 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
     other_kw = {k: v for k, v in static_kw.items() if k not in scalar_kw}
 
     def tfun_jit_call(*dyn: Any, **kw: Any) -> Any:
+        _tfun_trace_settings()  # type: ignore[name-defined]  # noqa: F821
         args = []
         it = iter(dyn)
         total = len(dyn) + n_static
@@ -503,6 +525,7 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
         "_tfun_static_scalar_pos": scalar_pos,
         "_tfun_static_scalar_kw": scalar_kw,
         "_tfun_jit_output": _hop.jit_output,
+        "_tfun_trace_settings": _trace_settings,
     }
     return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
 
@@ -610,24 +633,60 @@ def _headline(e: BaseException) -> str:
     return " ".join(body[:3]) if body else type(e).__name__
 
 
-def _trace_autograd(cache_size: int | None = None) -> Any:
-    """Dynamo's settings for a call of a jitted function.
+# What `_trace_settings` changed in this thread (`prior`: [(name, value before)]) and how deep
+# the `Jitted.__call__`s (and `.lower`s) of this thread are nested (`depth`).
+_SETTINGS = threading.local()
 
-    - `trace_autograd_ops` (torch >= 2.12; skipped where it does not exist): let Dynamo
-      trace `torch.autograd.grad` (how `tfun.grad` differentiates when traced), so that
-      `tfun.jit(tfun.grad(loss))` compiles to one graph.
-    - `recompile_limit`: at least `cache_size`, so that a function compiled once per
-      argument shape (`dynamic=False`) or per static value may be compiled `cache_size`
-      times, as documented, not Dynamo's default 8.
+
+def _trace_settings() -> bool:
+    """Dynamo's settings for tracing a jitted function, applied by Dynamo itself.
+
+    `trace_autograd_ops` (torch >= 2.12; skipped where it does not exist) lets Dynamo trace
+    `torch.autograd.grad` (how `tfun.grad` differentiates when traced), so that
+    `tfun.jit(tfun.grad(loss))` compiles to one graph. It matters only while Dynamo traces,
+    so it is set from inside the trace: each `tfun_jit_call` starts with a call of this
+    function, which Dynamo runs as plain Python (it is marked constant) whenever it traces
+    the function, and which compiled code never runs. `Jitted.__call__` puts the settings
+    back when its outermost call returns (`_restore_trace_settings`). Patching Dynamo's
+    config around every call instead cost 30 us a call, more than the rest of tfun.jit's
+    and torch.compile's overhead together (torch 2.13, CPU).
     """
     import torch._dynamo.config as dynamo_config
 
-    changes: dict[str, Any] = {}
-    if hasattr(dynamo_config, "trace_autograd_ops"):
-        changes["trace_autograd_ops"] = True
-    if cache_size is not None and hasattr(dynamo_config, "recompile_limit"):
-        changes["recompile_limit"] = max(int(dynamo_config.recompile_limit), cache_size)
-    return dynamo_config.patch(**changes)
+    if getattr(dynamo_config, "trace_autograd_ops", True) is False:
+        _SETTINGS.__dict__.setdefault("prior", []).append(("trace_autograd_ops", False))
+        dynamo_config.trace_autograd_ops = True
+    return True
+
+
+_trace_settings = _hop.assume_constant(_trace_settings)
+
+
+def _restore_trace_settings() -> None:
+    prior = _SETTINGS.__dict__.pop("prior", None)
+    if prior:
+        import torch._dynamo.config as dynamo_config
+
+        for name, value in reversed(prior):
+            setattr(dynamo_config, name, value)
+
+
+def _recompile_limit_for(cache_size: int) -> int:
+    """At least `cache_size` compilations of a jitted function, so that one compiled per
+    argument shape (`dynamic=False`) or static value may be compiled `cache_size` times, as
+    documented, not Dynamo's default 8."""
+    import torch._dynamo.config as dynamo_config
+
+    return max(int(getattr(dynamo_config, "recompile_limit", 8)), cache_size)
+
+
+def _recompile_limit(cache_size: int) -> Any:
+    """`_recompile_limit_for` around a call, for a torch.compile without `recompile_limit=`."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "recompile_limit"):  # pragma: no cover
+        return contextlib.nullcontext()
+    return dynamo_config.patch(recompile_limit=_recompile_limit_for(cache_size))
 
 
 #: Dynamo's words for a HOP body with a side effect (torch 2.11-2.13).

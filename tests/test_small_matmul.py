@@ -1,0 +1,208 @@
+"""tfun._small_matmul: small CPU matrix products under tfun.jit (Inductor) become fused loops.
+
+Every compiled value and gradient is compared with the float64 eager result, and the code
+Inductor generates is read to check which products were rewritten (and which were not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._inductor.utils import run_and_get_code
+
+import tfun
+from tfun import _small_matmul
+
+pytestmark = pytest.mark.skipif(_small_matmul.SmallMatmulPass.__mro__[1] is object, reason="no custom graph passes")
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _close(got, want, dtype):
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype] * max(1.0, want.abs().max().item()))
+
+
+def _extern_products(code: str) -> int:
+    """How many extern GEMM calls the generated code makes (`extern_kernels.mm(...)` and the like)."""
+    return sum(code.count(f"extern_kernels.{name}(") for name in ("mm", "addmm", "bmm", "baddbmm"))
+
+
+# --- options: where the pass is added ------------------------------------------------------
+
+
+def test_compile_options_add_the_pass_only_to_the_default_inductor():
+    added = _small_matmul.compile_options({})
+    assert isinstance(added["options"]["post_grad_custom_pre_pass"], _small_matmul.SmallMatmulPass)
+    kept = _small_matmul.compile_options({"options": {"cpp_wrapper": True}, "dynamic": True})
+    assert kept["options"]["cpp_wrapper"] is True and kept["dynamic"] is True
+    assert isinstance(kept["options"]["post_grad_custom_pre_pass"], _small_matmul.SmallMatmulPass)
+    assert _small_matmul.compile_options({"backend": "inductor"})["options"]
+    for untouched in (
+        {"backend": "aot_eager"},
+        {"mode": "max-autotune"},
+        {"mode": "default"},  # torch.compile takes mode or options, never both
+        {"options": {"post_grad_custom_pre_pass": None}},  # the caller's own slot: None turns it off
+    ):
+        assert _small_matmul.compile_options(untouched) == untouched
+
+
+def test_the_cache_key_names_the_pass_and_its_limit():
+    uuid = _small_matmul.SmallMatmulPass().uuid()
+    assert uuid == _small_matmul.SmallMatmulPass().uuid()
+    assert "tfun.SmallMatmulPass" in uuid and _small_matmul.MAX_MULTIPLY_ADDS in uuid
+
+
+# --- which products are rewritten ------------------------------------------------------------
+
+
+def _rnn(W, xs, h0):
+    return tfun.lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, h0, xs)[1]
+
+
+def _rnn_args(B, H, T=5, dtype=torch.float32):
+    g = torch.Generator().manual_seed(B * 1000 + H)
+    W = torch.randn(H, H, generator=g, dtype=torch.float64) / math.sqrt(H)
+    xs = torch.randn(T, B, H, generator=g, dtype=torch.float64)
+    return W, xs, torch.zeros(B, H, dtype=torch.float64)
+
+
+def test_a_small_loop_body_product_is_fused_forward_and_backward():
+    W, xs, h0 = _rnn_args(4, 8)
+    loss = lambda W, xs, h0: (_rnn(W, xs, h0) ** 2).sum()  # noqa: E731
+    want = tfun.grad(loss, argnums=(0, 1, 2))(W, xs, h0)
+    args = [t.float() for t in (W, xs, h0)]
+    got, codes = run_and_get_code(tfun.jit(tfun.grad(loss, argnums=(0, 1, 2))), *args)
+    for g, w in zip(got, want):
+        _close(g, w, torch.float32)
+    code = "\n".join(codes)
+    assert "while_loop_body_graph" in code  # the loop was compiled as a loop
+    assert _extern_products(code) == 0
+
+
+def test_a_product_over_the_limit_stays_an_extern_gemm():
+    # 64 x 128 x 128 multiply-adds = 2^20 > MAX_MULTIPLY_ADDS
+    W, xs, h0 = _rnn_args(64, 128, T=3)
+    args = [t.float() for t in (W, xs, h0)]
+    got, codes = run_and_get_code(tfun.jit(_rnn), *args)
+    _close(got, _rnn(W, xs, h0), torch.float32)
+    assert _extern_products("\n".join(codes)) >= 1
+
+
+def test_symbolic_sizes_stay_an_extern_gemm():
+    W, xs, h0 = _rnn_args(4, 8)
+    args = [t.float() for t in (W, xs, h0)]
+    got, codes = run_and_get_code(tfun.jit(_rnn, dynamic=True), *args)
+    _close(got, _rnn(W, xs, h0), torch.float32)
+    assert _extern_products("\n".join(codes)) >= 1
+
+
+def test_the_callers_own_pass_slot_turns_it_off():
+    W, xs, h0 = _rnn_args(4, 8)
+    args = [t.float() for t in (W, xs, h0)]
+    got, codes = run_and_get_code(tfun.jit(_rnn, options={"post_grad_custom_pre_pass": None}), *args)
+    _close(got, _rnn(W, xs, h0), torch.float32)
+    assert _extern_products("\n".join(codes)) >= 1
+
+
+def test_other_devices_and_integer_products_are_not_rewritten():
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    out = graph.call_function(torch.ops.aten.mm.default, (a, b))
+    graph.output(out)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        for device, dtype in (("meta", torch.float32), ("cpu", torch.int64), ("cpu", torch.complex64)):
+            a.meta["val"] = torch.empty(4, 4, device=device, dtype=dtype)
+            b.meta["val"] = torch.empty(4, 4, device=device, dtype=dtype)
+            assert _small_matmul.rewrite(graph) == 0, (device, dtype)
+        a.meta["val"] = torch.empty(4, 4)
+        b.meta["val"] = torch.empty(4, 4)
+    del mode
+    assert _small_matmul.rewrite(graph) == 1
+    assert [n.target for n in graph.nodes if n.op == "call_function"][-1] == torch.ops.aten.sum.dim_IntList
+
+
+# --- values: every op, dtype and shape against float64 -------------------------------------------
+
+
+def _addmm_cases():
+    # (beta, alpha): beta == 0 ignores the input, nan included (ATen's rule)
+    return [(1, 1), (0.5, 2.0), (0, 1), (0, -1.5)]
+
+
+@pytest.mark.parametrize("beta,alpha", _addmm_cases())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_addmm_values_and_gradients(beta, alpha, dtype):
+    g = torch.Generator().manual_seed(7)
+    bias, a, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5,), (3, 4), (4, 5)))
+    if beta == 0:
+        bias = torch.full_like(bias, float("nan"))
+
+    def f(bias, a, b):
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha)
+
+    want = f(bias, a, b)
+    loss = lambda *t: (f(*t) * torch.arange(15.0, dtype=t[1].dtype).reshape(3, 5)).sum()  # noqa: E731
+    want_g = tfun.grad(loss, argnums=(1, 2))(bias, a, b)
+    args = [t.to(dtype) for t in (bias, a, b)]
+    got, codes = run_and_get_code(tfun.jit(f), *args)
+    _close(got, want, dtype)
+    assert _extern_products("\n".join(codes)) == 0
+    got_g = tfun.jit(tfun.grad(loss, argnums=(1, 2)))(*args)
+    for gg, wg in zip(got_g, want_g):
+        _close(gg, wg, dtype)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    m=st.integers(1, 7),
+    k=st.integers(1, 7),
+    n=st.integers(1, 7),
+    batch=st.sampled_from([None, 1, 3]),
+    transpose=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_matmul_shapes_against_float64(m, k, n, batch, transpose, dtype):
+    # mm and bmm (batch), operands contiguous or transposed views, outputs and both gradients
+    g = torch.Generator().manual_seed(m * 100 + k * 10 + n)
+    lead = () if batch is None else (batch,)
+    a = torch.randn(*lead, m, k, generator=g, dtype=torch.float64)
+    b = torch.randn(*lead, n, k, generator=g, dtype=torch.float64) if transpose else torch.randn(*lead, k, n, generator=g, dtype=torch.float64)
+
+    def f(a, b):
+        return torch.sin(a @ (b.transpose(-1, -2) if transpose else b))
+
+    def loss(a, b):
+        return (f(a, b) * torch.cos(f(a, b))).sum()
+
+    torch._dynamo.reset()
+    _close(tfun.jit(f)(a.to(dtype), b.to(dtype)), f(a, b), dtype)
+    for gg, wg in zip(tfun.jit(tfun.grad(loss, argnums=(0, 1)))(a.to(dtype), b.to(dtype)), tfun.grad(loss, argnums=(0, 1))(a, b)):
+        _close(gg, wg, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nn_linear_in_a_fori_loop_body(dtype):
+    # nn.Linear lowers to addmm with a broadcast bias; the weight's and bias's gradients
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 6).double()
+    x0 = torch.randn(3, 6, dtype=torch.float64)
+
+    def loss(params, x0):
+        def body(i, x):
+            return torch.tanh(torch.func.functional_call(lin, params, (x,)))
+
+        return tfun.lax.fori_loop(0, 4, body, x0).pow(2).sum()
+
+    params = dict(lin.named_parameters())
+    want_v, want_g = tfun.value_and_grad(loss)({k: v.detach() for k, v in params.items()}, x0)
+    p = {k: v.detach().to(dtype) for k, v in params.items()}
+    (got_v, got_g), codes = run_and_get_code(tfun.jit(tfun.value_and_grad(loss)), p, x0.to(dtype))
+    _close(got_v, want_v, dtype)
+    for k in want_g:
+        _close(got_g[k], want_g[k], dtype)
+    assert _extern_products("\n".join(codes)) == 0
