@@ -32,25 +32,6 @@ def _extern_products(code: str) -> int:
     return sum(code.count(f"extern_kernels.{name}(") for name in ("mm", "addmm", "bmm", "baddbmm"))
 
 
-# --- options: where the pass is added ------------------------------------------------------
-
-
-def test_compile_options_add_the_pass_only_to_the_default_inductor():
-    added = _small_matmul.compile_options({})
-    assert isinstance(added["options"]["post_grad_custom_pre_pass"], _small_matmul.SmallMatmulPass)
-    kept = _small_matmul.compile_options({"options": {"cpp_wrapper": True}, "dynamic": True})
-    assert kept["options"]["cpp_wrapper"] is True and kept["dynamic"] is True
-    assert isinstance(kept["options"]["post_grad_custom_pre_pass"], _small_matmul.SmallMatmulPass)
-    assert _small_matmul.compile_options({"backend": "inductor"})["options"]
-    for untouched in (
-        {"backend": "aot_eager"},
-        {"mode": "max-autotune"},
-        {"mode": "default"},  # torch.compile takes mode or options, never both
-        {"options": {"post_grad_custom_pre_pass": None}},  # the caller's own slot: None turns it off
-    ):
-        assert _small_matmul.compile_options(untouched) == untouched
-
-
 def test_the_cache_key_names_the_pass_and_its_limit():
     uuid = _small_matmul.SmallMatmulPass().uuid()
     assert uuid == _small_matmul.SmallMatmulPass().uuid()

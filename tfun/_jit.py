@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, _context, _funcinfo, _small_matmul
+from . import _compat, _context, _funcinfo, _jit_options
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
 from .lax import _hop
@@ -76,10 +76,12 @@ def jit(
       `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
       steps from C++ (about 4x less overhead per step, a few seconds more compilation);
       it is not the default because torch 2.13's C++ wrapper fails on some loop programs
-      (docs/performance.md). With Inductor in its default mode, small CPU matrix products
-      (at most 2^18 multiply-adds, static sizes) are compiled as fused loops rather than
-      extern GEMM calls (`tfun._small_matmul`); `options={"post_grad_custom_pre_pass":
-      None}` keeps torch's GEMMs.
+      (docs/performance.md). With Inductor in its default mode, tfun.jit adds two CPU
+      defaults for loops (`tfun._jit_options`): small matrix products (at most 2^18
+      multiply-adds, static sizes) are compiled as fused loops rather than extern GEMM
+      calls, and kernels under 16,384 elements run on one thread. An Inductor option you
+      set in `options` wins (`{"post_grad_custom_pre_pass": None}` keeps torch's GEMMs,
+      `{"cpp.min_chunk_size": 512}` its threading).
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
     introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
@@ -310,7 +312,7 @@ class Jitted:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, name)
         try:
-            options = _small_matmul.compile_options(self._options)
+            options = _jit_options.compile_options(self._options)
             if _compat.compile_takes_recompile_limit and "recompile_limit" not in options:
                 options = {**options, "recompile_limit": _recompile_limit_for(self._cache_size)}
             return torch.compile(run, fullgraph=self._fullgraph, **options)

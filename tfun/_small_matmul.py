@@ -24,9 +24,7 @@ order: float32 results differ from the extern kernel's by rounding only (the tes
 both with the float64 eager result).
 
 `tfun.jit` adds the pass to Inductor's options when it compiles with Inductor in its default
-mode (`tfun._jit`). It stays out of the way of a `mode=` (such as `"max-autotune"`, which tunes
-the GEMMs this would remove), of another `backend=`, and of a `post_grad_custom_pre_pass` the
-caller sets in `options` (`None` there turns the pass off).
+mode (`tfun._jit_options`).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import torch
 
 from . import _compat
 
-__all__ = ["MAX_MULTIPLY_ADDS", "SmallMatmulPass", "compile_options", "rewrite"]
+__all__ = ["MAX_MULTIPLY_ADDS", "SmallMatmulPass", "rewrite"]
 
 MAX_MULTIPLY_ADDS = 1 << 18
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
@@ -156,18 +154,3 @@ class SmallMatmulPass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type
 
     def uuid(self) -> Any:
         return ("tfun.SmallMatmulPass", _VERSION, MAX_MULTIPLY_ADDS)
-
-
-def compile_options(options: dict[str, Any]) -> dict[str, Any]:
-    """`torch.compile` keyword arguments with the pass added to Inductor's options, where it
-    applies (the default Inductor backend, no `mode`, a torch with custom graph passes, no
-    `post_grad_custom_pre_pass` of the caller's)."""
-    if _compat.CustomGraphPass is object:
-        return options  # this torch has no custom post-grad passes: compiled as torch would
-    if options.get("backend", "inductor") != "inductor" or options.get("mode") is not None:
-        return options  # (torch.compile takes `mode` or `options`, never both)
-    inductor = dict(options.get("options") or {})
-    if "post_grad_custom_pre_pass" in inductor:
-        return options
-    inductor["post_grad_custom_pre_pass"] = SmallMatmulPass()
-    return {**options, "options": inductor}

@@ -1,0 +1,64 @@
+"""What `tfun.jit` asks of Inductor beyond torch's defaults, for loops on the CPU.
+
+A compiled loop on the CPU runs one iteration of Inductor's wrapper per step, and each step's
+kernels are small: what a step costs is mostly fixed cost per kernel, not arithmetic. Two
+defaults cut it (measured on a 2-core CPU, torch 2.13, `benchmarks/vs_jax.py`'s tanh RNN with a
+batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backward 22.6 ->
+8.5 ms; benchmarks/RESULTS.md):
+
+- **Small matrix products as fused loops**: `tfun._small_matmul.SmallMatmulPass`, as
+  Inductor's `post_grad_custom_pre_pass`.
+- **Small kernels on one thread**: Inductor runs a CPU kernel as an OpenMP parallel region
+  once each thread gets `cpp.min_chunk_size` elements of its loop nest (torch's default: 512,
+  so with 2 threads a kernel of 1,024 elements already forks and joins). For a loop body's
+  kernels, run once per step, that fork and join costs more than the work (4x32 states: 5.1 ->
+  4.0 ms forward, 18 -> 10 ms forward+backward). tfun.jit raises `cpp.min_chunk_size` so that a
+  kernel of fewer than `SERIAL_ELEMENTS` (16,384) elements runs on one thread, whatever the
+  number of threads; larger kernels are split as torch would split them.
+
+Both apply when tfun.jit compiles with Inductor in its default mode: not with a `mode=`
+(torch.compile takes `mode` or `options`, never both; `"max-autotune"` tunes the GEMMs the pass
+would remove), not with another `backend=`, and each leaves an Inductor option the caller sets
+in `options` alone (`{"post_grad_custom_pre_pass": None}` turns the pass off,
+`{"cpp.min_chunk_size": 512}` restores torch's threading). They change only how the CPU kernels
+are generated: CUDA graphs compile as torch compiles them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import _compat
+from ._small_matmul import SmallMatmulPass
+
+__all__ = ["SERIAL_ELEMENTS", "compile_options"]
+
+SERIAL_ELEMENTS = 1 << 14
+
+
+def _min_chunk_size() -> int:
+    """`cpp.min_chunk_size` for kernels under `SERIAL_ELEMENTS` elements to run serially with
+    Inductor's thread count (`cpp.threads`, or torch's intra-op threads), never below torch's."""
+    from torch._inductor import config
+
+    threads = config.cpp.threads if config.cpp.threads >= 1 else torch.get_num_threads()
+    return max(int(config.cpp.min_chunk_size), math.ceil(SERIAL_ELEMENTS / max(1, threads)))
+
+
+def compile_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`torch.compile` keyword arguments with tfun.jit's Inductor defaults added where they
+    apply (see the module's docstring)."""
+    if options.get("backend", "inductor") != "inductor" or options.get("mode") is not None:
+        return options
+    inductor = dict(options.get("options") or {})
+    added = False
+    if "post_grad_custom_pre_pass" not in inductor and _compat.CustomGraphPass is not object:
+        inductor["post_grad_custom_pre_pass"] = SmallMatmulPass()
+        added = True
+    if "cpp.min_chunk_size" not in inductor:
+        inductor["cpp.min_chunk_size"] = _min_chunk_size()
+        added = True
+    return {**options, "options": inductor} if added else options
