@@ -63,9 +63,10 @@ def bench_lstm(repeats: int) -> list[str]:
         variants = [("torch.nn.LSTM", ref), ("tfun.nn.LSTM (eager, fused: torch._VF.lstm)", ours),
                     ("tfun.nn.LSTM (eager, fused=False: tfun.lax.scan)", scan)]
         if hasattr(tfun, "jit"):
-            # traced, the default layer runs oneDNN's fused layer through the tfun::rnn_fused op
+            # traced, the default layer runs oneDNN's layer kernels through the tfun::lstm_onednn op
+            # (forward and backward; tfun::rnn_fused for a forward alone)
             # (CPU, float32); fused=False compiles the scan
-            for label, layer in (("fused: tfun::rnn_fused op", ours), ("fused=False: scan", scan)):
+            for label, layer in (("fused: tfun::lstm_onednn op", ours), ("fused=False: scan", scan)):
                 try:
                     jitted = tfun.jit(layer)
                     t0 = time.perf_counter()

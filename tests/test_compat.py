@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -255,29 +254,16 @@ def test_a_torch_without_what_custom_vjp_under_a_transform_reads_is_a_tfun_error
         tfun.vmap(f)(xs)
 
 
-@torch.library.custom_op("tfun_test_compat::grad_of_square", mutates_args=())
-def _grad_of_square(x: torch.Tensor, guard: bool) -> torch.Tensor:
-    """The gradient of `sum(x**2)`, taken with autograd inside the op's implementation."""
-    with (_compat.autograd_inside_op() if guard else contextlib.nullcontext()), torch.enable_grad():
-        y = x.detach().requires_grad_()
-        if not (y * y).requires_grad:
-            raise RuntimeError("autograd did not record inside the op")
-        (g,) = torch.autograd.grad((y * y).sum(), y)
-    return g
+def test_tensors_are_real_outside_the_fake_mode():
+    # a fake kernel asks a real kernel for a size oneDNN decides (tfun.nn._rnn_fused)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-
-_grad_of_square.register_autograd(lambda ctx, g: (2 * g, None), setup_context=lambda ctx, inputs, output: None)
-
-
-def test_autograd_records_inside_an_op_under_the_guard():
-    # a custom op's autograd kernel runs the implementation below autograd: nothing records
-    # there (what tfun::rnn_fused_backward needs) unless the guard lifts those keys
-    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="autograd did not record inside the op"):
-        torch.ops.tfun_test_compat.grad_of_square(x, False)
-    before = torch._C._dispatch_tls_local_exclude_set()
-    torch.testing.assert_close(torch.ops.tfun_test_compat.grad_of_square(x, True), 2 * x.detach())
-    assert torch._C._dispatch_tls_local_exclude_set() == before  # restored
+    with FakeTensorMode():
+        assert isinstance(torch.zeros(2), FakeTensor)
+        with _compat.outside_fake_mode():
+            real = torch.arange(3.0) * 2
+        assert isinstance(torch.zeros(2), FakeTensor)
+    assert not isinstance(real, FakeTensor) and real.tolist() == [0.0, 2.0, 4.0]
 
 
 def test_inductor_checks_no_subgraph_input_layouts_per_step():

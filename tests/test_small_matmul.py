@@ -138,6 +138,7 @@ def test_addmm_values_and_gradients(beta, alpha, dtype):
         _close(gg, wg, dtype)
 
 
+@pytest.mark.heavy
 @settings(max_examples=8, deadline=None)
 @given(
     m=st.integers(1, 7),

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "autograd_inside_op", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -695,33 +695,14 @@ def _replace_scan_autograd(scan_mod: Any) -> None:
     scan_mod.scan_autograd = scan_autograd
 
 
-class autograd_inside_op:
-    """Autograd records again inside a `torch.library` op's implementation, for a backward op
-    that differentiates a function by running it (`tfun.nn._rnn_fused`).
-
-    A custom op's autograd kernel calls the implementation below autograd: it excludes the
-    autograd dispatch keys (`AutogradOther`, `AutogradNestedTensor`, and the functionality key
-    of every backend's autograd key) and `ADInplaceOrView` for the call, so nothing run there
-    records a graph ("element 0 of tensors does not require grad"). This lifts those keys from
-    the thread's exclude set while active and restores it after; the included keys stay as
-    they are. Feature-detected: the keys torch has and its `_ForceDispatchKeyGuard`.
-    """
-
-    _KEYS = tuple(
-        getattr(torch._C.DispatchKey, k)
-        for k in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
-        if hasattr(torch._C.DispatchKey, k)
-    )
-
-    def __enter__(self) -> None:
-        exclude = torch._C._dispatch_tls_local_exclude_set()
-        for key in self._KEYS:
-            exclude = exclude.remove(key)
-        self._guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
-        self._guard.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._guard.__exit__(*exc)
+def outside_fake_mode() -> Any:
+    """A context in which tensors are real again inside a fake kernel (torch's dispatch modes,
+    the fake-tensor mode among them, are set aside while it is active): for a fake kernel that
+    asks a real kernel for a size the kernel decides itself (`tfun.nn._rnn_fused`)."""
+    disable = _private("torch.utils._python_dispatch", "_disable_current_modes")
+    if disable is None:  # pragma: no cover - every supported torch has it
+        raise RuntimeError(f"tfun: torch {torch.__version__} has no torch.utils._python_dispatch._disable_current_modes")
+    return disable()
 
 
 def _compile_takes(name: str) -> bool:

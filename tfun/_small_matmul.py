@@ -29,6 +29,9 @@ mode (`tfun._jit_options`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
 from typing import Any
 
 import torch
@@ -153,4 +156,19 @@ class SmallMatmulPass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type
         rewrite(graph)
 
     def uuid(self) -> Any:
-        return ("tfun.SmallMatmulPass", _VERSION, MAX_MULTIPLY_ADDS)
+        return ("tfun.SmallMatmulPass", _VERSION, MAX_MULTIPLY_ADDS, _source_hash())
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """A hash of tfun's own source files, in the pass's cache key. Inductor's caches key a
+    compiled graph by its ops, not by what a custom op's fake kernel said when it was
+    compiled: a graph compiled by another tfun (a `tfun.nn` op whose fake kernel changed) would
+    be taken from the cache as it was. With tfun's source in the key, a graph compiled by
+    `tfun.jit` is reused only by the same tfun."""
+    root = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

@@ -7,17 +7,22 @@ import pytest
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """The modes of the calls of torch's fused RNN functions (`tfun.nn._rnn_fused.call`: what
-    the eager fused path calls, and the `tfun::rnn_fused` op's forward and backward when they
-    run), in order."""
+    """The calls of torch's fused RNN kernels, in order: the mode of each call of
+    `tfun.nn._rnn_fused.call` (what the eager fused path and the `tfun::rnn_fused` op run),
+    `"onednn"` for each run of oneDNN's LSTM layers (`onednn_layers`: the `tfun::lstm_onednn`
+    op) and `"onednn_backward"` for each run of their backward (`tfun::lstm_onednn_backward`)."""
     from tfun.nn import _rnn_fused
 
     calls = []
-    real = _rnn_fused.call
 
-    def spy(mode, *args, **kwargs):
-        calls.append(mode)
-        return real(mode, *args, **kwargs)
+    def spy(name, real):
+        def run(*args, **kwargs):
+            calls.append(name if name else args[0])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(_rnn_fused, "call", spy)
+        return run
+
+    monkeypatch.setattr(_rnn_fused, "call", spy(None, _rnn_fused.call))
+    monkeypatch.setattr(_rnn_fused, "onednn_layers", spy("onednn", _rnn_fused.onednn_layers))
+    monkeypatch.setattr(_rnn_fused, "onednn_layers_backward", spy("onednn_backward", _rnn_fused.onednn_layers_backward))
     return calls

@@ -12,8 +12,9 @@ active, on a CPU floating dtype, call torch's own fused functions instead (`torc
 `gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does: oneDNN's
 `mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA), since a Python-level scan step costs
 several dispatches per time step. Traced (`tfun.jit`, `torch.compile`), an LSTM on oneDNN
-(CPU, float32 or bfloat16, no projections) calls the fused function through one opaque op,
-`tfun::rnn_fused`, under the same conditions and not inside a loop body or a derivative that
+(CPU, float32 or bfloat16, no projections) calls oneDNN's layer kernels through opaque ops
+(`tfun::lstm_onednn` with its backward op, or `tfun::rnn_fused` for a forward alone), under
+the same conditions and not inside a loop body or a derivative that
 is differentiated again; every other traced call (`torch.export` included) runs the scan,
 which lowers to torch's scan higher-order op and has every transform's rules. `fused=False`
 always runs the scan. Both paths share `_prepare` (tfun's argument errors) and compute the
@@ -464,10 +465,10 @@ class LSTM(_RNNBase):
     scan on CUDA for now; see `fused` in `tfun.nn.RNN`), several times faster.
 
     Under `tfun.jit` and `torch.compile` too, on the CPU in float32 and bfloat16 without
-    projections (where torch runs oneDNN's fused LSTM layer), the layer calls that fused
-    function through one opaque op, `tfun::rnn_fused`, so a compiled training step runs
-    oneDNN's kernel instead of a compiled scan (3-4x faster here: benchmarks/RESULTS.md);
-    its backward runs the fused forward once more. Inside a `torch.func` transform, a loop
+    projections (where torch runs oneDNN's fused LSTM layer), the layer calls oneDNN's layer
+    kernels through opaque ops (`tfun::lstm_onednn` and its backward op where a gradient is
+    wanted, `tfun::rnn_fused` for a forward alone), so a compiled training step runs oneDNN's
+    forward and backward kernels once each instead of a compiled scan (benchmarks/RESULTS.md). Inside a `torch.func` transform, a loop
     body, or a derivative that is differentiated again (`tfun.grad` of `tfun.grad`), and for
     `torch.export`, the traced layer runs the scan.
 

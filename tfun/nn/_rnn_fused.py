@@ -2,19 +2,25 @@
 `tfun.nn.RNN`, `LSTM` and `GRU`: every layer and direction of the stack in one call.
 
 - Eagerly, `fused` calls the function directly (`call`), as `torch.nn.RNNBase.forward` does.
-- Traced (`tfun.jit`, `torch.compile`), `fused` calls one opaque `torch.library` op,
-  `tfun::rnn_fused`. Dynamo would otherwise trace `torch._VF.lstm` into its per-step
-  decomposition: measured on the CPU, a 613 s compile for a program that then ran 3x slower
-  than the eager call. The op's forward runs the fused function without keeping anything for
-  a backward; its backward, `tfun::rnn_fused_backward`, runs the fused function again under
-  autograd and pulls the cotangents back through it (a training step costs one forward more
-  than eagerly; it saves only the op's inputs, where the scan saves every step).
+- Traced (`tfun.jit`, `torch.compile`), `fused` calls an opaque `torch.library` op; Dynamo
+  would otherwise trace `torch._VF.lstm` into its per-step decomposition (measured on the CPU:
+  a 613 s compile for a program that then ran 3x slower than the eager call). Only oneDNN's
+  LSTM is taken when traced (`traced_pays`):
+  - `tfun::lstm_onednn` where a gradient is wanted: oneDNN's layer kernel
+    (`aten.mkldnn_rnn_layer`, what `torch._VF.lstm` runs on the CPU) for each layer and
+    direction, returning what the backward needs beside the outputs (every layer's output and
+    oneDNN's workspace for each layer and direction); `tfun::lstm_onednn_backward` runs
+    oneDNN's layer backward (`aten.mkldnn_rnn_layer_backward`) over them in reverse, as
+    torch's own autograd of the eager call does. A compiled training step runs each fused
+    kernel once, as eagerly.
+  - `tfun::rnn_fused` for a forward alone (nothing requires grad, or grad mode is off).
 - The backward op has no derivative of its own: the layers take the scan wherever a
   derivative of a derivative is traced (see `tfun.nn._rnn._RNNBase._use_fused`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, cast
 
@@ -105,6 +111,9 @@ def fused(
     """The fused stack: `call` eagerly (keeping what a backward needs whenever autograd
     records, so an `eval()` layer is differentiable as on the scan path), the op when traced."""
     if _context.is_tracing():
+        if mode == "LSTM" and not has_proj and c0 is not None and _wants_grad(x, h0, c0, weights):
+            out, h, c, _, _ = torch.ops.tfun.lstm_onednn(x, h0, c0, weights, has_biases, num_layers, bidirectional)
+            return out, h, c
         out, h, c = torch.ops.tfun.rnn_fused(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj)
         return out, h, (c if mode == "LSTM" else None)
     return call(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj, torch.is_grad_enabled())
@@ -132,7 +141,9 @@ def _rnn_fused(
     bidirectional: bool,
     has_proj: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`(output, h_n, c_n)`; `c_n` is empty but for an LSTM (an op returns tensors only)."""
+    """`(output, h_n, c_n)`; `c_n` is empty but for an LSTM (an op returns tensors only). A
+    forward alone: it has no derivative (a traced call that wants one takes
+    `tfun::lstm_onednn`), so differentiating it is torch's error, never a wrong gradient."""
     out, h, c = call(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj, False)
     return out.contiguous(), h.contiguous(), (c.contiguous() if c is not None else h.new_empty(0))
 
@@ -148,70 +159,188 @@ def _rnn_fused_fake(
     return out, _empty(h0), (_empty(c0) if c0 is not None else h0.new_empty(0))
 
 
-@torch.library.custom_op("tfun::rnn_fused_backward", mutates_args=())
-def _rnn_fused_backward(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    bidirectional: bool,
-    has_proj: bool,
-    grad_out: Tensor | None,
-    grad_h: Tensor | None,
-    grad_c: Tensor | None,
+def _wants_grad(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (x, h0, c0, *weights))
+
+
+# oneDNN's LSTM in `aten.mkldnn_rnn_layer`'s `mode` argument (what torch's `_VF.lstm` passes)
+_ONEDNN_LSTM = 2
+
+
+def _layer_weights(weights: list[Tensor], k: int, has_biases: bool, hidden: int) -> list[Tensor]:
+    """`(w_ih, w_hh, b_ih, b_hh)` of layer-and-direction `k` (zero biases without biases, as
+    oneDNN's layer takes four weights)."""
+    if has_biases:
+        return [w.contiguous() for w in weights[4 * k : 4 * k + 4]]
+    w_ih, w_hh = weights[2 * k], weights[2 * k + 1]
+    zero = w_ih.new_zeros(4 * hidden)
+    return [w_ih.contiguous(), w_hh.contiguous(), zero, zero]
+
+
+def onednn_layers(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """The LSTM stack by oneDNN's layer kernel, keeping what its backward needs:
+    `(output, h_n, c_n, the output of every layer but the last, one workspace per layer and
+    direction)`. The kernels read their tensors as contiguous, whatever their strides (a
+    strided one gives wrong numbers without an error), so every operand is made contiguous."""
+    nd = 2 if bidirectional else 1
+    hidden = h0.shape[-1]
+    layer_in = x.contiguous()
+    h0, c0 = h0.contiguous(), c0.contiguous()
+    hy, cy, workspaces, layer_outs = [], [], [], []
+    with torch.enable_grad():  # oneDNN returns its workspace only in grad mode
+        for layer in range(num_layers):
+            outs = []
+            for d in range(nd):
+                k = layer * nd + d
+                out, h, c, ws = torch.ops.aten.mkldnn_rnn_layer(
+                    layer_in, *_layer_weights(weights, k, has_biases, hidden), h0[k], c0[k], d == 1, [],
+                    _ONEDNN_LSTM, hidden, num_layers, has_biases, bidirectional, False, True,
+                )
+                outs.append(out)
+                hy.append(h)
+                cy.append(c)
+                workspaces.append(ws)
+            layer_in = outs[0] if nd == 1 else torch.cat(outs, dim=2)
+            if layer < num_layers - 1:
+                layer_outs.append(layer_in)
+    return layer_in, torch.stack(hy), torch.stack(cy), layer_outs, workspaces
+
+
+def onednn_layers_backward(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool,
+    out: Tensor, h_n: Tensor, c_n: Tensor, layer_outs: list[Tensor], workspaces: list[Tensor],
+    grad_out: Tensor | None, grad_h: Tensor | None, grad_c: Tensor | None, grad_layer_outs: list[Tensor | None],
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """The cotangents of `(x, h0, c0, weights)` (`c0`'s empty but for an LSTM) for those of
-    `tfun::rnn_fused`'s outputs (None: zero): the fused forward again, under autograd."""
-    with _compat.autograd_inside_op(), torch.enable_grad():
-        xs = x.detach().requires_grad_()
-        h0s = h0.detach().requires_grad_()
-        c0s = c0.detach().requires_grad_() if c0 is not None else None
-        ws = [w.detach().requires_grad_() for w in weights]
-        out, h, c = call(mode, xs, h0s, c0s, ws, has_biases, num_layers, bidirectional, has_proj, True)
-        pairs = [(o, g) for o, g in ((out, grad_out), (h, grad_h), (c, grad_c)) if o is not None and g is not None]
-        inputs = [xs, h0s, *([c0s] if c0s is not None else []), *ws]
-        found: tuple[Tensor | None, ...] = (None,) * len(inputs)
-        if pairs:
-            found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    """The cotangents of `(x, h0, c0, weights)` for those of `onednn_layers`' outputs (None:
+    zero): oneDNN's layer backward for each layer and direction, last layer first."""
+    nd = 2 if bidirectional else 1
+    hidden = h0.shape[-1]
+    x, h0, c0 = x.contiguous(), h0.contiguous(), c0.contiguous()
+    grad_w: list[Tensor] = [torch.zeros_like(w) for w in weights]
+    grad_h0, grad_c0 = torch.zeros_like(h0), torch.zeros_like(c0)
+    g_layer = grad_out if grad_out is not None else torch.zeros_like(out)
+    outputs = [*layer_outs, out]
+    with torch.enable_grad():
+        for layer in reversed(range(num_layers)):
+            if layer < num_layers - 1 and grad_layer_outs[layer] is not None:
+                g_layer = g_layer + grad_layer_outs[layer]
+            layer_in = x if layer == 0 else outputs[layer - 1].contiguous()
+            g_in = torch.zeros_like(layer_in)
+            for d in range(nd):
+                k = layer * nd + d
+                sl = slice(d * hidden, (d + 1) * hidden)
+                gx, gw_ih, gw_hh, gb_ih, gb_hh, gh0, gc0 = torch.ops.aten.mkldnn_rnn_layer_backward(
+                    layer_in, *_layer_weights(weights, k, has_biases, hidden), h0[k], c0[k],
+                    outputs[layer][..., sl].contiguous(), h_n[k], c_n[k], g_layer[..., sl].contiguous(),
+                    grad_h[k] if grad_h is not None else None, grad_c[k] if grad_c is not None else None,
+                    d == 1, _ONEDNN_LSTM, hidden, num_layers, has_biases, True, bidirectional, [], False, workspaces[k],
+                )
+                g_in = g_in + gx
+                per = 4 if has_biases else 2
+                grad_w[per * k], grad_w[per * k + 1] = gw_ih, gw_hh
+                if has_biases:
+                    grad_w[per * k + 2], grad_w[per * k + 3] = gb_ih, gb_hh
+                grad_h0[k], grad_c0[k] = gh0, gc0
+            g_layer = g_in
+    return g_layer, grad_h0, grad_c0, grad_w
+
+
+@torch.library.custom_op("tfun::lstm_onednn", mutates_args=())
+def _lstm_onednn(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """`onednn_layers` as an op (the last two outputs are for its backward)."""
+    out, h, c, layer_outs, workspaces = onednn_layers(x, h0, c0, weights, has_biases, num_layers, bidirectional)
+    return out.contiguous(), h, c, layer_outs, workspaces
+
+
+@_lstm_onednn.register_fake
+def _lstm_onednn_fake(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
+    nd = 2 if bidirectional else 1
+    hidden = h0.shape[-1]
+    width = nd * hidden
+    workspaces = []
+    for layer in range(num_layers):
+        n = _workspace_numel(x.shape[0], x.shape[1], x.shape[2] if layer == 0 else width, hidden, x.dtype)
+        workspaces += [x.new_empty(n, dtype=torch.uint8) for _ in range(nd)]
+    layer_outs = [x.new_empty(x.shape[0], x.shape[1], width) for _ in range(num_layers - 1)]
+    return x.new_empty(x.shape[0], x.shape[1], width), _empty(h0), _empty(c0), layer_outs, workspaces
+
+
+def _workspace_numel(steps: Any, batch: Any, features: Any, hidden: Any, dtype: torch.dtype) -> Any:
+    """The size of oneDNN's workspace for one LSTM layer and direction (oneDNN sizes it itself;
+    torch's own fake kernel says 0 bytes). Where the sizes are known it is asked of oneDNN by
+    running the layer once on zeros, outside the fake mode (`_workspace_numel_of`, cached); with
+    symbolic sizes it is a size known once the op has run (an unbacked size: such an op is
+    kept in the graph even where its outputs go unused)."""
+    dims = (steps, batch, features, hidden)
+    if all(isinstance(d, int) for d in dims):
+        return _workspace_numel_of(*dims, dtype)
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+@functools.lru_cache(maxsize=256)
+def _workspace_numel_of(steps: int, batch: int, features: int, hidden: int, dtype: torch.dtype) -> int:
+    with _compat.outside_fake_mode(), torch.enable_grad():
+        zeros = [torch.zeros(s, dtype=dtype) for s in ((steps, batch, features), (4 * hidden, features),
+                                                       (4 * hidden, hidden), (4 * hidden,), (4 * hidden,),
+                                                       (batch, hidden), (batch, hidden))]
+        ws = torch.ops.aten.mkldnn_rnn_layer(*zeros, False, [], _ONEDNN_LSTM, hidden, 1, True, False, False, True)[3]
+        return int(ws.numel())
+
+
+@torch.library.custom_op("tfun::lstm_onednn_backward", mutates_args=())
+def _lstm_onednn_backward(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool,
+    out: Tensor, h_n: Tensor, c_n: Tensor, layer_outs: list[Tensor], workspaces: list[Tensor],
+    grad_out: Tensor | None, grad_h: Tensor | None, grad_c: Tensor | None, grad_layer_outs: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """`onednn_layers_backward` as an op (`grad_layer_outs`: empty tensors for None)."""
+    found = [g if g.numel() else None for g in grad_layer_outs]
+    grads = onednn_layers_backward(
+        x, h0, c0, weights, has_biases, num_layers, bidirectional, out, h_n, c_n, layer_outs, workspaces,
+        grad_out, grad_h, grad_c, found,
+    )
     # each in its input's layout, as the fake says (and as Inductor lays out an input's gradient)
-    grads = [torch.empty_like(t).copy_(t.new_zeros(()) if g is None else g) for t, g in zip(inputs, found)]
-    gx, gh0 = grads[0], grads[1]
-    if c0s is None:
-        return gx, gh0, h0.new_empty(0), grads[2:]
-    return gx, gh0, grads[2], grads[3:]
+    gx, gh0, gc0 = (torch.empty_like(t).copy_(g) for t, g in zip((x, h0, c0), grads[:3]))
+    return gx, gh0, gc0, [torch.empty_like(w).copy_(g) for w, g in zip(weights, grads[3])]
 
 
-@_rnn_fused_backward.register_fake
-def _rnn_fused_backward_fake(
-    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], *config_and_grads: Any
+@_lstm_onednn_backward.register_fake
+def _lstm_onednn_backward_fake(
+    x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor], *rest: Any
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    gc0 = torch.empty_like(c0) if c0 is not None else h0.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(h0), gc0, [torch.empty_like(w) for w in weights]
+    return torch.empty_like(x), torch.empty_like(h0), torch.empty_like(c0), [torch.empty_like(w) for w in weights]
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj = inputs
-    ctx.config = (mode, has_biases, num_layers, bidirectional, has_proj)  # type: ignore[attr-defined]
-    ctx.has_c = c0 is not None  # type: ignore[attr-defined]
-    ctx.save_for_backward(x, h0, *([c0] if c0 is not None else []), *weights)
+    x, h0, c0, weights, has_biases, num_layers, bidirectional = inputs
+    out, h_n, c_n, layer_outs, workspaces = output
+    ctx.config = (has_biases, num_layers, bidirectional, len(weights), len(layer_outs))  # type: ignore[attr-defined]
+    ctx.save_for_backward(x, h0, c0, *weights, out, h_n, c_n, *layer_outs, *workspaces)
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None, grad_h: Tensor | None,
-              grad_c: Tensor | None) -> tuple:
-    mode, has_biases, num_layers, bidirectional, has_proj = ctx.config  # type: ignore[attr-defined]
-    saved = ctx.saved_tensors  # type: ignore[attr-defined]
-    x, h0 = saved[0], saved[1]
-    c0 = saved[2] if ctx.has_c else None  # type: ignore[attr-defined]
-    weights = list(saved[3:] if ctx.has_c else saved[2:])  # type: ignore[attr-defined]
-    if c0 is None:
-        grad_c = None
-    gx, gh0, gc0, gw = torch.ops.tfun.rnn_fused_backward(
-        mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj, grad_out, grad_h, grad_c
+              grad_c: Tensor | None, grad_layer_outs: list[Tensor | None], grad_workspaces: Any) -> tuple:
+    has_biases, num_layers, bidirectional, n_weights, n_layer_outs = ctx.config  # type: ignore[attr-defined]
+    saved = list(ctx.saved_tensors)  # type: ignore[attr-defined]
+    x, h0, c0 = saved[:3]
+    weights = saved[3 : 3 + n_weights]
+    out, h_n, c_n = saved[3 + n_weights : 6 + n_weights]
+    layer_outs = saved[6 + n_weights : 6 + n_weights + n_layer_outs]
+    workspaces = saved[6 + n_weights + n_layer_outs :]
+    # (the layer outputs are the op's own: nothing outside reads them, so their cotangents are
+    # zero or None; added all the same)
+    g_layers = [g if g is not None else x.new_empty(0) for g in (grad_layer_outs or [None] * n_layer_outs)]
+    gx, gh0, gc0, gw = torch.ops.tfun.lstm_onednn_backward(
+        x, h0, c0, weights, has_biases, num_layers, bidirectional, out, h_n, c_n, layer_outs, workspaces,
+        grad_out, grad_h, grad_c, g_layers,
     )
-    return None, gx, gh0, (gc0 if c0 is not None else None), gw, None, None, None, None
+    return gx, gh0, gc0, gw, None, None, None
 
 
-_rnn_fused.register_autograd(_backward, setup_context=_setup_context)
+_lstm_onednn.register_autograd(_backward, setup_context=_setup_context)
