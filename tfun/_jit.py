@@ -414,13 +414,12 @@ class Jitted:
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
         fwd_level = _compat.forward_ad_level()
-        depth = getattr(_SETTINGS, "depth", 0)
-        _SETTINGS.depth = depth + 1
         try:
-            if _compat.compile_takes_recompile_limit:
-                return compiled(*dyn_args, **dyn_kwargs)
-            with _recompile_limit(self._cache_size):
-                return compiled(*dyn_args, **dyn_kwargs)
+            with _SettingsScope():
+                if _compat.compile_takes_recompile_limit:
+                    return compiled(*dyn_args, **dyn_kwargs)
+                with _recompile_limit(self._cache_size):
+                    return compiled(*dyn_args, **dyn_kwargs)
         except Exception as caught:  # noqa: BLE001 - re-raised below
             _compat.close_forward_ad_levels(fwd_level)  # (a trace stopped inside a jvp leaves its level open)
             e = _compat.compile_error(caught)  # torch can hide it behind a functorch assert
@@ -439,10 +438,6 @@ class Jitted:
             if _is_side_effect_error(e):
                 err = _diagnose_eagerly(self._fun, args, kwargs, err)
             raise err from getattr(err, "dynamo_error", e)
-        finally:
-            _SETTINGS.depth = depth
-            if depth == 0:
-                _restore_trace_settings()
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace `fun` on these arguments and return the captured graph(s), without running
@@ -463,19 +458,14 @@ class Jitted:
         if isinstance(run, types.FunctionType):
             run = _copy_function(run, "tfun_jit_lower")
         compiled = torch.compile(run, backend=recorder, fullgraph=False, dynamic=self._options.get("dynamic"))
-        depth = getattr(_SETTINGS, "depth", 0)
-        _SETTINGS.depth = depth + 1
         try:
-            compiled(*dyn_args, **dyn_kwargs)
+            with _SettingsScope():
+                compiled(*dyn_args, **dyn_kwargs)
         except Exception as e:  # noqa: BLE001
             err = translate_error(e, self._fn_text)
             if err is e:
                 raise
             raise err from getattr(err, "dynamo_error", e)
-        finally:
-            _SETTINGS.depth = depth
-            if depth == 0:
-                _restore_trace_settings()
         return Lowered(graphs, self._fn_text)
 
     def clear_cache(self) -> None:
@@ -649,7 +639,7 @@ def _trace_settings() -> bool:
     so it is set from inside the trace: each `tfun_jit_call` starts with a call of this
     function, which Dynamo runs as plain Python (it is marked constant) whenever it traces
     the function, and which compiled code never runs. `Jitted.__call__` puts the settings
-    back when its outermost call returns (`_restore_trace_settings`). Patching Dynamo's
+    back when its outermost call returns (`_SettingsScope`). Patching Dynamo's
     config around every call instead cost 30 us a call, more than the rest of tfun.jit's
     and torch.compile's overhead together (torch 2.13, CPU).
     """
@@ -664,13 +654,25 @@ def _trace_settings() -> bool:
 _trace_settings = _hop.assume_constant(_trace_settings)
 
 
-def _restore_trace_settings() -> None:
-    prior = _SETTINGS.__dict__.pop("prior", None)
-    if prior:
-        import torch._dynamo.config as dynamo_config
+class _SettingsScope:
+    """Around a call of a jitted function (or `lower`): when the outermost one in this thread
+    ends, the settings `_trace_settings` applied while Dynamo traced are put back."""
 
-        for name, value in reversed(prior):
-            setattr(dynamo_config, name, value)
+    __slots__ = ("depth",)
+
+    def __enter__(self) -> None:
+        self.depth = getattr(_SETTINGS, "depth", 0)
+        _SETTINGS.depth = self.depth + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _SETTINGS.depth = self.depth
+        if self.depth == 0:
+            prior = _SETTINGS.__dict__.pop("prior", None)
+            if prior:
+                import torch._dynamo.config as dynamo_config
+
+                for name, value in reversed(prior):
+                    setattr(dynamo_config, name, value)
 
 
 def _recompile_limit_for(cache_size: int) -> int:
