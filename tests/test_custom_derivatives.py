@@ -1269,7 +1269,8 @@ def _vv_cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_vv_cases()))
+# CI's second torch phase leaves the nested cases out (`heavy`: see pyproject.toml)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c.startswith("nested") else c for c in _vv_cases()])
 def test_jit_of_vmap_of_custom_vjp_uses_the_rule(case):
     fn, args, want = _vv_cases()[case]
     _assert_same(fn(*args), want)  # eagerly

@@ -349,7 +349,7 @@ def _cf_loss(params, xs):
     return ys.sum() + z.sum() + lax.map(lambda r: (r @ W).sin(), xs).sum(), {"h": h}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])  # heavy: pyproject.toml
 def test_jit_of_tfun_grad_with_control_flow_is_one_graph(backend):
     # JAX's training-step form: jit(grad(loss)) with scan, cond and map inside the loss.
     torch.manual_seed(0)

@@ -124,7 +124,8 @@ def test_second_order_matches_eager(program, T, mode):
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("program", ["scan_reverse_pytree", "assoc"])
+# CI's second torch phase keeps `assoc` (the 32 s scan program is `heavy`: see pyproject.toml)
+@pytest.mark.parametrize("program", [pytest.param("scan_reverse_pytree", marks=pytest.mark.heavy), "assoc"])
 def test_second_order_matches_eager_inductor(program):
     fn = _modes(PROGRAMS[program], 7)["grad_of_grad"]
     x = _x(seed=1)

@@ -103,7 +103,12 @@ AOT_EAGER_CELLS = [
     ("custom_vjp_scan", "aot_eager+grad"),
     ("custom_vjp_cond", "aot_eager+grad"),
     # `jit(lambda: vjp(f, x)[1](ct))`: the rules (deliberately not the derivatives) must be used
-    *((name, "aot_eager+vjp") for name in sorted(COMPOSED_CASES)),
+    # (CI's second torch phase runs these on the cond and scan with a custom_vjp: `heavy`, pyproject.toml)
+    *(
+        (name, "aot_eager+vjp") if name in ("custom_vjp_cond", "custom_vjp_scan")
+        else pytest.param(name, "aot_eager+vjp", marks=pytest.mark.heavy)
+        for name in sorted(COMPOSED_CASES)
+    ),
 ]
 
 
@@ -118,10 +123,11 @@ def test_jit_aot_eager(name: str, path: str) -> None:
 #: `jit(value_and_grad)`, a checkpointed while_loop). A checkpointed scan under Inductor is in
 #: tests/test_checkpoint_jit.py; the other cells pass too (run them with `-k inductor` after
 #: widening this list) but are left out of CI for time.
+#: CI's second torch phase keeps the cond and while_loop cells (`heavy`: see pyproject.toml).
 INDUCTOR_CELLS = [
-    ("custom_vjp_scan", "inductor"),
+    pytest.param("custom_vjp_scan", "inductor", marks=pytest.mark.heavy),
     ("custom_vjp_cond", "inductor"),
-    ("custom_jvp_scan", "inductor+grad"),
+    pytest.param("custom_jvp_scan", "inductor+grad", marks=pytest.mark.heavy),
     ("remat_while", "inductor"),
 ]
 

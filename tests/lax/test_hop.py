@@ -490,7 +490,9 @@ def _loss_scan_then_cond(h0, xs):
 
 @pytest.mark.parametrize(
     "loss",
-    [_loss_carry_sum, _loss_reverse_ys_only, _loss_pytree_passthrough, _loss_lstm_like, _loss_xs_none, _loss_init_without_grad, _loss_scan_then_cond],
+    # CI's second torch phase leaves three out (`heavy`: see pyproject.toml)
+    [_loss_carry_sum, _loss_lstm_like, _loss_xs_none, _loss_init_without_grad]
+    + [pytest.param(f, marks=pytest.mark.heavy) for f in (_loss_reverse_ys_only, _loss_pytree_passthrough, _loss_scan_then_cond)],
     ids=lambda f: f.__name__.removeprefix("_loss_"),
 )
 def test_inductor_scan_gradients_match_eager(loss):

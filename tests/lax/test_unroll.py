@@ -59,8 +59,9 @@ def _check(T: int, reverse: bool, unroll: Any, backend: str) -> None:
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize(("T", "unroll"), [(1, 4), (7, 2), (7, 3), (8, 4), pytest.param(8, True, marks=pytest.mark.heavy),
-     pytest.param(5, 0, marks=pytest.mark.heavy), (6, 1), (3, False), (4, 9)])
+# CI's second torch phase keeps T=1, an uneven split, unroll=1, False and unroll > T (`heavy`)
+@pytest.mark.parametrize(("T", "unroll"), [(1, 4), (7, 3), (6, 1), (3, False), (4, 9)] + [
+    pytest.param(T, u, marks=pytest.mark.heavy) for T, u in [(7, 2), (8, 4), (8, True), (5, 0)]])
 def test_scan_unroll_matches_eager_float64(T: int, unroll: Any, reverse: bool) -> None:
     _check(T, reverse, unroll, "aot_eager")
 

@@ -94,7 +94,8 @@ def test_weak_init_matches_jax(jax, init, dtype, loop, how):
         _compare(jax, ours_fn(data), theirs_fn(_jnp(jax, data)))
 
 
-@pytest.mark.parametrize("loop", list(LOOPS))
+# CI's second torch phase leaves the fori_loop cell out (`heavy`: see pyproject.toml)
+@pytest.mark.parametrize("loop", [pytest.param(n, marks=pytest.mark.heavy) if n == "fori_loop" else n for n in LOOPS])
 def test_weak_init_under_jit_matches_jax(jax, loop):
     """Every (init, dtype) case in one compiled function (one compile per loop)."""
     datas = [_data(loop, dtype, False) for _, dtype in CASES]
@@ -242,8 +243,15 @@ def test_weak_init_under_torch_export_matches_eager(strict):
     assert [t.dtype for t in tfun.tree.tree_leaves(want)] == [torch.int8] * 3 + [torch.float16]
 
 
-@pytest.mark.parametrize("path", ["eager", "aot_eager", "inductor"])
-@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+@pytest.mark.parametrize(
+    ("loop", "path"),
+    [
+        # CI's second torch phase keeps fori_loop on Inductor (`heavy`: see pyproject.toml)
+        pytest.param(n, p, marks=pytest.mark.heavy) if (p == "inductor" and n != "fori_loop") else (n, p)
+        for n in ["scan", "fori_loop", "while_loop"]
+        for p in ["eager", "aot_eager", "inductor"]
+    ],
+)
 def test_gradients_through_a_loop_with_a_weak_init_match_float64_eager(loop, path):
     # the body run that decides a weak leaf's dtype is discarded: gradients through the
     # loop must be those of the loop alone, on every path, against float64 eager (the
