@@ -75,8 +75,8 @@ def jit(
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
       `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
       steps from C++ (about 4x less overhead per step, a few seconds more compilation);
-      it is not the default because torch 2.13's C++ wrapper fails on some loop programs
-      (docs/performance.md). With Inductor in its default mode, tfun.jit adds two CPU
+      it is not the default because torch's C++ wrapper fails on some loop programs (2.13:
+      a reverse scan, a while_loop's gradient; 2.11: any scan; docs/performance.md). With Inductor in its default mode, tfun.jit adds two CPU
       defaults for loops (`tfun._jit_options`): small matrix products (at most 2^18
       multiply-adds, static sizes) are compiled as fused loops rather than extern GEMM
       calls, and kernels under 16,384 elements run on one thread. An Inductor option you

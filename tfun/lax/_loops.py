@@ -259,7 +259,7 @@ def fori_loop(
         # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
         # learned from one run of the body at index `lower` (on fake tensors where the loop
         # runs zero times)
-        runs = bool(tensors) or int(upper) > int(lower)
+        runs = len(tensors) > 0 or int(upper) > int(lower)  # not bool(list): Dynamo 2.11 cannot trace it
         i0 = torch.as_tensor(lower, dtype=dtype, device=device)
         leaves = _hop.promote_weak_init(
             leaves,
