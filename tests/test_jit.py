@@ -118,6 +118,25 @@ def test_graph_break_is_jit_error_naming_the_line():
     assert tfun.jit(f, backend="eager", fullgraph=False)(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
+def test_a_failing_compiler_backend_is_a_jit_error_that_says_so():
+    """Traced fine, then the backend failed (torch 2.11's cpp_wrapper on a scan): the error names
+    the backend's exception and where it was raised, and does not blame the user's code."""
+
+    def failing_backend(gm, example_inputs):
+        raise AssertionError("graph inputs do not match")
+
+    def f(x):
+        return lax.fori_loop(0, 3, lambda i, c: c * 2, x)
+
+    with pytest.raises(JitError) as info:
+        tfun.jit(f, backend=failing_backend)(torch.ones(2))
+    msg = str(info.value)
+    assert msg.startswith("tfun.jit: could not compile `f at ")
+    assert "the compiler backend failed: AssertionError: graph inputs do not match (raised in `failing_backend`, test_jit.py:" in msg
+    assert "not of your code" in msg and 'backend="aot_eager"' in msg
+    assert "Revise that line" not in msg
+
+
 def test_tfun_error_inside_body_is_unwrapped():
     def f(x):
         return lax.scan(lambda c, x: ((c, c), x), x[0], x)

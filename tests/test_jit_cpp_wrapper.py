@@ -3,7 +3,9 @@ for compiled loops on the CPU (not the default: docs/performance.md).
 
 What works is compared with the float64 eager oracle (outputs and gradients); the torch 2.13
 failures that keep it from being the default are pinned with strict xfails, so that a torch
-release that fixes them shows up here (and the default can be reconsidered).
+release that fixes them shows up here (and the default can be reconsidered). Where the C++
+wrapper itself fails on a forward scan or fori_loop (torch 2.11), the cell must get tfun's
+error naming the backend, and is reported as an xfail.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 import tfun
 from tfun import lax
+from tfun.errors import JitError
 
 CPP = {"cpp_wrapper": True}
 # float32 against the float64 oracle, relative to the largest oracle magnitude (as tests/differential)
@@ -110,9 +113,16 @@ PROGRAMS = {
 def test_cpp_wrapper_opt_in_matches_float64_oracle(program: tuple) -> None:
     fn, grad = program
     name = "scan" if fn in (rnn, rnn_reverse) else "loop"
-    outs, grads = _outs_and_grads(
-        tfun.jit(fn, options=CPP), _args(name, torch.float32), grad
-    )
+    try:
+        outs, grads = _outs_and_grads(
+            tfun.jit(fn, options=CPP), _args(name, torch.float32), grad
+        )
+    except JitError as e:
+        # torch 2.11's C++ wrapper asserts on the loop a forward scan or fori_loop lowers to
+        # (`codegen_subgraph_prefix`): tfun's error names the backend, never a wrong value
+        if "the compiler backend failed" in str(e) and "cpp_wrapper_cpu.py" in str(e):
+            pytest.xfail(f"this torch's Inductor C++ wrapper cannot compile it: {e}")
+        raise
     want_outs, want_grads = _outs_and_grads(fn, _args(name, torch.float64), grad)
     _assert_close(outs, want_outs, RTOL_OUT)
     _assert_close(grads, want_grads, RTOL_GRAD)

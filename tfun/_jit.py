@@ -612,6 +612,17 @@ def _user_frame(e: BaseException) -> str | None:
     return None
 
 
+def _backend_failure(e: BaseException) -> str:
+    """What a compiler backend raised and where in torch, for a `BackendCompilerFailed`."""
+    inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+    lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
+    text = f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
+    frames = traceback.extract_tb(inner.__traceback__)
+    if frames:
+        text += f" (raised in `{frames[-1].name}`, {_os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    return f"the compiler backend failed: {text}"
+
+
 def _headline(e: BaseException) -> str:
     text = str(e).strip()
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -756,7 +767,7 @@ def _is_dynamo_error(e: BaseException) -> bool:
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
-        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, TorchDynamoException
     except ImportError:  # pragma: no cover
         return e
     if isinstance(e, FailOnRecompileLimitHit):
@@ -800,10 +811,11 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         inner.dynamo_error = e  # type: ignore[attr-defined]
         return inner
     where = _user_frame(e)
-    revise = (
+    revise = default_revise = (
         "Revise that line (tfun.lax ops instead of Python control flow on tensor values, no "
         "printing or .item() on traced tensors), or pass fullgraph=False to allow graph breaks."
     )
+    bullets = [_headline(e)] + ([f"at {where}"] if where else [])
     if "SymInt with basic symbols" in str(e):
         # torch's scan/while_loop take a closed-over size only as a plain symbol: a size computed
         # from a dynamic shape (`n // 4`) and closed over by the body is refused
@@ -850,12 +862,17 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "each gradient on its own, take the outer derivative outside tfun.jit, or drop tfun.checkpoint "
             "where its gradient is differentiated again."
         )
-    err = JitError(
-        format_message(
-            f"tfun.jit: could not compile `{fn_text}` as one graph:",
-            [_headline(e)] + ([f"at {where}"] if where else []),
-            revise=revise,
+    if revise is default_revise and isinstance(e, BackendCompilerFailed):
+        # traced, then the compiler (Inductor) failed on the graph: nothing in the user's code
+        bullets = [_backend_failure(e)]
+        revise = (
+            "Tracing succeeded and the compiler backend failed on the traced graph: a limitation of the "
+            "installed torch, not of your code. Leave out the backend option that fails (Inductor's "
+            "cpp_wrapper fails on some loop programs: docs/performance.md), pass backend=\"aot_eager\" to "
+            "tfun.jit, or call the function outside tfun.jit."
         )
+    err = JitError(
+        format_message(f"tfun.jit: could not compile `{fn_text}` as one graph:", bullets, revise=revise)
     )
     err.dynamo_error = e  # type: ignore[attr-defined]
     return err
