@@ -76,9 +76,10 @@ def jit(
       `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
       steps from C++ (about 4x less overhead per step, a few seconds more compilation);
       it is not the default because torch's C++ wrapper fails on some loop programs (2.13:
-      a reverse scan, a while_loop's gradient; 2.11: any scan; docs/performance.md). With Inductor in its default mode, tfun.jit adds two CPU
-      defaults for loops (`tfun._jit_options`): small matrix products (at most 2^18
-      multiply-adds, static sizes) are compiled as fused loops rather than extern GEMM
+      a reverse scan, a while_loop's gradient; 2.11: any scan; docs/performance.md).
+      With Inductor in its default mode, tfun.jit adds two CPU defaults for loops
+      (`tfun._jit_options`): small matrix products (at most 2^18 multiply-adds, static
+      sizes) are compiled as fused loops rather than extern GEMM
       calls, and kernels under 16,384 elements run on one thread. An Inductor option you
       set in `options` wins (`{"post_grad_custom_pre_pass": None}` keeps torch's GEMMs,
       `{"cpp.min_chunk_size": 512}` its threading).
@@ -613,7 +614,7 @@ def _user_frame(e: BaseException) -> str | None:
 
 
 def _backend_failure(e: BaseException) -> str:
-    """What a compiler backend raised and where in torch, for a `BackendCompilerFailed`."""
+    """What a compiler backend raised and where (its innermost frame), for a `BackendCompilerFailed`."""
     inner = getattr(e, "inner_exception", None) or e.__cause__ or e
     lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
     text = f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
