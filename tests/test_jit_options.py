@@ -10,16 +10,16 @@ from torch._inductor.utils import run_and_get_code
 
 import tfun
 from tfun import _jit_options
-from tfun._small_matmul import SmallMatmulPass
+from tfun._inductor_pass import PostGradPass
 
 
 def test_the_defaults_go_only_to_inductor_in_its_default_mode():
     added = _jit_options.compile_options({})["options"]
-    assert isinstance(added["post_grad_custom_pre_pass"], SmallMatmulPass)
+    assert isinstance(added["post_grad_custom_pre_pass"], PostGradPass)
     assert added["cpp.min_chunk_size"] >= 512
     kept = _jit_options.compile_options({"options": {"cpp_wrapper": True}, "dynamic": True})
     assert kept["options"]["cpp_wrapper"] is True and kept["dynamic"] is True
-    assert isinstance(kept["options"]["post_grad_custom_pre_pass"], SmallMatmulPass)
+    assert isinstance(kept["options"]["post_grad_custom_pre_pass"], PostGradPass)
     assert "cpp.min_chunk_size" in _jit_options.compile_options({"backend": "inductor"})["options"]
     for untouched in (
         {"backend": "aot_eager"},
@@ -29,7 +29,7 @@ def test_the_defaults_go_only_to_inductor_in_its_default_mode():
     ):
         assert _jit_options.compile_options(untouched) == untouched
     mine = _jit_options.compile_options({"options": {"cpp.min_chunk_size": 7}})["options"]
-    assert mine["cpp.min_chunk_size"] == 7 and isinstance(mine["post_grad_custom_pre_pass"], SmallMatmulPass)
+    assert mine["cpp.min_chunk_size"] == 7 and isinstance(mine["post_grad_custom_pre_pass"], PostGradPass)
 
 
 def test_the_chunk_size_makes_kernels_under_the_limit_serial_for_any_thread_count():

@@ -720,7 +720,7 @@ compile_takes_recompile_limit: bool = _compile_takes("recompile_limit")
 def _custom_graph_pass() -> type:
     """Inductor's base class for a custom graph pass with a cache key
     (`torch._inductor.custom_graph_pass.CustomGraphPass`), or `object` where this torch has none
-    (then tfun adds no pass: `tfun._small_matmul.compile_options`)."""
+    (then tfun adds no pass: `tfun._jit_options.compile_options`)."""
     try:
         module = importlib.import_module("torch._inductor.custom_graph_pass")
     except ImportError:  # pragma: no cover - a torch without Inductor's custom passes

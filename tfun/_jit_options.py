@@ -6,8 +6,10 @@ defaults cut it (measured on a 2-core CPU, torch 2.13, `benchmarks/vs_jax.py`'s 
 batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backward 22.6 ->
 8.5 ms; benchmarks/RESULTS.md):
 
-- **Small matrix products as fused loops**: `tfun._small_matmul.SmallMatmulPass`, as
-  Inductor's `post_grad_custom_pre_pass`.
+- **Small matrix products as fused loops** (`tfun._small_matmul`), and **copying views as
+  views** (`tfun._view_copies`: the `select_copy`s of a differentiated loop body would be
+  ATen calls every step): `tfun._inductor_pass.PostGradPass`, as Inductor's
+  `post_grad_custom_pre_pass`.
 - **Small kernels on one thread**: Inductor runs a CPU kernel as an OpenMP parallel region
   once each thread gets `cpp.min_chunk_size` elements of its loop nest (torch's default: 512,
   so with 2 threads a kernel of 1,024 elements already forks and joins). For a loop body's
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from ._small_matmul import SmallMatmulPass
+from ._inductor_pass import PostGradPass
 
 __all__ = ["SERIAL_ELEMENTS", "compile_options"]
 
@@ -56,7 +58,7 @@ def compile_options(options: dict[str, Any]) -> dict[str, Any]:
     inductor = dict(options.get("options") or {})
     added = False
     if "post_grad_custom_pre_pass" not in inductor and _compat.CustomGraphPass is not object:
-        inductor["post_grad_custom_pre_pass"] = SmallMatmulPass()
+        inductor["post_grad_custom_pre_pass"] = PostGradPass()
         added = True
     if "cpp.min_chunk_size" not in inductor:
         inductor["cpp.min_chunk_size"] = _min_chunk_size()

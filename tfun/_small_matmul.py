@@ -8,10 +8,10 @@ each step. For the small products of a recurrent step (`h @ W` with a batch of 4
 and 4.7 us with the product written as a broadcast multiply and a sum, which Inductor fuses with
 the step's other pointwise work into one generated C++ kernel (benchmarks/RESULTS.md).
 
-`SmallMatmulPass` is that rewrite as an Inductor post-grad pass (`post_grad_custom_pre_pass`,
-Inductor's hook for custom passes, which it applies to every graph it compiles: the forward,
-the backward, and each loop body and branch inside them). It rewrites `aten.mm`, `aten.addmm`
-and `aten.bmm` nodes
+`rewrite` is that rewrite, run by Inductor as part of tfun's post-grad pass
+(`tfun._inductor_pass.PostGradPass`, on every graph it compiles: the forward, the backward,
+and each loop body and branch inside them). It rewrites `aten.mm`, `aten.addmm` and
+`aten.bmm` nodes
 
 - on the CPU (every other device keeps its GEMM library),
 - in a floating dtype (float16 and bfloat16 are multiplied and summed in float32 and rounded
@@ -23,26 +23,21 @@ Anything else is left to ATen. The result is the same matrix product with anothe
 order: float32 results differ from the extern kernel's by rounding only (the tests compare
 both with the float64 eager result).
 
-`tfun.jit` adds the pass to Inductor's options when it compiles with Inductor in its default
+`tfun.jit` adds that pass to Inductor's options when it compiles with Inductor in its default
 mode (`tfun._jit_options`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import pathlib
 from typing import Any
 
 import torch
 
 from . import _compat
 
-__all__ = ["MAX_MULTIPLY_ADDS", "SmallMatmulPass", "rewrite"]
+__all__ = ["MAX_MULTIPLY_ADDS", "rewrite"]
 
 MAX_MULTIPLY_ADDS = 1 << 18
-# Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
-_VERSION = 1
 
 _aten = torch.ops.aten
 _prims = torch.ops.prims  # post-grad graphs convert dtypes with prims, not aten._to_copy
@@ -146,29 +141,3 @@ def rewrite(graph: torch.fx.Graph) -> int:
             _rewrite_node(graph, node, *found)
             n += 1
     return n
-
-
-class SmallMatmulPass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type]
-    """`rewrite` as an Inductor custom post-grad pass, with a cache key of its own (`uuid`): a
-    graph compiled with it is never taken from Inductor's caches for one compiled without."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        rewrite(graph)
-
-    def uuid(self) -> Any:
-        return ("tfun.SmallMatmulPass", _VERSION, MAX_MULTIPLY_ADDS, _source_hash())
-
-
-@functools.lru_cache(maxsize=1)
-def _source_hash() -> str:
-    """A hash of tfun's own source files, in the pass's cache key. Inductor's caches key a
-    compiled graph by its ops, not by what a custom op's fake kernel said when it was
-    compiled: a graph compiled by another tfun (a `tfun.nn` op whose fake kernel changed) would
-    be taken from the cache as it was. With tfun's source in the key, a graph compiled by
-    `tfun.jit` is reused only by the same tfun."""
-    root = pathlib.Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
