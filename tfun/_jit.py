@@ -77,12 +77,13 @@ def jit(
       steps from C++ (about 4x less overhead per step, a few seconds more compilation);
       it is not the default because torch's C++ wrapper fails on some loop programs (2.13:
       a reverse scan, a while_loop's gradient; 2.11: any scan; docs/performance.md).
-      With Inductor in its default mode, tfun.jit adds two CPU defaults for loops
-      (`tfun._jit_options`): small matrix products (at most 2^18 multiply-adds, static
-      sizes) are compiled as fused loops rather than extern GEMM
-      calls, and kernels under 16,384 elements run on one thread. An Inductor option you
-      set in `options` wins (`{"post_grad_custom_pre_pass": None}` keeps torch's GEMMs,
-      `{"cpp.min_chunk_size": 512}` its threading).
+      With Inductor in its default mode, tfun.jit adds its defaults for loops
+      (`tfun._jit_options`): small CPU matrix products (at most 2^18 multiply-adds, static
+      sizes) are compiled as fused loops rather than extern GEMM calls, the copying views
+      of a differentiated loop body (`select_copy`, ...) as fused views rather than ATen
+      calls, and CPU kernels under 16,384 elements run on one thread. An Inductor option
+      you set in `options` wins (`{"post_grad_custom_pre_pass": None}` turns both
+      rewrites off, `{"cpp.min_chunk_size": 512}` restores torch's threading).
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for
     introspection (`Lowered`: `.graph`, `.graphs`, `.as_text()`, `.graph_breaks`).
