@@ -94,6 +94,22 @@ def test_a_list_of_views_used_whole_or_without_fake_values_is_left_alone():
     del single
 
 
+def test_an_index_known_only_at_run_time_is_left_alone():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    graph = torch.fx.Graph()
+    x, i = graph.placeholder("x"), graph.placeholder("i")
+    part = graph.call_function(_aten.slice_copy.Tensor, (x, 0, i, 8))
+    graph.output((part,))
+    with torch._subclasses.fake_tensor.FakeTensorMode(shape_env=shape_env):
+        x.meta["val"] = torch.empty(8, 3)
+        i.meta["val"] = shape_env.create_unbacked_symint()  # as from `.item()`
+        part.meta["val"] = torch.empty(8, 3)[i.meta["val"] :]
+    # its view would hold a new unbacked size that nothing in the compiled graph defines
+    assert _view_copies.rewrite(graph) == 0
+
+
 # --- the loop bodies that make them ----------------------------------------------------------
 
 

@@ -14,9 +14,10 @@ them rewritten (benchmarks/RESULTS.md).
 
 `rewrite` turns each such node back into its view followed by a contiguous `clone`: the same
 values in fresh, contiguous memory (what the copying twin returns), which Inductor inlines
-into the kernel that reads it. A copying twin Inductor lowers or decomposes is left alone (so a
-torch that learns to lower one keeps its own), and so is any node whose view or users do not
-fit the pattern below. It runs as part of `tfun._inductor_pass.PostGradPass`.
+into the kernel that reads it. Left alone: a copying twin Inductor lowers or decomposes (a
+torch that learns to lower one keeps its own), a node with a size or index known only at
+run time (an unbacked symbol), and a list of views used whole. It runs as part of
+`tfun._inductor_pass.PostGradPass`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import operator
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from . import _compat
 
@@ -90,7 +92,11 @@ def _contiguous_clone(graph: torch.fx.Graph, of: torch.fx.Node, fake_mode: Any, 
 def _rewrite_node(graph: torch.fx.Graph, node: torch.fx.Node, view: Any) -> bool:
     vals = [_val(a) for a in node.args if isinstance(a, torch.fx.Node)]
     fake_mode = _compat.fake_mode_of(vals)
-    if fake_mode is None:
+    if fake_mode is None or any(v is None for v in vals):
+        return False
+    if free_unbacked_symbols([_val(a) for a in (*node.args, *node.kwargs.values())]):
+        # a size or index known only at run time (`.item()`): the view's value could hold a
+        # new unbacked symbol that nothing in the compiled graph defines
         return False
     val = _val(node)
     if isinstance(val, torch.Tensor):
