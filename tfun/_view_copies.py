@@ -54,10 +54,9 @@ def _signature(schema: Any) -> list[tuple[str, str, bool]]:
 
 
 @functools.lru_cache(maxsize=None)
-def view_of(target: Any) -> Any:
+def _twin_of(target: Any) -> Any:
     """The view op whose copying twin `target` is (`aten.select.int` for
-    `aten.select_copy.int`), if `target` is one that Inductor would run as an ATen call; else
-    None."""
+    `aten.select_copy.int`), or None."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
     namespace, _, name = target._schema.name.partition("::")
@@ -69,10 +68,25 @@ def view_of(target: Any) -> Any:
         return None
     if _signature(view._schema) != _signature(target._schema):  # the same call, another op
         return None
+    return view
+
+
+def view_of(target: Any) -> Any:
+    """The view op whose copying twin `target` is, if `target` is one that Inductor would run
+    as an ATen call; else None.
+
+    Asked each time, not cached: Inductor registers the ATen call it falls back to as a
+    lowering the first time it meets such an op (and lists it in `lowering.fallbacks`), so
+    whether a twin is "lowered" changes during a process."""
+    view = _twin_of(target)
+    if view is None:
+        return None
     from torch._inductor import decomposition, lowering
 
-    if target in lowering.lowerings or target in decomposition.decompositions:
-        return None  # Inductor lowers (or decomposes) this twin itself
+    if target in decomposition.decompositions:
+        return None  # Inductor decomposes this twin itself
+    if target in lowering.lowerings and target not in getattr(lowering, "fallbacks", ()):
+        return None  # a lowering of Inductor's own
     return view
 
 
