@@ -22,8 +22,9 @@ Both apply when tfun.jit compiles with Inductor in its default mode: not with a 
 (torch.compile takes `mode` or `options`, never both; `"max-autotune"` tunes the GEMMs the pass
 would remove), not with another `backend=`, and each leaves an Inductor option the caller sets
 in `options` alone (`{"post_grad_custom_pre_pass": None}` turns the pass off,
-`{"cpp.min_chunk_size": 512}` restores torch's threading). They change only how the CPU kernels
-are generated: CUDA graphs compile as torch compiles them.
+`{"cpp.min_chunk_size": 512}` restores torch's threading). The matmul rewrite and the chunk
+size shape CPU kernels only; the view-copy rewrite applies on every device (on CUDA such an ATen
+call is a kernel launch of its own per step; not yet measured on a GPU).
 """
 
 from __future__ import annotations
