@@ -113,32 +113,34 @@ def _rewrite_node(graph: torch.fx.Graph, node: torch.fx.Node, view: Any) -> bool
         # new unbacked symbol that nothing in the compiled graph defines
         return False
     val = _val(node)
-    if isinstance(val, torch.Tensor):
+    single = isinstance(val, torch.Tensor)
+    if not single and not (
+        isinstance(val, (list, tuple))
+        and all(
+            user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
+            for user in node.users
+        )
+    ):
+        return False
+    with graph.inserting_before(node):
+        viewed = graph.call_function(view, node.args, dict(node.kwargs))
+        viewed.meta["val"] = _fake(fake_mode, view, node.args, node.kwargs)
+    if single:
         with graph.inserting_before(node):
-            viewed = graph.call_function(view, node.args, dict(node.kwargs))
-            viewed.meta["val"] = _fake(fake_mode, view, node.args, node.kwargs)
             copy = _contiguous_clone(graph, viewed, fake_mode, node.meta)
         node.replace_all_uses_with(copy)
         graph.erase_node(node)
         return True
-    if isinstance(val, (list, tuple)) and all(
-        user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
-        for user in node.users
-    ):
-        # a list of views (`split_copy`, `unbind_copy`): each element read is cloned
-        with graph.inserting_before(node):
-            viewed = graph.call_function(view, node.args, dict(node.kwargs))
-            viewed.meta["val"] = _fake(fake_mode, view, node.args, node.kwargs)
-        for user in list(node.users):
-            with graph.inserting_before(user):
-                part = graph.call_function(operator.getitem, (viewed, user.args[1]))
-                part.meta["val"] = viewed.meta["val"][user.args[1]]
-                copy = _contiguous_clone(graph, part, fake_mode, user.meta)
-            user.replace_all_uses_with(copy)
-            graph.erase_node(user)
-        graph.erase_node(node)
-        return True
-    return False
+    # a list of views (`split_copy`): each element read is cloned
+    for user in list(node.users):
+        with graph.inserting_before(user):
+            part = graph.call_function(operator.getitem, (viewed, user.args[1]))
+            part.meta["val"] = viewed.meta["val"][user.args[1]]
+            copy = _contiguous_clone(graph, part, fake_mode, user.meta)
+        user.replace_all_uses_with(copy)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return True
 
 
 def rewrite(graph: torch.fx.Graph) -> int:
