@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Everything tfun checks and measures on a CUDA machine, as one command that fits the device
-# tool's limits (one run of at most 10 minutes, 15 minutes of device time a session): the GPU
-# correctness script, the kernel tests on real CUDA, the GPU benchmarks, then as much of the
-# suite as the time left allows. Logs and a summary go to $OUT (the device tool brings back at
-# most 8 files). DEVELOPERS.md, "On a GPU", says how a session uses it.
+# tool's limits (one run of at most 10 minutes, 15 minutes of device time a session): first,
+# side by side, the GPU correctness script, the kernel tests compiled for CUDA and the whole
+# suite; then, alone on the machine, the GPU benchmarks. Logs and a summary go to $OUT (the
+# device tool brings back at most 8 files). DEVELOPERS.md, "On a GPU", says how a session uses it.
 #
 #   bash benchmarks/gpu_session.sh --fetch-wheels   # here, before: the packages the GPU image
 #                                                   # lacks (optree, typeguard) into .whl/
 #   bash benchmarks/gpu_session.sh                  # there: device tool `run` with carry [".whl"]
 #
-# GPU_BUDGET_S (default 540) is the time the steps may take together; each step also has a
-# limit of its own, so one that hangs leaves time for the next.
+# GPU_BUDGET_S (default 560) is the time the steps may take together; each step also has a
+# limit of its own (GPU_PHASE1_S, default 330, for the correctness phase), so one that hangs
+# leaves time for the next.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -30,7 +31,7 @@ fi
 OUT=${OUT:-/tmp/tfun-gpu-out}
 mkdir -p "$OUT"
 start=$SECONDS
-budget=${GPU_BUDGET_S:-540}
+budget=${GPU_BUDGET_S:-560}
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -56,15 +57,28 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
     tail -n 15 "$OUT/$name.log"
 }
 
+# Phase 1, correctness, side by side (mostly CPU-bound compiling; the GPU is shared): the GPU
+# correctness script in three shards, the kernel tests compiled for CUDA, and the whole suite
+# (JAX on the CPU there, as on CI: it is the oracle; the full check_cuda cell is its own step).
+phase1=${GPU_PHASE1_S:-330}
 step env 60 python3 -c "import torch, triton, jax, optree, tfun; print('torch', torch.__version__, torch.cuda.get_device_name(), '| triton', triton.__version__, '| jax', jax.__version__, jax.devices(), '| optree', optree.__version__)"
-step check_cuda 150 python3 -m tests.gpu.check_cuda
-step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels tests/gpu
-step vs_jax 120 python3 benchmarks/vs_jax.py --quick --device cuda
-step linear_scan 60 python3 benchmarks/linear_scan.py --quick --reps 3 --max-seconds 5
+for k in 0 1 2; do
+    TORCHINDUCTOR_COMPILE_THREADS=2 step "check_cuda_$k" "$phase1" python3 -m tests.gpu.check_cuda --shard "$k/3" &
+done
+TFUN_KERNEL_DEVICE=cuda step kernel_tests "$phase1" python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels &
 # -v: each result as it comes, so a suite cut off by the time limit still says what failed
-step suite 9999 python3 -m pytest -v -p no:cacheprovider -n 8 tests --ignore=tests/jax_port -m "not heavy"
+JAX_PLATFORMS=cpu TORCHINDUCTOR_COMPILE_THREADS=1 step suite "$phase1" python3 -m pytest -v -p no:cacheprovider -n 10 tests \
+    --deselect tests/gpu/test_check_cuda.py::test_full_check_on_cuda
+wait
+cat "$OUT"/check_cuda_?.log >"$OUT/check_cuda.log" && rm -f "$OUT"/check_cuda_?.log  # 8 files come back at most
+echo "check_cuda: $(grep -c ' | ok | ' "$OUT/check_cuda.log") ok, $(grep -cE ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log") wrong or crashed, $(grep -c ' | REFUSED | ' "$OUT/check_cuda.log") refused" | tee -a "$OUT/summary.txt"
+grep -E ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log" | head -30 | tee -a "$OUT/summary.txt"
 if [ -f "$OUT/suite.log" ]; then
     echo "suite: $(grep -c ' PASSED' "$OUT/suite.log") passed, $(grep -cE ' (FAILED|ERROR)' "$OUT/suite.log") failed or errors" | tee -a "$OUT/summary.txt"
     grep -E ' (FAILED|ERROR) ' "$OUT/suite.log" | head -40 | tee -a "$OUT/summary.txt"
 fi
+
+# Phase 2, speed, on the machine with nothing else running
+step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda
+step linear_scan 45 python3 benchmarks/linear_scan.py --quick --reps 3 --max-seconds 5
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"

@@ -4,6 +4,8 @@ One command for anyone with a CUDA machine (from the repository root):
 
     python -m tests.gpu.check_cuda                 # CUDA, every path, float32 and bfloat16
     python -m tests.gpu.check_cuda --quick         # eager paths and the kernels only
+    python -m tests.gpu.check_cuda --shard 0/3     # every third row, from the first (run the
+                                                   # shards side by side on a many-core machine)
 
 For each case it runs the op (or the layer's forward) and the gradient of a fixed random
 weighting of every output with respect to every input and parameter, on the device, and compares
@@ -92,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="eager paths and the kernels only")
+    ap.add_argument("--shard", default="0/1", help="K/N: only the rows whose index is K modulo N")
     args = ap.parse_args(argv)
+    try:
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        if not 0 <= shard < shards:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--shard takes K/N with 0 <= K < N, got {args.shard!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device is available; pass --device cpu to run the checks on the CPU", file=sys.stderr)
@@ -101,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     rows: list[tuple[str, ...]] = []
     bad = 0
+    index = -1
 
     def record(what: str, path: str, dtype: torch.dtype, fn: Callable[[], Any]) -> None:
-        nonlocal bad
+        nonlocal bad, index
+        index += 1
+        if index % shards != shard:
+            return
         t0 = time.perf_counter()
         try:
             res = fn()
@@ -133,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, specs in LAX_SPECS.items():
         for spec in specs:
             for path in ["eager", *jit_paths]:
-                torch._dynamo.reset()
-                record(f"lax.{name} T={spec['T']} C={spec['C']}", path, torch.float32,
-                       lambda name=name, spec=spec, path=path: harness.compare(name, spec, path, torch.float32, device))
+                def case(name: str = name, spec: dict[str, Any] = spec, path: str = path) -> Any:
+                    torch._dynamo.reset()
+                    return harness.compare(name, spec, path, torch.float32, device)
+
+                record(f"lax.{name} T={spec['T']} C={spec['C']}", path, torch.float32, case)
     for name, build in nn_cases().items():
         for path in ["eager", *[p for p in jit_paths if "+" not in p]]:
-            torch._dynamo.reset()
-
             def run(build: Any = build, path: str = path) -> Any:
+                torch._dynamo.reset()
                 oracle = _nn_result(build, torch.float64, torch.device("cpu"), "eager")
                 got = _nn_result(build, torch.float32, device, path)
                 if isinstance(got, harness.Refused):

@@ -22,3 +22,17 @@ def test_quick_check_on_the_cpu_finds_nothing_wrong(capsys: pytest.CaptureFixtur
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_full_check_on_cuda() -> None:
     assert check_cuda.main(["--device", "cuda"]) == 0
+
+
+def test_shards_run_each_row_once(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check_cuda, "KERNEL_SPECS", [{"T": 5, "C": 2, "seed": 1, "impl": "torch"}])
+    monkeypatch.setattr(check_cuda, "LAX_SPECS", {"scan": [{"T": 3, "C": 1, "seed": 1}], "cond": [{"T": 1, "C": 1, "seed": 1}]})
+    cells = []
+    for shard in ("0/1", "0/2", "1/2"):
+        assert check_cuda.main(["--device", "cpu", "--quick", "--shard", shard]) == 0
+        cells.append(sorted(line for line in capsys.readouterr().out.splitlines() if " | ok | " in line))
+    strip = lambda lines: sorted(line.rsplit(" | ", 3)[0] for line in lines)  # without time and errors
+    assert len(cells[0]) == 1 + 2 + len(check_cuda.nn_cases())
+    assert strip(cells[1] + cells[2]) == strip(cells[0]) and cells[1] and cells[2]
+    with pytest.raises(SystemExit):
+        check_cuda.main(["--device", "cpu", "--shard", "2/2"])

@@ -1,4 +1,5 @@
-"""The Triton linear_scan kernels, run in Triton's CPU interpreter (see conftest.py).
+"""The Triton linear_scan kernels, run in Triton's CPU interpreter, or on CUDA with
+`TFUN_KERNEL_DEVICE=cuda` (see conftest.py).
 
 Every comparison is against a float64 Python-loop oracle (forward, and the gradient of every
 input through the oracle's autograd). Every test checks the launch counter, so a silent fallback
@@ -16,6 +17,8 @@ import triton.language as tl
 import tfun
 from tfun.kernels import _linear_scan_triton as K
 from tfun.lax._linear_scan import linear_scan
+
+from .conftest import DEVICE, ON_GPU, interpreter_only
 
 TOL = {  # (rtol, atol relative to the largest |expected|)
     torch.float64: (1e-10, 1e-10),
@@ -64,6 +67,7 @@ def check(
         b = b.transpose(0, -1).contiguous().transpose(0, -1)
     h0 = torch.randn(state, generator=g, dtype=torch.float64).to(dtype) if with_init else None
     w = torch.randn(b_shape, generator=g, dtype=torch.float64)
+    a, b, h0, w = (None if t is None else t.to(DEVICE) for t in (a, b, h0, w))
 
     before = K.LAUNCHES.copy()
     xs = [t.detach().clone().requires_grad_() for t in (a, b, h0) if t is not None]
@@ -74,7 +78,7 @@ def check(
     assert K.LAUNCHES["scan_bwd"] == before["scan_bwd"] + 1, "the backward kernel did not launch"
 
     ys = [t.detach().double().requires_grad_() for t in (a, b, h0) if t is not None]
-    h0_ref = ys[2] if with_init else torch.zeros(state, dtype=torch.float64)
+    h0_ref = ys[2] if with_init else torch.zeros(state, dtype=torch.float64, device=DEVICE)
     h_ref = oracle(ys[0], ys[1], h0_ref, ax, reverse)
     grads_ref = torch.autograd.grad((h_ref * w).sum(), ys)
     _close(h, h_ref, dtype, "h")
@@ -155,8 +159,8 @@ def test_non_contiguous_b() -> None:
 
 
 def test_zero_length() -> None:
-    a = torch.rand(0, 3, requires_grad=True)
-    b = torch.randn(0, 3, requires_grad=True)
+    a = torch.rand(0, 3, device=DEVICE, requires_grad=True)
+    b = torch.randn(0, 3, device=DEVICE, requires_grad=True)
     h = linear_scan(a, b, impl="triton")
     assert h.shape == (0, 3)
     h.sum().backward()
@@ -164,13 +168,15 @@ def test_zero_length() -> None:
 
 
 def test_nan_fill_catches_a_skipped_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = K.linear_scan_fwd(torch.rand(5, 3), torch.randn(5, 3), torch.zeros(3), 0, False)
+    args = (torch.rand(5, 3), torch.randn(5, 3), torch.zeros(3))
+    out = K.linear_scan_fwd(*(t.to(DEVICE) for t in args), 0, False)
     assert not out.isnan().any()
     monkeypatch.setattr(K, "_launch", lambda *args, **kw: None)  # a "kernel" that writes nothing
-    out = K.linear_scan_fwd(torch.rand(5, 3), torch.randn(5, 3), torch.zeros(3), 0, False)
+    out = K.linear_scan_fwd(*(t.to(DEVICE) for t in args), 0, False)
     assert out.isnan().all()
 
 
+@interpreter_only
 def test_interpreter_is_chosen_at_launch_time(monkeypatch: pytest.MonkeyPatch) -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -187,7 +193,7 @@ def test_interpreter_is_chosen_at_launch_time(monkeypatch: pytest.MonkeyPatch) -
 
 def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(3, generator=g)
+    return tuple(t.to(DEVICE) for t in (torch.rand(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(3, generator=g)))  # type: ignore[return-value]
 
 
 def _loss(impl: str):
@@ -329,10 +335,19 @@ def test_opcheck() -> None:
         )
 
 
+@interpreter_only
 def test_default_impl_on_cpu_is_torch_even_when_interpreting() -> None:
     before = K.LAUNCHES.copy()
     linear_scan(*_inputs())
     assert K.LAUNCHES == before
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the default impl is the kernel only on a GPU")
+def test_default_impl_on_cuda_is_the_kernel() -> None:
+    before = K.LAUNCHES.copy()
+    h = linear_scan(*_inputs())
+    assert K.LAUNCHES["scan_fwd"] == before["scan_fwd"] + 1
+    torch.testing.assert_close(h, linear_scan(*_inputs(), impl="torch"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +363,7 @@ def _combine_first_kernel(X, Y, OUT, N: tl.constexpr):
     tl.store(OUT + 1 + tl.arange(0, 1), rb)
 
 
+@interpreter_only
 def test_reduce_order_emulation_catches_a_non_commutative_reduce() -> None:
     """The autouse reversed-order reduce really changes a non-commutative tl.reduce (the bug
     that made the segmented plan wrong on CUDA), so the tests below would have caught it."""
@@ -386,7 +402,7 @@ _GPU_PLAN_SHAPES = [
 def test_gpu_plans_run_in_the_interpreter(shape: tuple[int, ...], axis: int, reverse: bool, gpu_plans: int) -> None:
     T = shape[axis]
     C = math.prod(shape) // T
-    block_c, block_t, seg = K.plan(C, T, torch.device("cpu"))
+    block_c, block_t, seg = K.plan(C, T, DEVICE)
     assert seg < T, f"an H100 plan for {shape} should split time; got one segment of {seg}"
     before = K.LAUNCHES.copy()
     check(shape, axis, reverse, seed=T + C)
