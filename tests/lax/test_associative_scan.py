@@ -247,3 +247,50 @@ def test_associative_scan_negative_axis_on_leaves_of_different_rank_matches_jax(
     theirs = jax.jit(lambda e: jax.lax.associative_scan(fn, e, axis=-1))((a, b))
     ours = lax.associative_scan(fn, (torch.from_numpy(a), torch.from_numpy(b)), axis=-1)
     assert_matches_jax(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's "pointwise" mode (CUDA only) has wrong gradients for several leaves: only with grads off
+
+
+def test_pointwise_mode_only_where_autograd_cannot_run():
+    from tfun.lax import _associative_scan as A
+
+    assert A._combine_mode(on_cuda=True, grad_possible=False) == "pointwise"
+    assert A._combine_mode(on_cuda=True, grad_possible=True) == "generic"
+    assert A._combine_mode(on_cuda=False, grad_possible=False) == "generic"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_jit_asks_for_the_fused_mode_only_with_grads_off(backend, monkeypatch):
+    """The lowering asks for the differentiable mode whenever autograd could run (grad mode on,
+    `tfun.grad`, `torch.func` transforms inside the jit), the fused mode only under
+    `torch.no_grad()`. (On the CPU both answers are "generic"; tests/gpu/check_cuda.py checks
+    the values and gradients on CUDA.)"""
+    import tfun
+    from tfun.lax import _associative_scan as A
+
+    seen = []
+    real = A._combine_mode
+    monkeypatch.setattr(A, "_combine_mode", lambda on_cuda, grad_possible: seen.append(grad_possible) or real(on_cuda, grad_possible))
+    affine = lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1])
+    f = lambda a, b: lax.associative_scan(affine, (a, b), reverse=True)[1].sum()
+    a, b = torch.rand(9, 3, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+
+    def calls(fn, *args):
+        torch._dynamo.reset()
+        seen.clear()
+        out = tfun.jit(fn, backend=backend)(*args)
+        assert seen, "the lowering did not run"
+        return set(seen), out
+
+    with torch.no_grad():
+        assert calls(f, a, b)[0] == {False}
+        assert calls(f, a.requires_grad_(), b)[0] == {False}
+    assert calls(f, a, b)[0] == {True}  # a requires grad
+    a = a.detach()
+    assert calls(f, a, b)[0] == {True}  # nothing requires grad, but grad mode is on
+    flags, (g, _) = calls(lambda a, b: tfun.value_and_grad(f)(a, b)[::-1], a, b)
+    assert flags == {True}  # tfun.grad's probe of f included: one mode in the graph
+    torch.testing.assert_close(g, torch.func.grad(f)(a, b))
+    assert calls(lambda a, b: torch.func.grad(f)(a, b), a, b)[0] == {True}

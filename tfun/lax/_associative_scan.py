@@ -176,9 +176,33 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tenso
 # ----------------------------------------------------------------------------------------
 
 
-#: Use the fused "pointwise" mode of torch's associative_scan for CUDA inputs. The combine
-#: function must then contain only pointwise ops; set to False to always use "generic".
+#: Use the fused "pointwise" mode of torch's associative_scan for CUDA inputs traced with
+#: gradients off (see `_combine_mode`). The combine function must then contain only pointwise
+#: ops; set to False to always use "generic".
 POINTWISE_ON_CUDA = True
+
+
+def _combine_mode(on_cuda: bool, grad_possible: bool) -> str:
+    """torch's `combine_mode` for a scan: "pointwise" (one fused kernel, CUDA only) where the
+    trace runs with gradients off (`torch.no_grad()`, `torch.inference_mode()`) and no
+    `torch.func` transform, else "generic" (a log-depth tree of combine calls, differentiated
+    through its ops), as on the CPU.
+
+    Measured on CUDA with torch 2.11 (2026-11-26, tests/gpu/check_cuda.py, the pair scan of the
+    differential suite, T=37, reversed, axis 1):
+
+    - torch's autograd for the "pointwise" mode (`AssociativeScanAutogradOp`) treats each leaf's
+      per-step Jacobian as its own and drops the cross terms between leaves, so a pair scan such
+      as the linear recurrence `(a1 * a2, a2 * b1 + b2)` gets wrong gradients with right
+      outputs: relative gradient error 0.74 under `tfun.jit` with both backends, on an H100
+      (reported upstream in pytorch/pytorch#172568).
+    - With "pointwise" only where no input required grad, `tfun.jit(tfun.value_and_grad(f))`
+      under Inductor returned a wrong *value* (relative error 5.3, gradients right) on an H200:
+      its graph held both modes (tfun.grad's probe call runs `f` on detached inputs), and no
+      other path did.
+
+    So the fused mode is kept to traces where autograd cannot run at all."""
+    return "pointwise" if (on_cuda and POINTWISE_ON_CUDA and not grad_possible) else "generic"
 
 
 def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
@@ -190,7 +214,7 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
     leaves, td = tree_flatten(elems)
     n = len(leaves)
     cuda = all(x.device.type == "cuda" for x in leaves)
-    mode = "pointwise" if (cuda and POINTWISE_ON_CUDA) else "generic"
+    mode = _combine_mode(cuda, torch.is_grad_enabled() or _context.functorch_active())
 
     carrier = _hop.carrier(td, leaves)
     if leaves and leaves[0].shape[axis] == 0:
