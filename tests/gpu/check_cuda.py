@@ -6,6 +6,7 @@ One command for anyone with a CUDA machine (from the repository root):
     python -m tests.gpu.check_cuda --quick         # eager paths and the kernels only
     python -m tests.gpu.check_cuda --shard 0/3     # every third row, from the first (run the
                                                    # shards side by side on a many-core machine)
+    python -m tests.gpu.check_cuda --only nn.LSTM  # the cases whose name contains this
 
 For each case it runs the op (or the layer's forward) and the gradient of a fixed random
 weighting of every output with respect to every input and parameter, on the device, and compares
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="eager paths and the kernels only")
     ap.add_argument("--shard", default="0/1", help="K/N: only the rows whose index is K modulo N")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this (e.g. associative_scan)")
     args = ap.parse_args(argv)
     try:
         shard, shards = (int(x) for x in args.shard.split("/"))
@@ -115,18 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     def record(what: str, path: str, dtype: torch.dtype, fn: Callable[[], Any]) -> None:
         nonlocal bad, index
         index += 1
-        if index % shards != shard:
+        if index % shards != shard or args.only not in what:
             return
         t0 = time.perf_counter()
+        full = ""  # a refusal's or crash's whole message, printed under its row
         try:
             res = fn()
         except Exception as e:  # a crash is a result here: reported as a row, counted as bad
             status, detail = "CRASH", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            full = str(e)
             if "-v" in sys.argv:
                 traceback.print_exc()
         else:
             if isinstance(res, harness.Refused):
                 status, detail = "REFUSED", str(res.error).splitlines()[0][:120]
+                full = str(res.error)
             else:
                 out_err, grad_err = res
                 out_tol, grad_tol = harness.TOLERANCE[dtype]
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         bad += status in ("WRONG", "CRASH")
         rows.append((what, path, str(dtype).replace("torch.", ""), status, f"{time.perf_counter() - t0:.1f}s", detail))
         print(" | ".join(rows[-1]), flush=True)
+        if full:  # the whole reason, for whoever reads the log off the GPU machine
+            print("".join(f"    {line}\n" for line in full.splitlines()[:30]), end="", flush=True)
 
     print(f"tfun {tfun.__version__}, torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))

@@ -34,5 +34,7 @@ def test_shards_run_each_row_once(capsys: pytest.CaptureFixture[str], monkeypatc
     strip = lambda lines: sorted(line.rsplit(" | ", 3)[0] for line in lines)  # without time and errors
     assert len(cells[0]) == 1 + 2 + len(check_cuda.nn_cases())
     assert strip(cells[1] + cells[2]) == strip(cells[0]) and cells[1] and cells[2]
+    assert check_cuda.main(["--device", "cpu", "--quick", "--only", "lax.cond"]) == 0
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if " | ok | " in line] == ["lax.cond T=1 C=1"]
     with pytest.raises(SystemExit):
         check_cuda.main(["--device", "cpu", "--shard", "2/2"])

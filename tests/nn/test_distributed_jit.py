@@ -68,10 +68,13 @@ def _run(rank: int, world: int, mode: str, out_dir: str) -> None:
     if mode == "ddp":
         net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.lstm)
-        fully_shard(model)
+        # a CPU mesh named, as FSDP2 otherwise builds its mesh on CUDA wherever CUDA is present
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.lstm, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         net = model
     x, y = _data()
     half = BATCH // world

@@ -19,7 +19,9 @@ PORTS = ROOT / "examples" / "ports"
 
 
 def _run(name: str) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    # the checkout first, then whatever the caller's path holds (packages installed with --target)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, str(PORTS / name)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, f"examples/ports/{name} failed:\n{res.stdout}\n{res.stderr}"
     return res.stdout
