@@ -138,9 +138,9 @@ def lstm(B: int, H: int, T: int):
     Wx, Wh, bias, xs = _data(4, (H, 4 * H), (H, 4 * H), (4 * H,), (T, B, H))
     Wx, Wh = Wx / H**0.5, Wh / H**0.5
     params = {"Wx": Wx, "Wh": Wh, "b": bias}
-    h0 = torch.zeros(B, H)
 
     def t_loss(p, xs):
+        h0 = xs.new_zeros(B, H)  # on the device of the inputs
         def cell(c, x):
             h, s = c
             i, f, g, o = torch.chunk(x @ p["Wx"] + h @ p["Wh"] + p["b"], 4, dim=-1)
@@ -162,7 +162,7 @@ def lstm(B: int, H: int, T: int):
         _, hs = jax.lax.scan(cell, (h0j, h0j), xs, unroll=UNROLL)
         return (hs**2).mean()
 
-    h0j = h0.numpy()
+    h0j = torch.zeros(B, H).numpy()
     return tfun.grad(t_loss), (params, xs), jax.grad(j_loss), (params, xs)
 
 

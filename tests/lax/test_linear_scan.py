@@ -161,6 +161,11 @@ def test_algorithm_choice_is_by_shape() -> None:
     assert ref.choose_torch_algorithm(4096, 1) == "logdepth"
     assert ref.choose_torch_algorithm(65536, 64) == "chunked"
     assert ref.choose_torch_algorithm(1024, 65536) == "sequential"
+    # on CUDA each step is a launch: the loop only for a few steps (H100 measurements)
+    assert ref.choose_torch_algorithm(8, 1024, "cuda") == "sequential"
+    assert ref.choose_torch_algorithm(4096, 1024, "cuda") == "logdepth"
+    assert ref.choose_torch_algorithm(256, 16384, "cuda") == "logdepth"
+    assert ref.choose_torch_algorithm(4096, 16384, "cuda") == "chunked"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -128,17 +128,28 @@ def linear_scan_chunked(
     return _from_time_major(out, b, axis, reverse)
 
 
-def choose_torch_algorithm(T: int, C: int) -> str:
-    """The torch algorithm for `T` steps of `C` channels on the CPU, from measurements.
+def choose_torch_algorithm(T: int, C: int, device_type: str = "cpu") -> str:
+    """The torch algorithm for `T` steps of `C` channels on a `device_type` device, from
+    measurements.
 
     Measured forward and forward+backward on a 2-core Xeon (`benchmarks/linear_scan.py`, and
     `benchmarks/RESULTS.md` section "linear_scan"): the sequential loop costs a fixed few us of
     dispatch per step plus one pass over the channels, so it wins for short sequences and for
     many channels (>= 1k); the log-depth scan pays `log2(T)` full passes and wins while the
     problem is small (few channels, < 64k elements); the chunked scan pays ~4 passes but only
-    `2*sqrt(T)` steps and wins for few channels (<= 256) over long sequences. Not measured on
-    GPUs, where `impl=None` uses the Triton kernel.
+    `2*sqrt(T)` steps and wins for few channels (<= 256) over long sequences.
+
+    On CUDA (where `impl=None` uses the Triton kernel; this is `impl="torch"`, or no Triton) a
+    step costs a kernel launch whatever its size, so the sequential loop loses beyond a few
+    steps. Measured on an H100 (torch 2.11, 2026-11-26, forward fp32, B*D x T): 1k x 256:
+    sequential 2.79 ms, log-depth 0.54, chunked 0.60; 1k x 4096: 70.9, 1.22, 2.48; 16k x 256:
+    4.31, 0.83, 0.87; 16k x 4096: 69.6, 11.4, 3.31. The log-depth scan's `log2(T)` passes win up
+    to about 16M elements, the chunked scan beyond.
     """
+    if device_type == "cuda":
+        if T <= 8:
+            return "sequential"
+        return "logdepth" if C * T <= 1 << 24 else "chunked"
     if T <= 32:
         return "sequential"
     if C <= 64 and C * T < 1 << 16:
@@ -159,4 +170,4 @@ def linear_scan_torch(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool
     """The pure-torch path: the measured-fastest torch algorithm for this shape."""
     T = b.shape[axis]
     C = b.numel() // T if T else 0
-    return _ALGORITHMS[choose_torch_algorithm(T, C)](a, b, h0, axis, reverse)
+    return _ALGORITHMS[choose_torch_algorithm(T, C, b.device.type)](a, b, h0, axis, reverse)
