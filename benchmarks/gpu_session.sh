@@ -9,6 +9,11 @@
 #                                                   # lacks (optree, typeguard) into .whl/
 #   bash benchmarks/gpu_session.sh                  # there: device tool `run` with carry [".whl"]
 #
+# A second call can skip what the first finished: GPU_SUITE_DONE=path/suite.log (a first call's
+# log, copied into an ignored folder of the checkout and carried) deselects the tests that
+# passed, were skipped or xfailed there; GPU_CHECK_ONLY=NAME runs only check_cuda's cases whose
+# name contains NAME.
+#
 # GPU_BUDGET_S (default 560) is the time the steps may take together; each step also has a
 # limit of its own (GPU_PHASE1_S, default 330, for the correctness phase), so one that hangs
 # leaves time for the next.
@@ -63,12 +68,19 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
 phase1=${GPU_PHASE1_S:-330}
 step env 60 python3 -c "import torch, triton, jax, optree, tfun; print('torch', torch.__version__, torch.cuda.get_device_name(), '| triton', triton.__version__, '| jax', jax.__version__, jax.devices(), '| optree', optree.__version__)"
 for k in 0 1 2; do
-    TORCHINDUCTOR_COMPILE_THREADS=2 step "check_cuda_$k" "$phase1" python3 -m tests.gpu.check_cuda --shard "$k/3" &
+    TORCHINDUCTOR_COMPILE_THREADS=2 step "check_cuda_$k" "$phase1" python3 -m tests.gpu.check_cuda --shard "$k/3" \
+        --only "${GPU_CHECK_ONLY:-}" &
 done
 TFUN_KERNEL_DEVICE=cuda step kernel_tests "$phase1" python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels &
 # -v: each result as it comes, so a suite cut off by the time limit still says what failed
+deselect=(--deselect tests/gpu/test_check_cuda.py::test_full_check_on_cuda)
+if [ -n "${GPU_SUITE_DONE:-}" ]; then
+    while read -r id; do deselect+=(--deselect "$id"); done < <(
+        grep -oE '(PASSED|SKIPPED|XFAIL|XPASS) tests/[^ ]+' "$GPU_SUITE_DONE" | awk '{print $2}' | sort -u)
+    echo "suite: ${#deselect[@]} arguments deselect what passed in $GPU_SUITE_DONE" | tee -a "$OUT/summary.txt"
+fi
 JAX_PLATFORMS=cpu TORCHINDUCTOR_COMPILE_THREADS=1 step suite "$phase1" python3 -m pytest -v -p no:cacheprovider -n 10 tests \
-    --deselect tests/gpu/test_check_cuda.py::test_full_check_on_cuda
+    "${deselect[@]}"
 wait
 cat "$OUT"/check_cuda_?.log >"$OUT/check_cuda.log" && rm -f "$OUT"/check_cuda_?.log  # 8 files come back at most
 echo "check_cuda: $(grep -c ' | ok | ' "$OUT/check_cuda.log") ok, $(grep -cE ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log") wrong or crashed, $(grep -c ' | REFUSED | ' "$OUT/check_cuda.log") refused" | tee -a "$OUT/summary.txt"
