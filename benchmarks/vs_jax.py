@@ -22,7 +22,8 @@ Programs (each written once per framework, the same arithmetic, float32):
   loss w.r.t. all its parameters (a training step without the optimizer).
 
 Timings are the median of `--repeat` calls after two warm-up calls; on CUDA each call is
-synchronized. JAX results are blocked on (`block_until_ready`).
+synchronized. JAX results are blocked on (`block_until_ready`); tfun's forward programs run
+under `torch.no_grad()`, as inference does.
 """
 
 from __future__ import annotations
@@ -197,6 +198,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args)
+
+    return call
+
+
 def time_torch(fn: Callable[..., Any], args: tuple, device: torch.device, repeat: int) -> tuple[float, float]:
     """(first call seconds, median seconds of later calls)."""
     t = time.perf_counter()
@@ -245,8 +254,12 @@ def run(device: torch.device, names: list[str], repeat: int, jit_options: dict[s
         j_args = _jax_args(t_args if device.type == "cpu" else _to(t_args, torch.device("cpu")), jdev)
         torch._dynamo.reset()
         row: dict[str, Any] = {"program": name, "device": device.type}
-        _, row["eager"] = time_torch(t_fn, t_args, device, max(3, repeat // 4))
         jitted = tfun.jit(t_fn, options=jit_options) if jit_options else tfun.jit(t_fn)
+        if not name.endswith("bwd"):
+            # forward programs run as inference does, under no_grad (on CUDA, tfun's traced
+            # associative_scan is torch's fused kernel only with gradients off)
+            t_fn, jitted = _no_grad(t_fn), _no_grad(jitted)
+        _, row["eager"] = time_torch(t_fn, t_args, device, max(3, repeat // 4))
         row["jit first"], row["jit"] = time_torch(jitted, t_args, device, repeat)
         row["jax first"], row["jax"] = time_jax(jax.jit(j_fn), j_args, repeat)
         rows.append(row)
