@@ -14,6 +14,7 @@
 # passed, were skipped or xfailed there; GPU_CHECK_ONLY=NAME runs only check_cuda's cases whose
 # name contains NAME.
 #
+# GPU_SKIP_BENCH=1 stops after the correctness phase (a caller that runs its own benchmarks).
 # GPU_BUDGET_S (default 560) is the time the steps may take together; each step also has a
 # limit of its own (GPU_PHASE1_S, default 330, for the correctness phase), so one that hangs
 # leaves time for the next.
@@ -90,7 +91,10 @@ if [ -f "$OUT/suite.log" ]; then
     grep -E ' (FAILED|ERROR) ' "$OUT/suite.log" | head -40 | tee -a "$OUT/summary.txt"
 fi
 
-# Phase 2, speed, on the machine with nothing else running
-step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda
-step linear_scan 45 python3 benchmarks/linear_scan.py --quick --reps 3 --max-seconds 5
+# Phase 2, speed, on the machine with nothing else running (GPU_SKIP_BENCH=1: not now)
+if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
+    step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda
+    step linear_scan 45 python3 benchmarks/linear_scan.py --quick --reps 3 --max-seconds 5
+    step cuda_graphs 120 python3 benchmarks/cuda_graphs.py --only rnn_small --max-seconds 30
+fi
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"

@@ -182,6 +182,16 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tenso
 POINTWISE_ON_CUDA = True
 
 
+#: How a CUDA associative_scan is lowered where gradients may be taken (mode "generic"):
+#: "tfun", the log-depth algorithm of the eager path as plain tensor ops in the graph
+#: (differentiated by AOTAutograd like any ops), or "hop", torch's associative_scan HOP in its
+#: "generic" mode. With the HOP, `tfun.jit(tfun.value_and_grad(f))` under Inductor returned
+#: wrong *values* of the scan (relative error 2.3, gradients right; H100, torch 2.11,
+#: 2026-11-27, tests/gpu/check_cuda.py, the pair scan T=37 C=5 reversed along axis 1), while
+#: aot_eager and the forward-only Inductor graph were right.
+CUDA_GRAD_LOWERING = "tfun"
+
+
 def _combine_mode(on_cuda: bool, grad_possible: bool) -> str:
     """torch's `combine_mode` for a scan: "pointwise" (one fused kernel, CUDA only) where the
     trace runs with gradients off (`torch.no_grad()`, `torch.inference_mode()`) and no
@@ -252,9 +262,10 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             )
         return _hop.unalias(out_leaves, list(a) + list(b))
 
-    if _hop.unrolled_steps():
+    if _hop.unrolled_steps() or (cuda and mode == "generic" and CUDA_GRAD_LOWERING == "tfun"):
         # inside a traced derivative that is differentiated again: the eager algorithm's tensor
-        # ops in the graph, no HOP (torch's have no second derivative; see _hop.unroll_scope)
+        # ops in the graph, no HOP (torch's have no second derivative; see _hop.unroll_scope).
+        # Likewise on CUDA where gradients may be taken (see CUDA_GRAD_LOWERING).
         return tree_unflatten(td, _log_depth_scan(combine, list(leaves), [axis] * n, reverse))
     out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode=mode)
     return tree_unflatten(td, list(out))
@@ -293,8 +304,8 @@ def _escape_complex_scan_refusal(desc: Any, code: Any) -> str | None:
     bullets.append(f"backend: {backend or 'not one of ' + ', '.join(_COMPLEX_SCAN_GRAD_BACKENDS)}")
     return format_message(
         "tfun.lax.associative_scan: complex elems must be compiled with a backend whose gradients are right, "
-        "but Inductor on torch 2.13 computes wrong gradients through a complex associative_scan (its outputs "
-        "are right), so this is refused:",
+        f"but Inductor (torch {torch.__version__}; measured on 2.11 and 2.13) computes wrong gradients through "
+        "a complex associative_scan (its outputs are right), so this is refused:",
         bullets,
         function=_hop.fn_text(code),
         revise='Compile with tfun.jit(..., backend="aot_eager") (exact), or run the compiled function under '
