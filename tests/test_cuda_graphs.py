@@ -1,0 +1,216 @@
+"""tfun.jit's CUDA graphs (`cuda_graphs=`, tfun/_cuda_graphs.py).
+
+The decisions that need no GPU (what a graph may read and write, the options, CPU calls
+untouched) run everywhere; the recording and replaying run where CUDA is (the device
+machine: `benchmarks/gpu_session.sh`), each compared with the same function run eagerly over
+several calls with different arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tfun
+from tfun import _cuda_graphs
+from tfun.errors import JitError
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _sync_mode_is_put_back():
+    yield
+    if torch.cuda.is_available():  # a recording must leave the caller's debug mode as it was
+        assert torch.cuda.get_sync_debug_mode() == 0
+
+W_GLOBAL = torch.randn(3, 3)
+
+
+def _reason(fn, *args):
+    lowered = tfun.jit(fn).lower(*args)
+    n = sum(isinstance(t, torch.Tensor) for t in tfun.tree.tree_leaves(args))
+    return _cuda_graphs.graph_reason(lowered.graph_modules, n)
+
+
+def rnn(W, xs, h0):
+    return tfun.lax.scan(lambda h, x: (lambda n: (n, n))(torch.tanh(h @ W + x)), h0, xs)
+
+
+def test_a_function_of_its_arguments_may_be_recorded():
+    assert _reason(rnn, torch.randn(3, 3), torch.randn(5, 2, 3), torch.zeros(2, 3)) is None
+    assert _reason(lambda d: {"y": d["a"] * 2 + d["b"]}, {"a": torch.ones(2), "b": torch.ones(2)}) is None
+
+
+def test_a_closed_over_tensor_or_parameter_is_a_reason():
+    W = torch.randn(3, 3)
+    assert "not an argument" in _reason(lambda x: x @ W, torch.randn(2, 3))
+    assert "not an argument" in _reason(lambda x: x @ W_GLOBAL, torch.randn(2, 3))
+    lin = torch.nn.Linear(3, 3)
+    assert "not an argument" in _reason(lambda x: lin(x), torch.randn(2, 3))
+
+
+def test_writing_into_an_argument_is_a_reason():
+    def f(x, y):
+        x.add_(1)
+        return x * y
+
+    def g(x):
+        x[0] += 1
+        return x.sum()
+
+    assert "writes into an argument" in _reason(f, torch.randn(3), torch.randn(3))
+    assert "writes into an argument" in _reason(g, torch.randn(3, 2))
+    # writing into a tensor made inside is fine
+    assert _reason(lambda x: torch.zeros_like(x).add_(x), torch.randn(3)) is None
+
+
+def test_a_graph_break_is_a_reason():
+    def f(x):
+        y = x * 2
+        print("", end="")
+        return y + 1
+
+    assert "graphs" in _reason(f, torch.randn(3))
+
+
+def test_options():
+    with pytest.raises(tfun.errors.ArgumentValueError, match='cuda_graphs must be False, "auto" or True'):
+        tfun.jit(rnn, cuda_graphs="yes")
+    with pytest.raises(tfun.errors.ArgumentValueError, match="reduce-overhead"):
+        tfun.jit(rnn, cuda_graphs=True, mode="reduce-overhead")
+    assert tfun.jit(rnn, mode="reduce-overhead", cuda_graphs="auto")._graphs is None  # torch records its own
+    assert tfun.jit(rnn, backend="cudagraphs", cuda_graphs="auto")._graphs is None
+    assert tfun.jit(rnn)._graphs is None  # off by default
+    assert tfun.jit(rnn, cuda_graphs="auto")._graphs is not None
+    assert tfun.jit(rnn, backend="aot_eager", cuda_graphs="auto")._graphs is not None
+
+
+def test_cpu_calls_are_left_alone():
+    f = tfun.jit(rnn, backend="aot_eager", cuda_graphs=True)
+    args = (torch.randn(3, 3), torch.randn(4, 2, 3), torch.zeros(2, 3))
+    for _ in range(3):
+        h, ys = f(*args)
+    torch.testing.assert_close(ys, rnn(*args)[1])
+    assert f.cuda_graph_reasons() == []
+
+
+def test_result_reasons():
+    x = torch.randn(2)
+    assert _cuda_graphs._result_reason(x, [x]) is not None  # a CPU result
+    assert _cuda_graphs._device_reason([x]) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# On CUDA: replays compared with eager, over calls with different arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def _data(seed, *shapes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).cuda() for s in shapes]
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_forward_replays_match_eager_and_are_not_overwritten(backend):
+    f = tfun.jit(rnn, backend=backend, cuda_graphs="auto")
+    results = []
+    with torch.no_grad():
+        for seed in range(4):
+            W, xs = _data(seed, (8, 8), (37, 4, 8))
+            h0 = torch.zeros(4, 8, device="cuda")
+            got = f(W / 3, xs, h0)
+            want = rnn(W / 3, xs, h0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            results.append((got, want))
+    for got, want in results:  # a later replay does not overwrite an earlier result
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (_, decision), = f.cuda_graph_reasons()
+    assert decision == "replayed from a CUDA graph"
+
+
+@cuda
+def test_value_and_grad_inside_is_replayed_with_right_gradients():
+    def loss(W, xs, h0):
+        return rnn(W, xs, h0)[1].pow(2).mean()
+
+    step = tfun.jit(tfun.value_and_grad(loss), cuda_graphs="auto")
+    for seed in range(3):
+        W, xs = _data(seed, (8, 8), (29, 4, 8))
+        h0 = torch.zeros(4, 8, device="cuda")
+        v, g = step(W / 3, xs, h0)
+        W64 = (W / 3).double().requires_grad_()
+        want = loss(W64, xs.double(), h0.double())
+        (want_g,) = torch.autograd.grad(want, W64)
+        torch.testing.assert_close(v.double(), want.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g.double(), want_g, rtol=1e-4, atol=1e-5)
+    assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+
+
+@cuda
+def test_results_that_require_grad_run_without_a_graph_and_differentiate():
+    f = tfun.jit(lambda W, x: (x @ W).tanh().sum(), cuda_graphs="auto")
+    for seed in range(3):
+        W, x = _data(seed, (4, 4), (3, 4))
+        W.requires_grad_()
+        f(W, x).backward()
+        W2 = W.detach().clone().requires_grad_()
+        (x @ W2).tanh().sum().backward()
+        torch.testing.assert_close(W.grad, W2.grad)
+    assert "requires grad" in f.cuda_graph_reasons()[0][1]
+
+
+@cuda
+def test_closed_over_tensor_not_recorded_unless_asked():
+    W = _data(0, (4, 4))[0]
+    f = tfun.jit(lambda x: x @ W, cuda_graphs="auto")
+    x = _data(1, (3, 4))[0]
+    for _ in range(3):
+        torch.testing.assert_close(f(x), x @ W)
+    W.mul_(2)  # updated in place: seen either way
+    torch.testing.assert_close(f(x), x @ W)
+    assert "not an argument" in f.cuda_graph_reasons()[0][1]
+    g = tfun.jit(lambda x: x @ W, cuda_graphs=True)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), x @ W)
+    W.mul_(2)
+    torch.testing.assert_close(g(x), x @ W)
+    assert g.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+
+
+@cuda
+def test_a_host_synchronizing_loop_runs_without_a_graph_or_is_refused():
+    def f(x):
+        return tfun.lax.while_loop(lambda c: c.norm() > 1.0, lambda c: c * 0.5, x)
+
+    x = _data(0, (16,))[0] * 10
+    jf = tfun.jit(f, cuda_graphs="auto")
+    for _ in range(3):
+        torch.testing.assert_close(jf(x), f(x))
+    assert "synchronizes" in jf.cuda_graph_reasons()[0][1]
+    strict = tfun.jit(f, cuda_graphs=True)
+    strict(x)
+    with pytest.raises(JitError, match="synchronizes with the host"):
+        strict(x)
+
+
+@cuda
+def test_static_arguments_get_a_graph_each():
+    def f(x, n):
+        return tfun.lax.fori_loop(0, n, lambda i, c: c * 0.9 + 1.0, x)
+
+    jf = tfun.jit(f, static_argnums=1, cuda_graphs="auto")
+    x = _data(0, (5,))[0]
+    for n in (3, 7, 3, 7, 3, 7):
+        torch.testing.assert_close(jf(x, n), f(x, n))
+    assert [d for _, d in jf.cuda_graph_reasons()] == ["replayed from a CUDA graph"] * 2
+
+
+@cuda
+def test_random_numbers_advance_on_each_replay():
+    jf = tfun.jit(lambda x: x + torch.rand_like(x), cuda_graphs="auto")
+    x = torch.zeros(1000, device="cuda")
+    outs = [jf(x) for _ in range(4)]
+    assert jf.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+    assert not torch.equal(outs[2], outs[3])
