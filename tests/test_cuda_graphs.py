@@ -214,3 +214,120 @@ def test_random_numbers_advance_on_each_replay():
     outs = [jf(x) for _ in range(4)]
     assert jf.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
     assert not torch.equal(outs[2], outs[3])
+
+
+# ---------------------------------------------------------------------------------------------
+# The recording logic on any machine: CPU tensors stand for CUDA ones, and stand-ins for the
+# torch.cuda calls record what was asked (a "replay" reruns the captured call into its outputs)
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeCuda:
+    def __init__(self, monkeypatch):
+        self.mode = 0
+        self.modes_seen = []
+        self.captures = 0
+        self.replays = 0
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def replay(self):
+                fake.replays += 1
+                out = self.fn()
+                for o, n in zip(tfun.tree.tree_leaves(self.out), tfun.tree.tree_leaves(out)):
+                    if isinstance(o, torch.Tensor):
+                        o.copy_(n)
+
+        def capture(graph, device, fn):
+            fake.captures += 1
+            graph.fn = fn
+            graph.out = fn()
+            return graph.out
+
+        def set_mode(m):
+            fake.mode = {"default": 0, "warn": 1, "error": 2}.get(m, m)
+            fake.modes_seen.append(fake.mode)
+
+        monkeypatch.setattr(_cuda_graphs, "DEVICE_TYPE", "cpu")
+        monkeypatch.setattr(_cuda_graphs, "_capture", capture)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+        monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: fake.mode)
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+
+
+def _cache(required=False):
+    return _cuda_graphs.GraphCache(required, "f at here:1", max_entries=2)
+
+
+def test_recording_logic_copies_in_replays_and_returns_copies(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    cache = _cache()
+    calls = []
+
+    def run(x, d):
+        calls.append(1)
+        return {"y": x * 2 + d["b"], "n": 3}
+
+    lower = lambda: tfun.jit(lambda x, d: x * 2 + d["b"]).lower(x, {"b": b}).graph_modules  # noqa: E731
+    outs = []
+    for k in range(5):
+        x, b = torch.full((3,), float(k)), torch.ones(3)
+        out = cache.call((), (x, {"b": b}), {}, run, lower)
+        assert out["n"] == 3
+        torch.testing.assert_close(out["y"], x * 2 + 1)
+        outs.append((out["y"], x * 2 + 1))
+    for got, want in outs:  # each result is the caller's: later replays did not overwrite it
+        torch.testing.assert_close(got, want)
+    assert fake.captures == 1 and fake.replays == 4  # calls 2 (just recorded) to 5
+    assert fake.mode == 0 and 2 in fake.modes_seen  # the check ran in "error" mode and was put back
+    (_, decision), = cache.reasons()
+    assert decision == "replayed from a CUDA graph"
+
+
+def test_recording_logic_a_synchronizing_call_is_not_recorded(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+
+    def run(x):
+        if fake.mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        return x + 1
+
+    lower = lambda: tfun.jit(lambda x: x + 1).lower(x).graph_modules  # noqa: E731
+    cache = _cache()
+    x = torch.zeros(2)
+    for _ in range(4):
+        torch.testing.assert_close(cache.call((), (x,), {}, run, lower), x + 1)
+    assert fake.captures == 0 and fake.mode == 0
+    assert "synchronizes with the host (called a synchronizing CUDA operation)" in cache.reasons()[0][1]
+    strict = _cache(required=True)
+    strict.call((), (x,), {}, run, lower)
+    with pytest.raises(JitError, match="cuda_graphs=True, but a call of `f at here:1` cannot be replayed"):
+        strict.call((), (x,), {}, run, lower)
+    assert fake.mode == 0
+
+
+def test_recording_logic_results_requiring_grad_and_signatures(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    cache = _cache()
+    w = torch.ones(2, requires_grad=True)
+    run = lambda x: x * w  # noqa: E731
+    for _ in range(3):
+        cache.call((), (torch.ones(2),), {}, run, lambda: [])
+    assert "requires grad" in cache.reasons()[0][1] and fake.captures == 0
+    # a new shape, a new static value: signatures of their own, least recently used dropped
+    cache2 = _cache()
+    f = lambda x: x + 1  # noqa: E731
+    for n in (2, 3, 4):
+        for _ in range(2):
+            cache2.call((("n", n),), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
+    assert len(cache2.entries) == 2 and fake.captures == 3

@@ -68,6 +68,10 @@ __all__ = ["GraphCache", "applies"]
 
 log = logging.getLogger("tfun.jit")
 
+#: The device type whose calls are recorded (tests put "cpu" here, with stand-ins for the
+#: torch.cuda calls, to check the recording logic on a machine without a GPU).
+DEVICE_TYPE = "cuda"
+
 _VIEWS = frozenset(
     {
         "__getitem__", "getitem", "view", "reshape", "transpose", "t", "select", "narrow", "unsqueeze",
@@ -231,7 +235,7 @@ class GraphCache:
         """`run(*args, **kwargs)`, or its replay. `lower()` gives the call's Dynamo graphs."""
         leaves, treedef = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if not any(t.is_cuda for t in tensors):
+        if not any(t.device.type == DEVICE_TYPE for t in tensors):
             return run(*args, **kwargs)  # a call on the CPU (or of no tensor): nothing to record
         try:
             sig = _signature(static_key, leaves, treedef)
@@ -333,9 +337,7 @@ class GraphCache:
         torch.cuda.set_sync_debug_mode(previous)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.device(device):
-                with torch.cuda.graph(graph):
-                    out = run(*s_args, **s_kwargs)
+            out = _capture(graph, device, lambda: run(*s_args, **s_kwargs))
         except Exception as e:  # noqa: BLE001 - CUDA refused to record an operation: said, then run as usual
             del graph
             first = next((str(x).splitlines()[0] for x in _chain(e) if str(x)), type(e).__name__)
@@ -350,9 +352,16 @@ class GraphCache:
         return tree_unflatten(out_def, [o.clone() if isinstance(o, torch.Tensor) else o for o in out_leaves])
 
 
+def _capture(graph: torch.cuda.CUDAGraph, device: torch.device, fn: Callable[[], Any]) -> Any:
+    """`fn()`, its CUDA work recorded into `graph`."""
+    with torch.cuda.device(device):
+        with torch.cuda.graph(graph):
+            return fn()
+
+
 def _device_reason(tensors: list[torch.Tensor]) -> str | None:
     devices = {t.device for t in tensors}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+    if len(devices) != 1 or next(iter(devices)).type != DEVICE_TYPE:
         return "its tensor arguments are not all on one CUDA device (" + ", ".join(sorted(map(str, devices))) + ")"
     return None
 
@@ -361,7 +370,7 @@ def _result_reason(out: Any, tensors: list[torch.Tensor]) -> str | None:
     devices = {t.device for t in tensors}
     for leaf in tree_flatten(out)[0]:
         if isinstance(leaf, torch.Tensor):
-            if leaf.device not in devices or leaf.device.type != "cuda":
+            if leaf.device not in devices or leaf.device.type != DEVICE_TYPE:
                 return f"a result is on {leaf.device}, not on the arguments' CUDA device"
             if leaf.requires_grad:
                 return (

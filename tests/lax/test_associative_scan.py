@@ -294,3 +294,41 @@ def test_jit_asks_for_the_fused_mode_only_with_grads_off(backend, monkeypatch):
     assert flags == {True}  # tfun.grad's probe of f included: one mode in the graph
     torch.testing.assert_close(g, torch.func.grad(f)(a, b))
     assert calls(lambda a, b: torch.func.grad(f)(a, b), a, b)[0] == {True}
+
+
+def test_the_cuda_lowering_with_gradients_is_tfuns_algorithm():
+    from tfun.lax import _associative_scan as A
+
+    assert A._tfun_algorithm(on_cuda=True, mode="generic")
+    assert not A._tfun_algorithm(on_cuda=True, mode="pointwise")
+    assert not A._tfun_algorithm(on_cuda=False, mode="generic")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_tfuns_algorithm_under_jit_gives_eagers_values_and_gradients(backend, reverse, monkeypatch):
+    """The lowering CUDA takes where gradients may be taken, forced on the CPU: the values and
+    gradients of `tfun.jit(tfun.value_and_grad(f))` (the path that was wrong with torch's HOP
+    under Inductor on an H100) and of a jitted forward differentiated outside."""
+    import tfun
+    from tfun.lax import _associative_scan as A
+
+    monkeypatch.setattr(A, "_tfun_algorithm", lambda on_cuda, mode: mode == "generic")
+    affine = lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1])
+
+    def f(a, b):
+        h = lax.associative_scan(affine, (a, b), reverse=reverse, axis=1)[1]
+        return (h * torch.cos(h)).sum(), h
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.rand(4, 37, 5, dtype=torch.float64, generator=g), torch.randn(4, 37, 5, dtype=torch.float64, generator=g)
+    torch._dynamo.reset()
+    assert "in _take" in tfun.jit(f).lower(a, b).as_text()  # the forced lowering: tfun's algorithm (torch's has no _take)
+    (v, h), grads = tfun.jit(tfun.value_and_grad(f, argnums=(0, 1), has_aux=True), backend=backend)(a, b)
+    (v0, h0), grads0 = tfun.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
+    torch.testing.assert_close(h, h0)
+    torch.testing.assert_close(v, v0)
+    torch.testing.assert_close(grads, grads0)
+    a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    v2, _ = tfun.jit(f, backend=backend)(a2, b2)
+    torch.testing.assert_close(torch.autograd.grad(v2, (a2, b2)), grads0)

@@ -192,6 +192,12 @@ POINTWISE_ON_CUDA = True
 CUDA_GRAD_LOWERING = "tfun"
 
 
+def _tfun_algorithm(on_cuda: bool, mode: str) -> bool:
+    """Whether the lowering writes tfun's log-depth algorithm as plain ops instead of torch's
+    HOP (see `CUDA_GRAD_LOWERING`)."""
+    return on_cuda and mode == "generic" and CUDA_GRAD_LOWERING == "tfun"
+
+
 def _combine_mode(on_cuda: bool, grad_possible: bool) -> str:
     """torch's `combine_mode` for a scan: "pointwise" (one fused kernel, CUDA only) where the
     trace runs with gradients off (`torch.no_grad()`, `torch.inference_mode()`) and no
@@ -262,7 +268,7 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             )
         return _hop.unalias(out_leaves, list(a) + list(b))
 
-    if _hop.unrolled_steps() or (cuda and mode == "generic" and CUDA_GRAD_LOWERING == "tfun"):
+    if _hop.unrolled_steps() or _tfun_algorithm(cuda, mode):
         # inside a traced derivative that is differentiated again: the eager algorithm's tensor
         # ops in the graph, no HOP (torch's have no second derivative; see _hop.unroll_scope).
         # Likewise on CUDA where gradients may be taken (see CUDA_GRAD_LOWERING).
