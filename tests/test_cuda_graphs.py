@@ -331,3 +331,27 @@ def test_recording_logic_results_requiring_grad_and_signatures(monkeypatch):
         for _ in range(2):
             cache2.call((("n", n),), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
     assert len(cache2.entries) == 2 and fake.captures == 3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_recording_logic_through_tfun_jit(backend, monkeypatch):
+    """The whole path of a jitted call (compile, inspect the Dynamo graph, check, record,
+    replay) with the stand-ins: values, copies, the debug mode put back."""
+    fake = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(_cuda_graphs, "available", lambda: True)
+
+    def loss(W, xs, h0):
+        return rnn(W, xs, h0)[1].pow(2).mean()
+
+    step = tfun.jit(tfun.value_and_grad(loss), backend=backend, cuda_graphs="auto")
+    results = []
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        W, xs = torch.randn(5, 5, generator=g) / 3, torch.randn(7, 2, 5, generator=g)
+        h0 = torch.zeros(2, 5)
+        results.append((step(W, xs, h0), tfun.value_and_grad(loss)(W, xs, h0)))
+        assert fake.mode == 0
+    for got, want in results:
+        torch.testing.assert_close(got, want)
+    assert fake.captures == 1 and fake.replays == 3
+    assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"

@@ -64,7 +64,7 @@ import torch
 from ._errors import JitError, format_message
 from ._tree import tree_flatten, tree_unflatten
 
-__all__ = ["GraphCache", "applies"]
+__all__ = ["GraphCache", "applies", "available"]
 
 log = logging.getLogger("tfun.jit")
 
@@ -84,6 +84,11 @@ _INPLACE_OPERATORS = frozenset(
      operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
      operator.imatmul, operator.setitem}
 )
+
+
+def available() -> bool:
+    """Whether calls may be recorded here at all (a CUDA device is present)."""
+    return torch.cuda.is_available()
 
 
 def applies(options: dict[str, Any]) -> bool:

@@ -450,7 +450,7 @@ class Jitted:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
-        if self._graphs is not None and torch.cuda.is_available():
+        if self._graphs is not None and _cuda_graphs.available():
             static_key = self._static_key(args, kwargs) if (self._static_nums or self._static_names) else ()
             return self._graphs.call(
                 static_key,
