@@ -93,8 +93,9 @@ fi
 
 # Phase 2, speed, on the machine with nothing else running (GPU_SKIP_BENCH=1: not now)
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
-    step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda
-    step linear_scan 45 python3 benchmarks/linear_scan.py --quick --reps 3 --max-seconds 5
-    step cuda_graphs 120 python3 benchmarks/cuda_graphs.py --only rnn_small --max-seconds 30
+    # tfun.jit with cuda_graphs="auto" (experimental; the plain tfun.jit numbers are in RESULTS.md)
+    step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda --cuda-graphs
+    step cuda_graphs 90 python3 benchmarks/cuda_graphs.py --strategies jit tfun_cuda_graphs jax --max-seconds 20 --repeat 5
+    step linear_scan 45 python3 benchmarks/linear_scan.py --bd 65536 --T 4096 --paths triton --reps 5 --max-seconds 5
 fi
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"

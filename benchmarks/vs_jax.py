@@ -8,6 +8,7 @@ and each compiled path's first call (trace + compile + one run).
     python benchmarks/vs_jax.py --record           # append the table to benchmarks/RESULTS.md
     python benchmarks/vs_jax.py --unroll 8         # unroll= of every scan/fori_loop, in both frameworks
     python benchmarks/vs_jax.py --jit-options '{"cpp_wrapper": true}'   # Inductor options to try
+    python benchmarks/vs_jax.py --device cuda --cuda-graphs   # tfun.jit(..., cuda_graphs="auto")
 
 Programs (each written once per framework, the same arithmetic, float32):
 
@@ -245,6 +246,9 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+CUDA_GRAPHS: bool | str = False  # --cuda-graphs: tfun.jit's cuda_graphs= (experimental, off by default)
+
+
 def run(device: torch.device, names: list[str], repeat: int, jit_options: dict[str, Any]) -> list[dict[str, Any]]:
     jdev = jax.devices("gpu")[0] if device.type == "cuda" else jax.devices("cpu")[0]
     rows = []
@@ -254,7 +258,8 @@ def run(device: torch.device, names: list[str], repeat: int, jit_options: dict[s
         j_args = _jax_args(t_args if device.type == "cpu" else _to(t_args, torch.device("cpu")), jdev)
         torch._dynamo.reset()
         row: dict[str, Any] = {"program": name, "device": device.type}
-        jitted = tfun.jit(t_fn, options=jit_options) if jit_options else tfun.jit(t_fn)
+        extra: dict[str, Any] = {"options": jit_options} if jit_options else {}
+        jitted = tfun.jit(t_fn, cuda_graphs=CUDA_GRAPHS, **extra)
         if not name.endswith("bwd"):
             # forward programs run as inference does, under no_grad (on CUDA, tfun's traced
             # associative_scan is torch's fused kernel only with gradients off)
@@ -289,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     ap.add_argument("--jit-options", default="", help="Inductor options for tfun.jit, as JSON")
     ap.add_argument("--unroll", type=int, default=1, help="unroll= of every scan and fori_loop, in both frameworks")
+    ap.add_argument("--cuda-graphs", action="store_true", help='tfun.jit(..., cuda_graphs="auto"): replay CUDA calls from a graph')
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
-    global UNROLL
+    global UNROLL, CUDA_GRAPHS
     UNROLL = args.unroll
+    CUDA_GRAPHS = "auto" if args.cuda_graphs else False
     if jax is None:
         print("jax is not installed: pip install jax")
         return 1
@@ -308,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
         opts = f" with Inductor options `{json.dumps(jit_options)}`" if jit_options else ""
         opts += f", `unroll={UNROLL}` in both" if UNROLL != 1 else ""
+        opts += ', `cuda_graphs="auto"`' if CUDA_GRAPHS else ""
         with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as fh:
             fh.write(
                 f"\n## tfun vs JAX, the same programs (`python benchmarks/vs_jax.py{' --quick' if args.quick else ''}`){opts}\n\n"
