@@ -137,6 +137,28 @@ def test_a_failing_compiler_backend_is_a_jit_error_that_says_so():
     assert "Revise that line" not in msg
 
 
+def test_a_compile_worker_failure_names_what_the_worker_raised():
+    """Inductor re-raises a failure in a compile worker as `SubprocException`, whose first line
+    says only that a subprocess failed (nn.MinGRU and nn.Mamba on CUDA with torch 2.11): the
+    error adds the worker's own last line."""
+
+    class SubprocException(Exception):
+        pass
+
+    def failing_backend(gm, example_inputs):
+        raise SubprocException(
+            "An exception occurred in a subprocess:\n\nTraceback (most recent call last):\n"
+            '  File "worker.py", line 3, in compile\n    run()\n'
+            "triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource\n"
+        )
+
+    with pytest.raises(JitError) as info:
+        tfun.jit(lambda x: x * 2, backend=failing_backend)(torch.ones(2))
+    msg = str(info.value)
+    assert "the compiler backend failed: SubprocException: An exception occurred in a subprocess:" in msg
+    assert "the worker raised triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource" in msg
+
+
 def test_tfun_error_inside_body_is_unwrapped():
     def f(x):
         return lax.scan(lambda c, x: ((c, c), x), x[0], x)

@@ -684,7 +684,18 @@ def _backend_failure(e: BaseException) -> str:
     frames = traceback.extract_tb(inner.__traceback__)
     if frames:
         text += f" (raised in `{frames[-1].name}`, {_os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    # An error re-raised from a compile worker (Inductor's `SubprocException`: "An exception
+    # occurred in a subprocess:" then the worker's traceback) says what failed on its last line;
+    # on CUDA (H100, torch 2.11) nn.MinGRU and nn.Mamba were refused with only the first line.
+    if len(lines) > 1 and any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        last = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
+        if last is not None and last != lines[0]:
+            text += f"; the worker raised {last[:300]}"
     return f"the compiler backend failed: {text}"
+
+
+# the last line of a Python traceback: "ValueError: ...", "triton.compiler.errors.CompilationError: ..."
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*:")
 
 
 def _headline(e: BaseException) -> str:
