@@ -146,6 +146,8 @@ def run(
             return _forward_then_grad(tfun.jit(fn, backend=backend), args)
         if mode == "grad":
             return _jit_value_and_grad(fn, args, backend, frozen=frozen)
+        if mode == "grad+graphs":
+            return _jit_value_and_grad_replayed(fn, args, backend)
         if mode == "vjp":
             return _jit_vjp(fn, args, backend)
         raise ValueError(f"unknown path {path!r}")
@@ -197,6 +199,32 @@ def _jit_value_and_grad(
     (_, outs), grads = step(*(a.detach() for a in args))
     by_arg = dict(zip(argnums, grads))
     return Result(_cpu64(outs), _cpu64([by_arg.get(i, torch.zeros_like(a)) for i, a in enumerate(args)]))
+
+
+def _jit_value_and_grad_replayed(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str) -> Result:
+    """`"inductor+grad+graphs"` (check_cuda only, not in PATHS): the training step of
+    `"inductor+grad"` under `tfun.jit(..., cuda_graphs=True)`, called three times (compile,
+    record, replay) on the same arguments; the replay's result is compared. The loss weights are
+    arguments (on the outputs' device), so the step reads nothing it is not given. A call that
+    cannot be replayed is a `JitError` (a refusal row, with the reason)."""
+    with torch.no_grad():
+        outs0 = tree_leaves(fn(*args))
+    weights = [w.to(o.device) if w is not None else None for w, o in zip(_weights(_cpu64(outs0)), outs0)]
+    present = [w for w in weights if w is not None]
+
+    def loss(*xs_and_w: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        xs, ws = xs_and_w[: len(args)], iter(xs_and_w[len(args) :])
+        outs = tree_leaves(fn(*xs))
+        return _loss(outs, [next(ws) if w is not None else None for w in weights]), outs
+
+    step = tfun.jit(
+        tfun.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True), backend=backend, cuda_graphs=True
+    )
+    call_args = [a.detach() for a in args] + present
+    for _ in range(2):
+        step(*call_args)
+    (_, outs), grads = step(*call_args)
+    return Result(_cpu64(outs), _cpu64(list(grads)))
 
 
 def _jit_vjp(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], backend: str) -> Result:

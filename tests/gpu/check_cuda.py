@@ -11,7 +11,9 @@ One command for anyone with a CUDA machine (from the repository root):
 For each case it runs the op (or the layer's forward) and the gradient of a fixed random
 weighting of every output with respect to every input and parameter, on the device, and compares
 both with the same case built in float64 and run eagerly on the CPU. Paths: eager, `tfun.jit`
-with `aot_eager` and with Inductor, forward-jitted and `value_and_grad`-jitted; the Triton
+with `aot_eager` and with Inductor, forward-jitted and `value_and_grad`-jitted, and the Inductor
+training step replayed from a CUDA graph (`inductor+grad+graphs`: `cuda_graphs=True`, the third
+call compared; on the CPU it runs without a graph); the Triton
 `linear_scan` on the shapes where a GPU splits time into segments. A row is `ok`, `REFUSED` (a tfun
 error, printed), `WRONG` (numbers off beyond the dtype's tolerance) or `CRASH` (any other
 exception). The exit status is 1 if any row is WRONG or CRASH. `--device cpu` runs the same
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device is available; pass --device cpu to run the checks on the CPU", file=sys.stderr)
         return 2
-    jit_paths = [] if args.quick else ["aot_eager", "inductor", "aot_eager+grad", "inductor+grad"]
+    jit_paths = [] if args.quick else ["aot_eager", "inductor", "aot_eager+grad", "inductor+grad", "inductor+grad+graphs"]
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     rows: list[tuple[str, ...]] = []
     bad = 0

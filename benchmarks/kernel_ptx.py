@@ -1,0 +1,96 @@
+"""What the `linear_scan` Triton kernels compile to for a GPU, on any machine (no GPU needed).
+
+    python benchmarks/kernel_ptx.py                 # sm_90 (H100), fp32 and bf16, forward and backward
+    python benchmarks/kernel_ptx.py --arch 80 --num-warps 8
+
+Triton compiles for a target without a device (its LLVM and ptxas ship in the wheel). For each
+variant of `_scan_kernel` this prints the widths of the global loads and stores in the PTX
+(`v1b32` is one 32-bit element per thread and instruction, `v4b32` four: vectorized), the
+registers per thread and the spills `ptxas -v` reports, and the register layout of the
+[BLOCK_C, BLOCK_T] tile. Speed needs a GPU (`benchmarks/linear_scan.py`); this says what the
+code is, for kernel work on a machine without one. Written against Triton 3.6's compile API
+(`ASTSource`, `GPUTarget`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tfun.kernels import _linear_scan_triton as K
+
+POINTERS = ("A", "B", "H0", "CARRY", "OUT", "HPREV", "DA")
+UNIT_STRIDES = ("sa_t", "sb_t", "so_t", "sp_t", "sa_i", "sb_i", "sh0_i", "so_i", "sp_i", "sc_s")
+
+
+def compile_scan(dtype: str, bwd: bool, reverse: bool, arch: int, num_warps: int) -> object:
+    """`_scan_kernel` as the launcher specializes it for a (channels, time) tensor scanned along
+    its last, contiguous axis (the benchmark's layout): unit strides are constants, the other
+    integers divisible by 16."""
+    names = list(inspect.signature(K._scan_kernel).parameters)
+    consts = {
+        "REVERSE": reverse, "SHIFT": (1 if reverse else -1) if bwd else 0, "BWD": bwd, "ACC_F64": False,
+        "BLOCK_C": K.MAX_BLOCK_C, "BLOCK_T": K.MAX_BLOCK_T, **{n: 1 for n in UNIT_STRIDES},
+    }  # fmt: skip
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in POINTERS:
+            sig[n] = "*fp32" if n == "CARRY" else "*" + dtype
+        else:
+            sig[n] = "i32"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts}
+    src = ASTSource(fn=K._KERNELS["scan"][False], signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def widths(ptx: str, op: str) -> str:
+    found = re.findall(op + r"\.global(?:\.\w+)*\.(v\d\.)?(b\d+|f\d+|u\d+)", ptx)
+    return ", ".join(f"{k} x{v}" for k, v in sorted(Counter((v or "v1.") + w for v, w in found).items()))
+
+
+def ptxas(ptx: str, arch: int) -> str:
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([exe, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    lines = [ln.split("ptxas info    :")[-1].strip() for ln in (out.stdout + out.stderr).splitlines() if "registers" in ln or "spill" in ln]
+    return "; ".join(lines) or (out.stderr.strip().splitlines() or ["ptxas gave nothing"])[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100)")
+    ap.add_argument("--num-warps", type=int, default=4, help="as the launcher uses (4)")
+    args = ap.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_{args.arch}, {args.num_warps} warps, BLOCK_C={K.MAX_BLOCK_C}, BLOCK_T={K.MAX_BLOCK_T}")
+    print("| kernel | dtype | global loads | global stores | ptxas |")
+    print("|---|---|---|---|---|")
+    layout = None
+    for dtype in ("fp32", "bf16"):
+        for bwd, reverse in ((False, False), (False, True), (True, True)):
+            k = compile_scan(dtype, bwd, reverse, args.arch, args.num_warps)
+            ptx = k.asm["ptx"]  # type: ignore[attr-defined]
+            name = ("backward" if bwd else "forward") + (" (reverse order)" if reverse else "")
+            print(f"| {name} | {dtype} | {widths(ptx, 'ld')} | {widths(ptx, 'st')} | {ptxas(ptx, args.arch)} |", flush=True)
+            layout = layout or next((ln for ln in k.asm["ttgir"].splitlines() if ln.startswith("#blocked")), None)  # type: ignore[attr-defined]
+    print(f"\ntile layout: {layout}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
