@@ -38,3 +38,14 @@ def test_shards_run_each_row_once(capsys: pytest.CaptureFixture[str], monkeypatc
     assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if " | ok | " in line] == ["lax.cond T=1 C=1"]
     with pytest.raises(SystemExit):
         check_cuda.main(["--device", "cpu", "--shard", "2/2"])
+
+
+@pytest.mark.parametrize("name", ["scan", "associative_scan"])
+def test_the_replayed_training_step_path_runs_on_the_cpu(name: str) -> None:
+    """check_cuda's `inductor+grad+graphs` path (the training step with cuda_graphs=True, called
+    three times) gives the float64 oracle's values on the CPU too, where no graph is recorded: the
+    path's code cannot rot between GPU runs."""
+    from ..differential import harness
+
+    out_err, grad_err = harness.compare(name, {"T": 5, "C": 3, "seed": 1}, "inductor+grad+graphs", torch.float32, "cpu")
+    assert out_err <= harness.TOLERANCE[torch.float32][0] and grad_err <= harness.TOLERANCE[torch.float32][1]
