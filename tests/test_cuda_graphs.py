@@ -290,8 +290,9 @@ def test_recording_logic_copies_in_replays_and_returns_copies(monkeypatch):
         torch.testing.assert_close(got, want)
     assert fake.captures == 1 and fake.replays == 4  # calls 2 (just recorded) to 5
     assert fake.mode == 0 and 2 in fake.modes_seen  # the check ran in "error" mode and was put back
-    (_, decision), = cache.reasons()
+    (signature, decision), = cache.reasons()
     assert decision == "replayed from a CUDA graph"
+    assert signature == "(float32[3] cpu, float32[3] cpu; grad on)"
 
 
 def test_recording_logic_a_synchronizing_call_is_not_recorded(monkeypatch):
@@ -331,6 +332,9 @@ def test_recording_logic_results_requiring_grad_and_signatures(monkeypatch):
         for _ in range(2):
             cache2.call((("n", n),), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
     assert len(cache2.entries) == 2 and fake.captures == 3
+    assert [text for text, _ in cache2.reasons()] == [
+        "(float32[3] cpu; static n=3; grad on)", "(float32[4] cpu; static n=4; grad on)"
+    ]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -104,9 +104,10 @@ def applies(options: dict[str, Any]) -> bool:
 
 
 class _Entry:
-    __slots__ = ("calls", "graph", "static", "out_leaves", "out_def", "reason")
+    __slots__ = ("calls", "graph", "static", "out_leaves", "out_def", "reason", "text")
 
-    def __init__(self) -> None:
+    def __init__(self, text: str = "") -> None:
+        self.text = text  # the signature, for people (`GraphCache.reasons`)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: list[torch.Tensor] = []
@@ -131,6 +132,22 @@ def _signature(static_key: Any, leaves: list[Any], treedef: Any) -> tuple[Any, .
                 raise _Unhashable(type(leaf).__qualname__) from None
             sig.append((type(leaf), leaf))
     return tuple(sig)
+
+
+def _signature_text(static_key: Any, leaves: list[Any]) -> str:
+    """`(f32[64, 256] cuda:0, f32[1024, 64, 256] cuda:0, 3; static n=3; grad off)`."""
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            dtype = str(leaf.dtype).replace("torch.", "")
+            grad = " requires_grad" if leaf.requires_grad else ""
+            parts.append(f"{dtype}[{', '.join(map(str, leaf.shape))}] {leaf.device}{grad}")
+        else:
+            parts.append(repr(leaf))
+    text = ", ".join(parts)
+    if static_key:
+        text += "; static " + ", ".join(f"{k}={v!r}" for k, v in static_key)
+    return f"({text}; grad {'on' if torch.is_grad_enabled() else 'off'})"
 
 
 def _chain(e: BaseException | None) -> list[BaseException]:
@@ -211,9 +228,9 @@ class GraphCache:
     def reasons(self) -> list[tuple[str, str]]:
         """(signature, decision) for each signature seen."""
         out = []
-        for sig, e in self.entries.items():
+        for e in self.entries.values():
             state = "replayed from a CUDA graph" if e.graph is not None else (e.reason or "not decided yet (one call)")
-            out.append((repr(sig), state))
+            out.append((e.text, state))
         return out
 
     def _refuse(self, entry: _Entry, reason: str) -> None:
@@ -252,7 +269,7 @@ class GraphCache:
         with self.lock:
             entry = self.entries.get(sig)
             if entry is None:
-                entry = self.entries[sig] = _Entry()
+                entry = self.entries[sig] = _Entry(_signature_text(static_key, leaves))
                 while len(self.entries) > self.max_entries:
                     self.entries.popitem(last=False)
             else:
