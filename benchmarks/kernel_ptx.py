@@ -29,17 +29,22 @@ from triton.compiler import ASTSource
 from tfun.kernels import _linear_scan_triton as K
 
 POINTERS = ("A", "B", "H0", "CARRY", "OUT", "HPREV", "DA")
-UNIT_STRIDES = ("sa_t", "sb_t", "so_t", "sp_t", "sa_i", "sb_i", "sh0_i", "so_i", "sp_i", "sc_s")
+#: the integer arguments equal to 1 for a (channels, time) tensor scanned along time, which
+#: Triton's launcher turns into constants: the unit strides and INNER (one channel per row)
+UNIT_ARGS = ("INNER", "sa_t", "sb_t", "so_t", "sa_i", "sb_i", "sh0_i", "so_i")
+#: the previous-state strides, 1 in the backward (the forward passes zeros)
+BWD_UNIT_ARGS = ("sp_t", "sp_i")
 
 
 def compile_scan(dtype: str, bwd: bool, reverse: bool, arch: int, num_warps: int) -> object:
     """`_scan_kernel` as the launcher specializes it for a (channels, time) tensor scanned along
-    its last, contiguous axis (the benchmark's layout): unit strides are constants, the other
-    integers divisible by 16."""
+    its last, contiguous axis (the benchmark's layout): the arguments equal to 1 are constants,
+    the other integers divisible by 16 (T = 4096). `reverse` is the kernel's processing order:
+    the backward of a forward scan runs in reverse order."""
     names = list(inspect.signature(K._scan_kernel).parameters)
     consts = {
         "REVERSE": reverse, "SHIFT": (1 if reverse else -1) if bwd else 0, "BWD": bwd, "ACC_F64": False,
-        "BLOCK_C": K.MAX_BLOCK_C, "BLOCK_T": K.MAX_BLOCK_T, **{n: 1 for n in UNIT_STRIDES},
+        "BLOCK_C": K.MAX_BLOCK_C, "BLOCK_T": K.MAX_BLOCK_T, **{n: 1 for n in UNIT_ARGS + (BWD_UNIT_ARGS if bwd else ())},
     }  # fmt: skip
     sig = {}
     for n in names:
@@ -78,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-warps", type=int, default=4, help="as the launcher uses (4)")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, sm_{args.arch}, {args.num_warps} warps, BLOCK_C={K.MAX_BLOCK_C}, BLOCK_T={K.MAX_BLOCK_T}")
-    print("| kernel | dtype | global loads | global stores | ptxas |")
+    print("| kernel | dtype | global loads | global stores | ptxas (barriers: a layout change through shared memory) |")
     print("|---|---|---|---|---|")
     layout = None
     for dtype in ("fp32", "bf16"):
-        for bwd, reverse in ((False, False), (False, True), (True, True)):
+        for bwd, reverse in ((False, False), (False, True), (True, True), (True, False)):
             k = compile_scan(dtype, bwd, reverse, args.arch, args.num_warps)
             ptx = k.asm["ptx"]  # type: ignore[attr-defined]
-            name = ("backward" if bwd else "forward") + (" (reverse order)" if reverse else "")
+            name = ("backward" if bwd else "forward") + (" in reverse order" if reverse else " in time order")
             print(f"| {name} | {dtype} | {widths(ptx, 'ld')} | {widths(ptx, 'st')} | {ptxas(ptx, args.arch)} |", flush=True)
             layout = layout or next((ln for ln in k.asm["ttgir"].splitlines() if ln.startswith("#blocked")), None)  # type: ignore[attr-defined]
     print(f"\ntile layout: {layout}")
