@@ -46,7 +46,7 @@ Status (2026-11-27): on an H100 the replays gave eager's values to the last bit
 (`benchmarks/cuda_graphs.py`, strategy `tfun_cuda_graphs`), but in tests/test_cuda_graphs.py's
 first GPU run every CUDA test after the first recording failed: the CUDA synchronization
 debug mode was still "error" after `_record` (each later synchronizing call raised). The
-mode is now put back unconditionally, untested on a GPU; until that run passes, the default
+mode is now put back in one `finally` around the checking run, untested on a GPU; until that run passes, the default
 stays off.
 """
 
@@ -161,10 +161,14 @@ def _chain(e: BaseException | None) -> list[BaseException]:
 def _sync_error(e: BaseException) -> str | None:
     """The first line of the synchronization error behind `e` (tfun.jit may have wrapped it)."""
     for x in _chain(e):
-        text = str(x)
-        if "synchroniz" in text:
-            return next(line for line in text.splitlines() if "synchroniz" in line).strip()
+        for line in str(x).splitlines():
+            if _SYNC_MESSAGE in line:
+                return line.strip()
     return None
+
+
+#: what torch raises for a synchronizing operation under `set_sync_debug_mode("error")`
+_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 
 def _root_placeholder(node: Any) -> Any:
@@ -319,44 +323,26 @@ class GraphCache:
         s_args, s_kwargs = tree_unflatten(treedef, static_leaves)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        # one run on the copies with synchronization an error; the caller's mode is put back in
+        # the `finally` whatever happens (the recording below must not run in "error" mode:
+        # torch's capture itself synchronizes)
         previous = torch.cuda.get_sync_debug_mode()
-        try:
-            return self._record_checked(entry, args, kwargs, s_args, s_kwargs, static, tensors, device, side, previous, run)
-        finally:
-            # the first GPU run of this code (H100, torch 2.11) found the mode still "error" after
-            # a recording; whatever set it, the caller's mode is put back here
-            torch.cuda.set_sync_debug_mode(previous)
-
-    def _record_checked(
-        self,
-        entry: _Entry,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        s_args: Any,
-        s_kwargs: Any,
-        static: list[torch.Tensor],
-        tensors: list[torch.Tensor],
-        device: torch.device,
-        side: torch.cuda.Stream,
-        previous: int,
-        run: Callable[..., Any],
-    ) -> Any:
+        failure: Exception | None = None
+        torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(side):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    run(*s_args, **s_kwargs)
-                finally:
-                    torch.cuda.set_sync_debug_mode(previous)
-        except Exception as e:  # noqa: BLE001 - only a synchronization is a reason; the rest is raised
-            message = _sync_error(e)
+                run(*s_args, **s_kwargs)
+        except Exception as e:  # noqa: BLE001 - only a synchronization is a reason; the rest is raised below
+            failure = e
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if failure is not None:
+            message = _sync_error(failure)
             if message is None:
-                raise
-            torch.cuda.current_stream(device).wait_stream(side)
+                raise failure
             self._refuse(entry, f"a call synchronizes with the host ({message})")
             return run(*args, **kwargs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.set_sync_debug_mode(previous)
         graph = torch.cuda.CUDAGraph()
         try:
             out = _capture(graph, device, lambda: run(*s_args, **s_kwargs))
