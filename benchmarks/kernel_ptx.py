@@ -60,8 +60,13 @@ def compile_scan(dtype: str, bwd: bool, reverse: bool, arch: int, num_warps: int
 
 
 def widths(ptx: str, op: str) -> str:
-    found = re.findall(op + r"\.global(?:\.\w+)*\.(v\d\.)?(b\d+|f\d+|u\d+)", ptx)
-    return ", ".join(f"{k} x{v}" for k, v in sorted(Counter((v or "v1.") + w for v, w in found).items()))
+    """`v4.b32 x8, v1.b16 x2`: the static count of each vector width of `op.global` (`ld`/`st`)."""
+    found = []
+    for suffixes in re.findall(r"\b" + op + r"\.global((?:\.[\w:]+)+)", ptx):
+        parts = suffixes.split(".")
+        vec = next((p for p in parts if re.fullmatch(r"v\d", p)), "v1")
+        found.append(vec + "." + next(p for p in reversed(parts) if re.fullmatch(r"[bfsu]\d+", p)))
+    return ", ".join(f"{k} x{v}" for k, v in sorted(Counter(found).items()))
 
 
 def ptxas(ptx: str, arch: int) -> str:
