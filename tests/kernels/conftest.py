@@ -75,7 +75,7 @@ def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with _linear_scan_triton.knobs(nan_fill=True, force_segment=None, simulate_sms=None):
+    with _linear_scan_triton.knobs(nan_fill=True, force_segment=None, simulate_sms=None, reverse_tiles=None):
         if not ON_GPU:
             _reverse_generic_reduce(monkeypatch)
         yield

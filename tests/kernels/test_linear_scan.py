@@ -425,3 +425,134 @@ def test_every_forced_segment_length(T: int, seg: int, monkeypatch: pytest.Monke
     """fla-style odd lengths under forced small segments: every segment boundary case."""
     monkeypatch.setattr(K.KNOBS, "force_segment", seg)
     check((T, 2), 0, T % 2 == 1, seed=T + seg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two tile layouts of reverse order (`Knobs.reverse_tiles`): the forward of a reverse scan,
+# the backward of an ordinary one, and the summary kernel of the segmented plans. The tests above
+# run the default (or what TFUN_LINEAR_SCAN_REVERSE_TILES says); these run both, whatever it says.
+
+REVERSE_TILES = ["falling", "rising"]
+
+
+@pytest.fixture
+def launch_meta(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, bool]]:
+    """(kernel name, REVERSE, RISING) of every launch from here on, as the launcher passed them
+    to the kernel (compiled or interpreted) as constexprs."""
+    launches: list[tuple[str, bool, bool]] = []
+    original = K._launch
+
+    def recording(name: str, grid: tuple[int, int], *args, **meta) -> None:  # type: ignore[no-untyped-def]
+        launches.append((name, meta["REVERSE"], meta["RISING"]))
+        original(name, grid, *args, **meta)
+
+    monkeypatch.setattr(K, "_launch", recording)
+    return launches
+
+
+def _assert_variant(launches: list[tuple[str, bool, bool]], rising: bool) -> None:
+    assert any(reverse for _, reverse, _ in launches), "no launch processed time in reverse order"
+    for name, reverse, got in launches:
+        assert got == (rising and reverse), f"{name} (REVERSE={reverse}) ran with RISING={got}"
+
+
+# (id, b shape, axis, reverse, dtype, force_segment, with_init); an odd number of cases, so that
+# CI's `alternate_cell` half (every other cell, tests/conftest.py) keeps cells of both variants
+_REVERSE_TILE_CASES = [
+    ("T1", (1, 3), 0, True, torch.float32, None, True),
+    ("T63-bf16", (63, 3), 0, False, torch.bfloat16, None, True),
+    ("T63-f64", (2, 63, 2), 1, True, torch.float64, None, False),
+    ("T200-20ch", (20, 200), 1, False, torch.float32, None, True),  # two channel tiles
+    # segmented: 4 segments of 256 (the last 232 long, its last tile partial), both directions
+    ("T1000-seg256", (1000, 2), 0, True, torch.float32, 256, True),
+    ("T1000-seg256-bf16", (2, 1000), 1, False, torch.bfloat16, 256, False),
+    ("T600-seg512-f64", (600, 3), 0, True, torch.float64, 512, True),  # one segment and 88 steps
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "shape", "axis", "reverse", "dtype", "seg", "with_init"),
+    [pytest.param(v, *case[1:], id=f"{v}-{case[0]}") for v in REVERSE_TILES for case in _REVERSE_TILE_CASES],
+)
+def test_reverse_tiles_both_variants(
+    variant: str, shape: tuple[int, ...], axis: int, reverse: bool, dtype: torch.dtype, seg: int | None,
+    with_init: bool, launch_meta: list, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", variant)
+    monkeypatch.setattr(K.KNOBS, "force_segment", seg)
+    check(shape, axis, reverse, dtype=dtype, with_init=with_init, seed=sum(shape) + axis)
+    _assert_variant(launch_meta, variant == "rising")
+    if seg is not None:
+        assert [n for n, *_ in launch_meta].count("summary") == 2  # the forward's and the backward's
+
+
+@pytest.mark.parametrize("variant", REVERSE_TILES)
+def test_reverse_tiles_gpu_plan(variant: str, gpu_plans: int, launch_meta: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segments an H100 picks (not forced), forward and reverse, in both variants."""
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", variant)
+    assert K.plan(3, 1100, DEVICE)[2] < 1100
+    for reverse in (False, True):
+        check((1100, 3), 0, reverse, seed=12 + reverse)
+    _assert_variant(launch_meta, variant == "rising")
+    assert [n for n, *_ in launch_meta].count("summary") == 4
+
+
+def test_reverse_tiles_knob_and_environment(launch_meta: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The knob, else TFUN_LINEAR_SCAN_REVERSE_TILES, else "falling", reaches every launch as the
+    constexpr RISING (reverse-order launches only); anything else raises at launch."""
+    args = tuple(t.to(DEVICE) for t in (torch.rand(9, 2), torch.randn(9, 2), torch.zeros(2)))
+
+    def rising_of_a_reverse_launch() -> bool:
+        launch_meta.clear()
+        K.linear_scan_fwd(*args, 0, True)
+        ((name, reverse, rising),) = launch_meta
+        assert name == "scan_fwd" and reverse
+        return rising
+
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", None)
+    monkeypatch.delenv(K.REVERSE_TILES_ENV, raising=False)
+    assert rising_of_a_reverse_launch() is False
+    monkeypatch.setenv(K.REVERSE_TILES_ENV, "rising")
+    assert rising_of_a_reverse_launch() is True
+    launch_meta.clear()
+    K.linear_scan_fwd(*args, 0, False)  # time order: the one variant, whatever the knob
+    assert launch_meta == [("scan_fwd", False, False)]
+    monkeypatch.setenv(K.REVERSE_TILES_ENV, "falling")
+    assert rising_of_a_reverse_launch() is False
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", "rising")  # the knob wins over the environment
+    assert rising_of_a_reverse_launch() is True
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", None)
+    monkeypatch.setenv(K.REVERSE_TILES_ENV, "upward")
+    with pytest.raises(ValueError, match="TFUN_LINEAR_SCAN_REVERSE_TILES must be one of .*'upward'"):
+        K.linear_scan_fwd(*args, 0, True)
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", "Rising")
+    with pytest.raises(ValueError, match=r"Knobs.reverse_tiles must be one of .*'Rising'"):
+        K.linear_scan_fwd(*args, 0, True)
+
+
+@interpreter_only
+@pytest.mark.parametrize("variant", REVERSE_TILES)
+def test_rising_tiles_run_a_reverse_scan_in_the_kernel(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RISING constexpr changes the code the kernel runs: with "rising", the reverse-order
+    kernels (here the backward of an ordinary scan, and its summary kernel) call Triton's
+    reverse scan; with "falling", and in time order, no kernel does."""
+    from triton.runtime import interpreter
+
+    scans: list[bool] = []
+    original = interpreter.ScanOps.__init__
+
+    def recording(self, axis, combine_fn, reverse):  # type: ignore[no-untyped-def]
+        scans.append(bool(reverse))
+        original(self, axis, combine_fn, reverse)
+
+    monkeypatch.setattr(interpreter.ScanOps, "__init__", recording)
+    monkeypatch.setattr(K.KNOBS, "reverse_tiles", variant)
+    monkeypatch.setattr(K.KNOBS, "force_segment", 128)
+    a, b, h0 = torch.rand(300, 2), torch.randn(300, 2), torch.zeros(2)
+    h = K.linear_scan_fwd(a, b, h0, 0, False)
+    assert scans and not any(scans), "a time-order kernel ran a reverse scan"
+    scans.clear()
+    K.linear_scan_bwd(a, h0, h, torch.randn(300, 2), 0, False)
+    # per tile: the summary kernel's scans (2 segments x 1 tile), the carry scan (time order),
+    # the main kernel's (3 segments x 1 tile)
+    assert scans == [variant == "rising"] * 2 + [False] + [variant == "rising"] * 3

@@ -33,6 +33,21 @@ one-segment `_scan_kernel` scans those summaries into each segment's incoming st
 main `_scan_kernel` runs all segments in parallel from those states (20 instead of 12 bytes per
 element in fp32, for `n_channel_tiles * n_segments` programs instead of `n_channel_tiles`).
 
+Reverse order (a `reverse=True` forward, and the backward of an ordinary scan) has two tile
+layouts, picked by the private knob `Knobs.reverse_tiles` (or the environment variable
+`TFUN_LINEAR_SCAN_REVERSE_TILES`, read at every launch) and passed to both kernels as the
+constexpr `RISING`, so each compiles separately. `"falling"` (the default): column `j` of a tile is
+its `j`-th step in processing order (`t = T - 1 - p`), so addresses fall as the columns rise;
+compiled for a GPU that converts the tile's layout through shared memory, with about twice the
+registers and one element per access. `"rising"`: column `j` is the tile's `(BLOCK_T - 1 - j)`-th
+step, so addresses rise; the tile is scanned with `tl.associative_scan(..., reverse=True)` (whose
+partial results, folded from the last column, are the combine's left operand: the processing
+order `_combine` needs) and the state carried on is column 0's. It compiles like the time-order
+kernel (benchmarks/RESULTS.md, "What the linear_scan kernels compile to"), but is not the default
+until the CUDA kernel tests pass with it on a GPU: Triton's reverse scans with a non-commutative
+combine have given wrong results on GPUs that its interpreter did not show
+(triton-lang/triton#4362, #8412).
+
 The backward is the same kernel on the reverse recurrence
 `g_t = dh_t + a_{t+1} * g_{t+1}` (`SHIFT` reads `a` one step ahead in forward order), writing
 `db_t = g_t` and `da_t = g_t * h_{t-1}` (with `h_{-1} = init`) from the saved forward output; the
@@ -48,7 +63,7 @@ Test hooks: `LAUNCHES` counts launches per kernel; `KNOBS` (set with `knobs(...)
 private knobs: `nan_fill` allocates outputs NaN-filled so a skipped store shows up,
 `force_segment` forces the multi-segment plan with that segment length, and `simulate_sms` makes
 `plan` pick what a CUDA device with that many SMs would, so the interpreter covers the GPU's
-plans.
+plans; `reverse_tiles` picks the reverse-order tile layout (above).
 
 `tl.reduce` is only ever given a commutative combine (`_add`): Triton may reorder and commute a
 reduction's operands on GPUs (triton-lang/triton#4962) while its interpreter folds in order, so
@@ -94,11 +109,27 @@ class Knobs:
     - `simulate_sms`: plan as if on a CUDA device with this many SMs (an H100 has 132), so the
       CPU interpreter runs exactly the plans a GPU picks.
     - `nan_fill`: allocate outputs NaN-filled, so a kernel that skips a store shows up.
+    - `reverse_tiles`: how the kernels lay out a tile when they process time in reverse order
+      (a `reverse=True` scan's forward, and the backward of every ordinary scan).
+      `"falling"` (the default): column `j` of a tile is its `j`-th step in processing order,
+      so addresses fall as the columns rise, which Triton compiles for a GPU with a layout
+      change through shared memory and about twice the registers (benchmarks/RESULTS.md, "What
+      the linear_scan kernels compile to"). `"rising"`: the tile is loaded at rising
+      addresses and scanned from its last column (`tl.associative_scan(..., reverse=True)`),
+      which compiles as the time-order kernel does (no layout change, the same registers,
+      vectorized loads and stores); not the default until the CUDA kernel tests
+      pass with it on a GPU (Triton's reverse scans have given wrong results on GPUs with a
+      non-commutative combine that its CPU interpreter did not show: triton-lang/triton#4362,
+      #8412). `None`: the environment variable `TFUN_LINEAR_SCAN_REVERSE_TILES` (read at every
+      launch; a graph compiled for CUDA keeps the value it was traced with), else `"falling"`.
+      The value reaches the kernels as the constexpr `RISING`, so the two variants compile
+      separately.
     """
 
     force_segment: int | None = None
     simulate_sms: int | None = None
     nan_fill: bool = False
+    reverse_tiles: str | None = None
 
 
 KNOBS = Knobs()
@@ -117,6 +148,26 @@ def knobs(**changes: Any) -> Iterator[Knobs]:
     finally:
         for k, v in old.items():
             setattr(KNOBS, k, v)
+
+
+#: the environment variable that picks `Knobs.reverse_tiles` when the knob is None
+REVERSE_TILES_ENV = "TFUN_LINEAR_SCAN_REVERSE_TILES"
+REVERSE_TILES = ("falling", "rising")
+
+
+def _rising_reverse_tiles() -> bool:
+    """Whether reverse-order launches load their tiles at rising addresses (`Knobs.reverse_tiles`,
+    else the environment variable, else `"falling"`); a value other than the two raises."""
+    value = KNOBS.reverse_tiles
+    source = "Knobs.reverse_tiles"
+    if value is None:
+        value = os.environ.get(REVERSE_TILES_ENV, "").strip().lower() or "falling"
+        source = REVERSE_TILES_ENV
+    if value not in REVERSE_TILES:
+        raise ValueError(f"{source} must be one of {REVERSE_TILES}, got {value!r}")
+    return value == "rising"
+
+
 MAX_BLOCK_T = 128
 MAX_BLOCK_C = 16
 MIN_SEGMENT = 512
@@ -154,6 +205,7 @@ def _scan_kernel(
     so_o, so_t, so_i,
     sp_o, sp_t, sp_i,
     REVERSE: tl.constexpr,
+    RISING: tl.constexpr,
     SHIFT: tl.constexpr,
     BWD: tl.constexpr,
     ACC_F64: tl.constexpr,
@@ -161,7 +213,9 @@ def _scan_kernel(
     BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_C channels x one time segment [pid_s*SEG, (pid_s+1)*SEG) in processing
-    order. Forward (BWD=0): OUT = h. Backward (BWD=1): B is dh, OUT = g (= db), DA = g * h_prev."""
+    order. Forward (BWD=0): OUT = h. Backward (BWD=1): B is dh, OUT = g (= db), DA = g * h_prev.
+    RISING (given only with REVERSE): the reverse-order tiles are loaded at rising addresses and
+    scanned from their last column (`Knobs.reverse_tiles`)."""
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -191,12 +245,22 @@ def _scan_kernel(
     # rejects (triton-lang/triton#9171). The last segment may run a few fully masked tiles.
     k = 0
     while k < SEG:
-        p = start + k + cols
-        pmask = (p < T) & (k + cols < SEG)
-        if REVERSE:
-            t = T - 1 - p
-        else:
-            t = p
+        if RISING:
+            # (REVERSE too) column j is the segment's processing step k + BLOCK_T - 1 - j, so
+            # the addresses rise with the columns and the scan runs from the last column. The
+            # mask is `step < SEG` written as (rising columns) + scalar >= 0: Triton's axis
+            # analysis finds a mask constant over groups of columns, and so vectorizes the
+            # loads and stores, only in that form (as `k + BLOCK_T - 1 - cols < SEG`, a
+            # falling sequence, every access moves one element; benchmarks/kernel_ptx.py).
+            t = (T - start - k - BLOCK_T) + cols
+            pmask = (t >= 0) & (cols + (SEG - k - BLOCK_T) >= 0)
+        else:  # column j is processing step k + j
+            p = start + k + cols
+            pmask = (p < T) & (k + cols < SEG)
+            if REVERSE:
+                t = T - 1 - p
+            else:
+                t = p
         m = cmask[:, None] & pmask[None, :]
         t64 = t.to(tl.int64)
         ta = t + SHIFT
@@ -209,7 +273,11 @@ def _scan_kernel(
         else:
             av = av.to(tl.float32)
             bv = bv.to(tl.float32)
-        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit)
+        # RISING: reverse=True folds from the last column down with each partial result as the
+        # left operand, column j getting combine(...combine(x[BLOCK_T-1], x[BLOCK_T-2])..., x[j]):
+        # the steps in processing order, as `_combine` (not commutative) needs. So Triton's
+        # interpreter does (flip, scan, flip) and its GPU lowering is meant to; see Knobs.
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)
         hv = ca * h[:, None] + cb
         tl.store(OUT + out_row[:, None] + t64[None, :] * so_t, hv.to(OUT.dtype.element_ty), mask=m)
         if BWD:
@@ -218,7 +286,7 @@ def _scan_kernel(
             hp = tl.load(HPREV + (o * sp_o + i * sp_i)[:, None] + tp.to(tl.int64)[None, :] * sp_t, mask=mp, other=0.0)
             hp = tl.where(mp, hp.to(hv.dtype), h0v[:, None])
             tl.store(DA + out_row[:, None] + t64[None, :] * so_t, (hv * hp).to(DA.dtype.element_ty), mask=m)
-        h = tl.reduce(tl.where(cols[None, :] == BLOCK_T - 1, hv, 0.0), 1, _add_jit)
+        h = tl.reduce(tl.where(cols[None, :] == (0 if RISING else BLOCK_T - 1), hv, 0.0), 1, _add_jit)
         k += BLOCK_T
 
 
@@ -229,12 +297,14 @@ def _summary_kernel(
     sb_o, sb_t, sb_i,
     ss_c, ss_s,
     REVERSE: tl.constexpr,
+    RISING: tl.constexpr,
     SHIFT: tl.constexpr,
     ACC_F64: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """Reduce the full segment pid_s of BLOCK_C channels to (prod a, h from a zero state)."""
+    """Reduce the full segment pid_s of BLOCK_C channels to (prod a, h from a zero state).
+    REVERSE, RISING: as in `_scan_kernel`."""
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -253,13 +323,18 @@ def _summary_kernel(
     cols = tl.arange(0, BLOCK_T)
     start = pid_s * SEG
     k = 0
-    while k < SEG:  # see _scan_kernel for why not `for`
-        p = start + k + cols
-        if REVERSE:
-            t = T - 1 - p
+    while k < SEG:  # see _scan_kernel for why not `for`, and for the column order
+        if RISING:
+            t = (T - start - k - BLOCK_T) + cols
+            pmask = t >= 0
         else:
-            t = p
-        m = cmask[:, None] & (p < T)[None, :]
+            p = start + k + cols
+            pmask = p < T
+            if REVERSE:
+                t = T - 1 - p
+            else:
+                t = p
+        m = cmask[:, None] & pmask[None, :]
         ta = t + SHIFT
         ma = m & (ta >= 0) & (ta < T)
         av = tl.load(A + a_row[:, None] + ta.to(tl.int64)[None, :] * sa_t, mask=ma, other=0.0)
@@ -275,8 +350,8 @@ def _summary_kernel(
         # triton-lang/triton#4962), and `_combine` is not commutative, so that summary was
         # wrong on CUDA while the in-order interpreter got it right. The scan keeps the order
         # (only the commutative `_add` is left to tl.reduce, to pick the last column).
-        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit)
-        last = cols[None, :] == BLOCK_T - 1
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)
+        last = cols[None, :] == (0 if RISING else BLOCK_T - 1)  # the tile's last step processed
         ra = tl.reduce(tl.where(last, ca, 0.0), 1, _add_jit)
         rb = tl.reduce(tl.where(last, cb, 0.0), 1, _add_jit)
         acc_b = ra * acc_b + rb
@@ -369,7 +444,7 @@ def _launch(name: str, grid: tuple[int, int], *args: Any, **meta: Any) -> None:
 
 def _segment_carries(
     a3: Tensor, b3: Tensor, h0_flat: Tensor, C: int, T: int, I: int, seg: int, nseg: int,
-    reverse: bool, shift: int, zero_init: bool, acc: torch.dtype, block_c: int, block_t: int,
+    reverse: bool, rising: bool, shift: int, zero_init: bool, acc: torch.dtype, block_c: int, block_t: int,
 ) -> Tensor:  # fmt: skip
     """(C, nseg-1) float32/64: the state entering segments 1..nseg-1 (reduce, then scan)."""
     dev = b3.device
@@ -380,7 +455,8 @@ def _segment_carries(
         "summary", (tiles, nseg - 1), a3, b3, sa, sb, C, T, I, seg,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         sa.stride(0), sa.stride(1),
-        REVERSE=reverse, SHIFT=shift, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+        REVERSE=reverse, RISING=reverse and rising, SHIFT=shift, ACC_F64=acc == torch.float64,
+        BLOCK_C=block_c, BLOCK_T=block_t,
     )  # fmt: skip
     carry = torch.empty((C, nseg - 1), dtype=acc, device=dev)
     h0c = torch.zeros((C,), dtype=acc, device=dev) if zero_init else h0_flat
@@ -391,7 +467,7 @@ def _segment_carries(
         sa.stride(0), sa.stride(1), 0, sb.stride(0), sb.stride(1), 0,
         h0c.stride(0), 0, 0, 0,
         carry.stride(0), carry.stride(1), 0, 0, 0, 0,
-        REVERSE=False, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=bt,
+        REVERSE=False, RISING=False, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=bt,
     )  # fmt: skip
     return carry
 
@@ -417,9 +493,10 @@ def linear_scan_fwd(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) 
     block_c, block_t, seg = plan(C, T, b.device)
     nseg = triton.cdiv(T, seg)
     tiles = triton.cdiv(C, block_c)
+    rising = _rising_reverse_tiles()
     if nseg > 1:
         carry = _segment_carries(
-            a3, b3, h0.reshape(C), C, T, I, seg, nseg, reverse, 0, False, acc, block_c, block_t
+            a3, b3, h0.reshape(C), C, T, I, seg, nseg, reverse, rising, 0, False, acc, block_c, block_t
         )
     else:
         carry = h02  # never read: every program is segment 0
@@ -429,7 +506,8 @@ def linear_scan_fwd(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) 
         h02.stride(0), h02.stride(1),
         carry.stride(0), carry.stride(1) if nseg > 1 else 0,
         o3.stride(0), o3.stride(1), o3.stride(2), 0, 0, 0,
-        REVERSE=reverse, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+        REVERSE=reverse, RISING=reverse and rising, SHIFT=0, BWD=False, ACC_F64=acc == torch.float64,
+        BLOCK_C=block_c, BLOCK_T=block_t,
     )  # fmt: skip
     return out
 
@@ -456,9 +534,10 @@ def linear_scan_bwd(
     block_c, block_t, seg = plan(C, T, grad.device)
     nseg = triton.cdiv(T, seg)
     tiles = triton.cdiv(C, block_c)
+    rising = _rising_reverse_tiles()
     if nseg > 1:
         carry = _segment_carries(
-            a3, g3, h0.reshape(C), C, T, I, seg, nseg, not reverse, shift, True, acc, block_c, block_t
+            a3, g3, h0.reshape(C), C, T, I, seg, nseg, not reverse, rising, shift, True, acc, block_c, block_t
         )
     else:
         carry = h02
@@ -468,7 +547,8 @@ def linear_scan_bwd(
         h02.stride(0), h02.stride(1),
         carry.stride(0), carry.stride(1) if nseg > 1 else 0,
         db3.stride(0), db3.stride(1), db3.stride(2), h3.stride(0), h3.stride(1), h3.stride(2),
-        REVERSE=not reverse, SHIFT=shift, BWD=True, ACC_F64=acc == torch.float64, BLOCK_C=block_c, BLOCK_T=block_t,
+        REVERSE=not reverse, RISING=not reverse and rising, SHIFT=shift, BWD=True, ACC_F64=acc == torch.float64,
+        BLOCK_C=block_c, BLOCK_T=block_t,
     )  # fmt: skip
     first = T - 1 if reverse else 0
     dh0 = (a.select(axis, first).to(acc) * db.select(axis, first).to(acc)).to(h0.dtype)
