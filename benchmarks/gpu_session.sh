@@ -64,8 +64,11 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
 }
 
 # Phase 1, correctness, side by side (mostly CPU-bound compiling; the GPU is shared): the GPU
-# correctness script in three shards, the kernel tests compiled for CUDA, and the whole suite
-# (JAX on the CPU there, as on CI: it is the oracle; the full check_cuda cell is its own step).
+# correctness script in three shards, the kernel tests compiled for CUDA (twice: with the
+# default reverse-order tiles, and with TFUN_LINEAR_SCAN_REVERSE_TILES=rising, the candidate
+# layout of tfun/kernels/_linear_scan_triton.py's `Knobs.reverse_tiles`; the tests that run both
+# layouts themselves are left out of the second run), and the whole suite (JAX on the CPU there,
+# as on CI: it is the oracle; the full check_cuda cell is its own step).
 phase1=${GPU_PHASE1_S:-330}
 step env 60 python3 -c "import torch, triton, jax, optree, tfun; print('torch', torch.__version__, torch.cuda.get_device_name(), '| triton', triton.__version__, '| jax', jax.__version__, jax.devices(), '| optree', optree.__version__)"
 for k in 0 1 2; do
@@ -73,6 +76,8 @@ for k in 0 1 2; do
         --only "${GPU_CHECK_ONLY:-}" &
 done
 TFUN_KERNEL_DEVICE=cuda step kernel_tests "$phase1" python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels &
+TFUN_KERNEL_DEVICE=cuda TFUN_LINEAR_SCAN_REVERSE_TILES=rising step kernel_tests_rising "$phase1" \
+    python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels -k "not reverse_tiles and not rising_tiles" &
 # -v: each result as it comes, so a suite cut off by the time limit still says what failed
 deselect=(--deselect tests/gpu/test_check_cuda.py::test_full_check_on_cuda)
 if [ -n "${GPU_SUITE_DONE:-}" ]; then
@@ -84,6 +89,16 @@ JAX_PLATFORMS=cpu TORCHINDUCTOR_COMPILE_THREADS=1 step suite "$phase1" python3 -
     "${deselect[@]}"
 wait
 cat "$OUT"/check_cuda_?.log >"$OUT/check_cuda.log" && rm -f "$OUT"/check_cuda_?.log  # 8 files come back at most
+merge() {  # merge INTO PART...: the parts' logs into INTO.log, each under a header (8 files come back)
+    local into=$1 part
+    shift
+    for part in "$@"; do
+        if [ -f "$OUT/$part.log" ]; then echo "===== $part.log"; cat "$OUT/$part.log"; fi
+    done >"$OUT/$into.tmp"
+    for part in "$@"; do rm -f "$OUT/$part.log"; done
+    mv "$OUT/$into.tmp" "$OUT/$into.log"
+}
+merge kernel_tests kernel_tests kernel_tests_rising
 echo "check_cuda: $(grep -c ' | ok | ' "$OUT/check_cuda.log") ok, $(grep -cE ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log") wrong or crashed, $(grep -c ' | REFUSED | ' "$OUT/check_cuda.log") refused" | tee -a "$OUT/summary.txt"
 grep -E ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log" | head -30 | tee -a "$OUT/summary.txt"
 if [ -f "$OUT/suite.log" ]; then
@@ -93,9 +108,16 @@ fi
 
 # Phase 2, speed, on the machine with nothing else running (GPU_SKIP_BENCH=1: not now)
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
+    # linear_scan's kernel at a bandwidth-bound size, once with each reverse-order tile layout
+    # (the fwd+bwd rows run the backward in reverse order; fwd is the same kernel in both), first
+    # and back to back, so that the time left for the longer steps below cannot squeeze them out
+    for tiles in falling rising; do
+        TFUN_LINEAR_SCAN_REVERSE_TILES=$tiles step "linear_scan_$tiles" 45 python3 benchmarks/linear_scan.py \
+            --bd 65536 --T 4096 --paths triton --reps 5 --max-seconds 5
+    done
+    merge linear_scan linear_scan_falling linear_scan_rising
     # tfun.jit with cuda_graphs="auto" (experimental; the plain tfun.jit numbers are in RESULTS.md)
     step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda --cuda-graphs
     step cuda_graphs 90 python3 benchmarks/cuda_graphs.py --strategies jit tfun_cuda_graphs jax --max-seconds 20 --repeat 5
-    step linear_scan 45 python3 benchmarks/linear_scan.py --bd 65536 --T 4096 --paths triton --reps 5 --max-seconds 5
 fi
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
