@@ -277,7 +277,7 @@ def _scan_kernel(
         # left operand, column j getting combine(...combine(x[BLOCK_T-1], x[BLOCK_T-2])..., x[j]):
         # the steps in processing order, as `_combine` (not commutative) needs. So Triton's
         # interpreter does (flip, scan, flip) and its GPU lowering is meant to; see Knobs.
-        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)  # type: ignore[arg-type]
         hv = ca * h[:, None] + cb
         tl.store(OUT + out_row[:, None] + t64[None, :] * so_t, hv.to(OUT.dtype.element_ty), mask=m)
         if BWD:
@@ -350,7 +350,7 @@ def _summary_kernel(
         # triton-lang/triton#4962), and `_combine` is not commutative, so that summary was
         # wrong on CUDA while the in-order interpreter got it right. The scan keeps the order
         # (only the commutative `_add` is left to tl.reduce, to pick the last column).
-        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)
+        ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)  # type: ignore[arg-type]
         last = cols[None, :] == (0 if RISING else BLOCK_T - 1)  # the tile's last step processed
         ra = tl.reduce(tl.where(last, ca, 0.0), 1, _add_jit)
         rb = tl.reduce(tl.where(last, cb, 0.0), 1, _add_jit)
