@@ -11,11 +11,13 @@ from torch._inductor.utils import run_and_get_code
 import tfun
 from tfun import _jit_options
 from tfun._inductor_pass import PostGradPass
+from tfun._scan_in_place import ScanInPlacePass
 
 
 def test_the_defaults_go_only_to_inductor_in_its_default_mode():
     added = _jit_options.compile_options({})["options"]
     assert isinstance(added["post_grad_custom_pre_pass"], PostGradPass)
+    assert isinstance(added["post_grad_custom_post_pass"], ScanInPlacePass)
     assert added["cpp.min_chunk_size"] >= 512
     kept = _jit_options.compile_options({"options": {"cpp_wrapper": True}, "dynamic": True})
     assert kept["options"]["cpp_wrapper"] is True and kept["dynamic"] is True
@@ -25,7 +27,7 @@ def test_the_defaults_go_only_to_inductor_in_its_default_mode():
         {"backend": "aot_eager"},
         {"mode": "max-autotune"},
         {"mode": "default"},  # torch.compile takes mode or options, never both
-        {"options": {"post_grad_custom_pre_pass": None, "cpp.min_chunk_size": 512}},  # the caller's own
+        {"options": {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None, "cpp.min_chunk_size": 512}},  # the caller's own
     ):
         assert _jit_options.compile_options(untouched) == untouched
     mine = _jit_options.compile_options({"options": {"cpp.min_chunk_size": 7}})["options"]

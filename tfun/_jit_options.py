@@ -1,7 +1,7 @@
 """What `tfun.jit` asks of Inductor beyond torch's defaults, for loops on the CPU.
 
 A compiled loop on the CPU runs one iteration of Inductor's wrapper per step, and each step's
-kernels are small: what a step costs is mostly fixed cost per kernel, not arithmetic. Two
+kernels are small: what a step costs is mostly fixed cost per kernel, not arithmetic. Three
 defaults cut it (measured on a 2-core CPU, torch 2.13, `benchmarks/vs_jax.py`'s tanh RNN with a
 batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backward 22.6 ->
 8.5 ms; benchmarks/RESULTS.md):
@@ -10,6 +10,11 @@ batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backwar
   views** (`tfun._view_copies`: the `select_copy`s of a differentiated loop body would be
   ATen calls every step): `tfun._inductor_pass.PostGradPass`, as Inductor's
   `post_grad_custom_pre_pass`.
+- **CPU scans that allocate nothing per step** (`tfun._scan_in_place`): a `scan` whose
+  tensors are all on the CPU, with static shapes, becomes a `while_loop` that writes its
+  carry, its stacked outputs, its counter and its condition in place, instead of allocating
+  three buffers and reading the counter back with `.item()` every step; as Inductor's
+  `post_grad_custom_post_pass` (`{"post_grad_custom_post_pass": None}` turns it off).
 - **Small kernels on one thread**: Inductor runs a CPU kernel as an OpenMP parallel region
   once each thread gets `cpp.min_chunk_size` elements of its loop nest (torch's default: 512,
   so with 2 threads a kernel of 1,024 elements already forks and joins). For a loop body's
@@ -36,6 +41,7 @@ import torch
 
 from . import _compat
 from ._inductor_pass import PostGradPass
+from ._scan_in_place import ScanInPlacePass
 
 __all__ = ["SERIAL_ELEMENTS", "compile_options"]
 
@@ -60,6 +66,9 @@ def compile_options(options: dict[str, Any]) -> dict[str, Any]:
     added = False
     if "post_grad_custom_pre_pass" not in inductor and _compat.CustomGraphPass is not object:
         inductor["post_grad_custom_pre_pass"] = PostGradPass()
+        added = True
+    if "post_grad_custom_post_pass" not in inductor and _compat.CustomGraphPass is not object:
+        inductor["post_grad_custom_post_pass"] = ScanInPlacePass()
         added = True
     if "cpp.min_chunk_size" not in inductor:
         inductor["cpp.min_chunk_size"] = _min_chunk_size()

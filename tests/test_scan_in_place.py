@@ -1,0 +1,200 @@
+"""tfun._scan_in_place: CPU scans under tfun.jit (Inductor) compile as loops that update their
+state in place, with nothing allocated per step.
+
+Every compiled result and gradient is compared with the float64 eager result, with the rewrite
+on (tfun.jit's default) and, where it matters, off; `REWRITES` shows it was really applied (or
+not), and the generated code is read for what a step does. The caller's tensors must come back
+unchanged: the loop writes into its own copy of `init`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import tfun
+from tfun import _compat, _scan_in_place
+
+from .helpers import tree_allclose
+
+pytestmark = pytest.mark.skipif(_compat.CustomGraphPass is object, reason="no custom graph passes")
+
+lax = tfun.lax
+OFF = {"post_grad_custom_post_pass": None}
+
+
+def _f64(tree):
+    return tfun.tree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def _rewrites(fn, *args, **jit_kwargs):
+    """(result, scans rewritten) of a fresh tfun.jit(fn)'s first call."""
+    torch._dynamo.reset()
+    before = _scan_in_place.REWRITES["scan"]
+    out = tfun.jit(fn, **jit_kwargs)(*args)
+    return out, _scan_in_place.REWRITES["scan"] - before
+
+
+def _rnn(reverse=False):
+    def f(W, xs, h0):
+        return lax.scan(lambda h, x: (lambda n: (n, n))(torch.tanh(h @ W + x)), h0, xs, reverse=reverse)
+
+    return f
+
+
+def _data(T, B=3, H=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, H, generator=g) / H**0.5, torch.randn(T, B, H, generator=g), torch.randn(B, H, generator=g)
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_rnn_forward_matches_float64_and_is_rewritten(T, reverse):
+    args = _data(T)
+    copies = [a.clone() for a in args]
+    f = _rnn(reverse)
+    with torch.no_grad():
+        out, n = _rewrites(f, *args)
+        off, n_off = _rewrites(f, *args, options=OFF)
+    assert n == 1 and n_off == 0
+    ref = f(*_f64(args))
+    assert tree_allclose(_f64(out), ref, rtol=1e-5, atol=1e-5)
+    assert tree_allclose(off, out, rtol=1e-6, atol=1e-6)
+    for a, c in zip(args, copies):  # the loop wrote into its own copy of h0, nothing of the caller's
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_match_float64_with_forward_and_backward_scans_rewritten(reverse):
+    args = _data(6)
+    f = _rnn(reverse)
+
+    def loss(W, xs, h0):
+        h, ys = f(W, xs, h0)
+        return (ys * ys).sum() + h.sum()
+
+    vg = tfun.value_and_grad(loss, argnums=(0, 1, 2))
+    (v, g), n = _rewrites(vg, *args)
+    assert n >= 2  # the forward's scan and the backward's
+    rv, rg = vg(*_f64(args))
+    assert tree_allclose(_f64((v, g)), (rv, rg), rtol=1e-5, atol=1e-5)
+    # and through .backward() outside the compiled call
+    leaves = [a.clone().requires_grad_(True) for a in args]
+    torch._dynamo.reset()
+    tfun.jit(loss)(*leaves).backward()
+    assert tree_allclose(_f64([t.grad for t in leaves]), list(rg), rtol=1e-5, atol=1e-5)
+
+
+def test_carries_read_at_other_positions_than_they_are_written():
+    """The new carry reads the old one at other indices (a flip, a transpose, a shift): writing
+    it in place must not let a step see its own writes."""
+
+    def f(h, xs):
+        def step(c, x):
+            a, b, s = c
+            na = torch.flip(a, [0]) + x
+            nb = b.t() @ a[:2] + 0.5 * b  # b is square
+            ns = torch.roll(s, 1) + s
+            return (na, nb, ns), (a, nb.sum())  # y: the *old* a, and a scalar
+
+        return lax.scan(step, h, xs)
+
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(4, 2, generator=g), torch.randn(2, 2, generator=g), torch.randn(5, generator=g))
+    xs = torch.randn(9, 4, 2, generator=g)
+    with torch.no_grad():
+        out, n = _rewrites(f, h, xs)
+    assert n == 1
+    assert tree_allclose(_f64(out), f(_f64(h), _f64(xs)), rtol=1e-5, atol=1e-5)
+
+
+def test_pytree_int_bool_and_aliased_carries_and_no_ys():
+    def f(h0, xs):
+        def step(c, x):
+            h, k, flag, h2 = c
+            nh = torch.tanh(h + x)
+            return (nh, k + 1, ~flag, h2 * 0.5 + nh), None
+
+        return lax.scan(step, (h0, torch.tensor(0), torch.tensor(True), h0), xs)
+
+    g = torch.Generator().manual_seed(2)
+    h0, xs = torch.randn(3, generator=g), torch.randn(5, 3, generator=g)
+    with torch.no_grad():
+        out, n = _rewrites(f, h0, xs)
+    assert n == 1
+    ref = f(h0.double(), xs.double())
+    assert tree_allclose(_f64(out), ref, rtol=1e-6, atol=1e-6)
+    assert out[0][1].dtype == torch.int64 and int(out[0][1]) == 5 and bool(out[0][2]) is False
+
+
+def test_non_contiguous_init_and_closed_over_tensors():
+    W, xs, h0 = _data(5, B=4, H=4)
+    h0t = h0.t()  # (H, B), strides (1, H)
+
+    def f(W, xs, h0t):
+        return lax.scan(lambda h, x: (torch.tanh(W @ h + x.t()), h.sum(0)), h0t, xs)
+
+    with torch.no_grad():
+        out, n = _rewrites(f, W, xs, h0t)
+    assert n == 1
+    assert tree_allclose(_f64(out), f(*_f64((W, xs, h0t))), rtol=1e-5, atol=1e-5)
+
+
+def test_nested_scans_and_scan_in_cond_are_rewritten_and_right():
+    def f(W, xs, h0, p):
+        def outer(h, x):
+            inner_h, _ = lax.scan(lambda c, z: (torch.tanh(c @ W + z), None), h, x.unsqueeze(0).expand(3, *x.shape))
+            return inner_h, inner_h.sum()
+
+        h, ys = lax.scan(outer, h0, xs)
+        return lax.cond(p, lambda: _rnn()(W, xs, h)[0], lambda: h * 2.0), ys
+
+    W, xs, h0 = _data(4)
+    for p in (torch.tensor(True), torch.tensor(False)):
+        with torch.no_grad():
+            out, n = _rewrites(f, W, xs, h0, p)
+        assert n >= 3
+        assert tree_allclose(_f64(out), f(*_f64((W, xs, h0)), p), rtol=1e-5, atol=1e-5)
+
+
+def test_symbolic_shapes_are_left_to_torch():
+    f = _rnn()
+    with torch.no_grad():
+        out, n = _rewrites(f, *_data(6), dynamic=True)
+    assert n == 0
+    assert tree_allclose(_f64(out), f(*_f64(_data(6))), rtol=1e-5, atol=1e-5)
+
+
+def _loop_code(**jit_kwargs):
+    """The generated wrapper's loop body and condition for the small RNN."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, codes = run_and_get_code(tfun.jit(_rnn(), **jit_kwargs), *_data(16, B=4, H=32))
+    code = "\n".join(codes)
+    body = re.search(r"def while_loop_body_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
+    cond = re.search(r"def while_loop_cond_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
+    assert body and cond, code
+    return body.group(1), cond.group(1)
+
+
+def test_a_step_allocates_no_state_and_reads_no_counter():
+    """What the rewrite is for: in the generated wrapper, the loop body reads no counter with
+    `.item()` and allocates no new carry or counter (what is left is the step's own scratch,
+    here the matrix product's sum), and the condition runs no kernel and allocates nothing."""
+    body, cond = _loop_code()
+    body_off, cond_off = _loop_code(options=OFF)
+    assert ".item()" in body_off and ".item()" not in body
+    assert "empty_strided_cpu((), ()" in body_off and "empty_strided_cpu((), ()" not in body
+    assert body.count("empty_strided") < body_off.count("empty_strided"), (body, body_off)
+    assert "cpp_fused" in cond_off and "cpp_fused" not in cond and "empty_strided" not in cond, cond
+
+
+def test_options_turn_it_off_and_other_backends_never_see_it():
+    with torch.no_grad():
+        _, n = _rewrites(_rnn(), *_data(3), options=OFF)
+        assert n == 0
+        _, n = _rewrites(_rnn(), *_data(3), backend="aot_eager")
+        assert n == 0
