@@ -198,3 +198,34 @@ def test_options_turn_it_off_and_other_backends_never_see_it():
         assert n == 0
         _, n = _rewrites(_rnn(), *_data(3), backend="aot_eager")
         assert n == 0
+
+
+def _map_rewrites(fn, *args, **jit_kwargs):
+    torch._dynamo.reset()
+    before = _scan_in_place.REWRITES["map_impl"]
+    out = tfun.jit(fn, **jit_kwargs)(*args)
+    return out, _scan_in_place.REWRITES["map_impl"] - before
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_map_is_rewritten_too_values_and_gradients(T):
+    """`lax.map` is a scan without a carry: its loop gets the same treatment."""
+    g = torch.Generator().manual_seed(3)
+    W, xs, b = torch.randn(4, 4, generator=g), torch.randn(T, 2, 4, generator=g), torch.randn(4, generator=g)
+
+    def f(W, xs, b):
+        return lax.map(lambda x: (torch.tanh(x @ W + b), x.sum()), xs)
+
+    with torch.no_grad():
+        out, n = _map_rewrites(f, W, xs, b)
+    assert n == 1
+    assert tree_allclose(_f64(out), f(*_f64((W, xs, b))), rtol=1e-5, atol=1e-5)
+
+    def loss(W, xs, b):
+        y, s = f(W, xs, b)
+        return (y * y).sum() + s.sum()
+
+    vg = tfun.value_and_grad(loss, argnums=(0, 1, 2))
+    torch._dynamo.reset()
+    got = tfun.jit(vg)(W, xs, b)
+    assert tree_allclose(_f64(got), vg(*_f64((W, xs, b))), rtol=1e-5, atol=1e-5)

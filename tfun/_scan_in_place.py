@@ -1,4 +1,4 @@
-"""CPU scans compiled as loops that allocate nothing per step, for `tfun.jit` (Inductor).
+"""CPU scans (and maps) compiled as loops that allocate nothing per step, for `tfun.jit` (Inductor).
 
 Inductor compiles a `scan` (tfun's, and the ones torch's autograd makes for its backward) by
 rewriting it into a `while_loop` (torch's `decompose_scan_to_while_loop`) whose every step
@@ -13,7 +13,8 @@ took the forward from 3.2 to 1.4 ms. With this rewrite, interleaved in one proce
 3.83 -> 2.55 ms, forward+backward 9.36 -> 6.48 ms (benchmarks/RESULTS.md).
 
 `rewrite` decomposes each such `scan` itself, before torch's pass, into a `while_loop` that
-updates its state in place:
+updates its state in place (and each `map`, torch's `map_impl`, which is a scan without a
+carry and which Inductor decomposes the same way):
 
 ```
 ys = empty(n, ...); carry = clone(init); i = 0; go = True    # once, before the loop
@@ -59,7 +60,7 @@ from . import _compat
 
 __all__ = ["REWRITES", "ScanInPlacePass", "rewrite"]
 
-#: scans rewritten, by graph kind ("scan"); tests read it
+#: loops rewritten, by HOP name ("scan", "map_impl"); tests read it
 REWRITES: collections.Counter = collections.Counter()
 
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
@@ -82,41 +83,54 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
 
 
-def _applies(node: torch.fx.Node) -> bool:
-    if len(node.args) != 4 or node.kwargs:
-        return False
-    _, init, xs, additional = node.args
-    if not isinstance(init, (list, tuple)) or not isinstance(xs, (list, tuple)) or not xs:
-        return False
-    if not isinstance(additional, (list, tuple)):
-        return False
+def _parts(node: torch.fx.Node) -> tuple[Any, list[Any], list[Any], list[Any]] | None:
+    """(step subgraph node, init, xs, closed-over inputs) of a `scan` or `map_impl` node (a map
+    is a scan without a carry), or None when the rewrite does not apply to it."""
+    if node.kwargs:
+        return None
+    if node.target is _op("scan") and len(node.args) == 4:
+        step, init, xs, additional = node.args
+    elif node.target is _op("map_impl") and len(node.args) == 3:
+        step, xs, additional = node.args
+        init = []
+    else:
+        return None
+    if not all(isinstance(a, (list, tuple)) for a in (init, xs, additional)) or not xs:
+        return None
     out = node.meta.get("val")
     if not isinstance(out, (list, tuple)) or len(out) < len(init):
-        return False
-    vals = [_val(n) for n in (*init, *xs, *additional)] + list(out)
-    return _eligible(vals) and all(isinstance(n, torch.fx.Node) for n in (*init, *xs, *additional))
+        return None
+    nodes = (*init, *xs, *additional)  # type: ignore[misc]
+    if not all(isinstance(n, torch.fx.Node) for n in nodes):
+        return None
+    if not _eligible([_val(n) for n in nodes] + list(out)):
+        return None
+    return step, list(init), list(xs), list(additional)  # type: ignore[arg-type]
+
+
+def _op(name: str) -> Any:
+    return getattr(torch.ops.higher_order, name, None)
 
 
 def rewrite(graph: torch.fx.Graph) -> int:
-    """Rewrite the eligible `scan` nodes of `graph` (see the module's docstring); returns how
-    many it rewrote."""
+    """Rewrite the eligible `scan` and `map_impl` nodes of `graph` (see the module's docstring);
+    returns how many it rewrote."""
     from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-    scan_op = getattr(torch.ops.higher_order, "scan", None)
-    if scan_op is None or not any(n.target is scan_op for n in graph.nodes):
+    ops = [op for op in (_op("scan"), _op("map_impl")) if op is not None]
+    if not any(n.target in ops for n in graph.nodes):
         return 0
     gm = graph.owning_module
     patterns = PatternMatcherPass()
-    done = 0
+    done = collections.Counter()
 
-    @register_graph_pattern(CallFunctionVarArgs(scan_op), pass_dict=patterns)  # type: ignore[untyped-decorator]
-    def _(match: Match, *args: Any, **kwargs: Any) -> None:
-        nonlocal done
+    def replace(match: Match, *args: Any, **kwargs: Any) -> None:
         node = match.nodes[0]
-        if not _applies(node):
+        parts = _parts(node)
+        if parts is None:
             return
-        step_node, fx_init, fx_xs, fx_additional = node.args
-        step = getattr(gm, step_node.target)  # type: ignore[union-attr, arg-type]
+        step_node, fx_init, fx_xs, fx_additional = parts
+        step = getattr(gm, step_node.target)
         n_c = len(fx_init)
         ys_vals = list(node.meta["val"])[n_c:]
 
@@ -153,14 +167,15 @@ def rewrite(graph: torch.fx.Graph) -> int:
             ys_out, carry_out, _, _, _ = pytree.tree_unflatten(list(res), state_spec)
             return list(carry_out) + list(ys_out)
 
-        flat_args, spec = pytree.tree_flatten((list(fx_init), list(fx_xs), list(fx_additional)))
+        flat_args, spec = pytree.tree_flatten((fx_init, fx_xs, fx_additional))
         match.replace_by_example(lower, flat_args, run_functional_passes=False)
-        done += 1
+        done[node.target.name()] += 1  # type: ignore[union-attr]
 
+    for op in ops:
+        register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(replace)
     patterns.apply(graph)
-    if done:
-        REWRITES["scan"] += done
-    return done
+    REWRITES.update(done)
+    return sum(done.values())
 
 
 class ScanInPlacePass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type]
