@@ -133,8 +133,9 @@ def rewrite(graph: torch.fx.Graph) -> int:
         step = getattr(gm, step_node.target)
         n_c = len(fx_init)
         ys_vals = list(node.meta["val"])[n_c:]
+        is_map = node.target is _op("map_impl")
 
-        def lower(*flat: Any) -> list[Any]:
+        def lower(*flat: Any) -> Any:
             init, xs, additional = pytree.tree_unflatten(list(flat), spec)
             n = int(xs[0].shape[0])
             ys = [torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device) for y in ys_vals]
@@ -165,6 +166,8 @@ def rewrite(graph: torch.fx.Graph) -> int:
 
             res = torch.ops.higher_order.while_loop(cond_fn, body_fn, tuple(flat_state), tuple(additional))
             ys_out, carry_out, _, _, _ = pytree.tree_unflatten(list(res), state_spec)
+            if is_map:  # map_impl's result is one list, as torch's own decomposition returns it
+                return (list(ys_out),)  # type: ignore[return-value]
             return list(carry_out) + list(ys_out)
 
         flat_args, spec = pytree.tree_flatten((fx_init, fx_xs, fx_additional))
