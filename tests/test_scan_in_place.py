@@ -30,12 +30,12 @@ def _f64(tree):
     return tfun.tree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def _rewrites(fn, *args, **jit_kwargs):
-    """(result, scans rewritten) of a fresh tfun.jit(fn)'s first call."""
+def _rewrites(fn, *args, kind="scan", **jit_kwargs):
+    """(result, loops of `kind` rewritten) of a fresh tfun.jit(fn)'s first call."""
     torch._dynamo.reset()
-    before = _scan_in_place.REWRITES["scan"]
+    before = _scan_in_place.REWRITES[kind]
     out = tfun.jit(fn, **jit_kwargs)(*args)
-    return out, _scan_in_place.REWRITES["scan"] - before
+    return out, _scan_in_place.REWRITES[kind] - before
 
 
 def _rnn(reverse=False):
@@ -203,13 +203,6 @@ def test_options_turn_it_off_and_other_backends_never_see_it():
         assert n == 0
 
 
-def _map_rewrites(fn, *args, **jit_kwargs):
-    torch._dynamo.reset()
-    before = _scan_in_place.REWRITES["map_impl"]
-    out = tfun.jit(fn, **jit_kwargs)(*args)
-    return out, _scan_in_place.REWRITES["map_impl"] - before
-
-
 @pytest.mark.parametrize("T", [1, 6])
 def test_map_is_rewritten_too_values_and_gradients(T):
     """`lax.map` is a scan without a carry: its loop gets the same treatment."""
@@ -220,7 +213,7 @@ def test_map_is_rewritten_too_values_and_gradients(T):
         return lax.map(lambda x: (torch.tanh(x @ W + b), x.sum()), xs)
 
     with torch.no_grad():
-        out, n = _map_rewrites(f, W, xs, b)
+        out, n = _rewrites(f, W, xs, b, kind="map_impl")
     assert n == 1
     assert tree_allclose(_f64(out), f(*_f64((W, xs, b))), rtol=1e-5, atol=1e-5)
 
