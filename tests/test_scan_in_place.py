@@ -31,7 +31,8 @@ def _f64(tree):
 
 
 def _rewrites(fn, *args, kind="scan", **jit_kwargs):
-    """(result, loops of `kind` rewritten) of a fresh tfun.jit(fn)'s first call."""
+    """(result, loops of `kind` ("scan", "map_impl", "while_loop") rewritten) of a fresh
+    tfun.jit(fn)'s first call."""
     torch._dynamo.reset()
     before = _scan_in_place.REWRITES[kind]
     out = tfun.jit(fn, **jit_kwargs)(*args)
@@ -225,3 +226,139 @@ def test_map_is_rewritten_too_values_and_gradients(T):
     torch._dynamo.reset()
     got = tfun.jit(vg)(W, xs, b)
     assert tree_allclose(_f64(got), vg(*_f64((W, xs, b))), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# while_loop (and fori_loop with traced bounds): the condition computed inside the step
+# ----------------------------------------------------------------------------------------
+
+
+def _decay(n):
+    def f(W, x, k0):
+        def body(c):
+            i, x = c
+            return i + 1, 0.9 * x + 0.1 * torch.sin(x @ W)
+
+        return lax.while_loop(lambda c: c[0] < n, body, (k0, x))
+
+    return f
+
+
+@pytest.mark.parametrize("k0", [0, 4, 9])  # 9 steps, 5 steps, none (the condition is false at once)
+def test_while_loop_matches_float64_and_is_rewritten(k0):
+    W, x, _ = _data(1, B=3, H=5)
+    x = x[0]
+    k = torch.tensor(k0)
+    copies = [t.clone() for t in (W, x, k)]
+    f = _decay(9)
+    with torch.no_grad():
+        out, n = _rewrites(f, W, x, k, kind="while_loop")
+    assert n == 1
+    ref = f(W.double(), x.double(), k)
+    assert int(out[0]) == max(k0, 9)
+    assert tree_allclose(_f64(out), ref, rtol=1e-5, atol=1e-6)
+    for a, c in zip((W, x, k), copies):  # the loop wrote into its own copy of the state
+        assert torch.equal(a, c)
+
+
+def test_while_loop_condition_on_state_and_closed_over_tensors_with_swaps_and_a_bool_carry():
+    """The condition reads several state leaves and a closed-over tensor; the body swaps two
+    leaves, passes one through unchanged and flips a bool carry that the condition returns as is
+    (the loop's own `go` must be a copy of it, not the carry itself)."""
+
+    def f(a, b, limit):
+        def body(c):
+            a, b, keep, flag, k = c
+            return b, a + 1.0, keep, ~flag, k + 1
+
+        def cond(c):
+            return c[3] & (c[0].sum() + c[1].sum() < limit) & (c[4] < 50)
+
+        return lax.while_loop(cond, body, (a, b, a * 2.0, torch.tensor(True), torch.tensor(0)))
+
+    a, b = torch.zeros(3), torch.ones(3)
+    for limit in (5.0, 40.0, 1e9):
+        with torch.no_grad():
+            out, n = _rewrites(f, a, b, torch.tensor(limit), kind="while_loop")
+        assert n == 1
+        ref = f(a.double(), b.double(), torch.tensor(limit, dtype=torch.float64))
+        assert tree_allclose(_f64(out), ref, rtol=1e-6, atol=1e-6), (limit, out, ref)
+
+
+def test_fori_loop_with_traced_bounds_is_a_rewritten_while_loop():
+    W, x, _ = _data(1, B=3, H=5)
+    x = x[0]
+
+    def f(W, x, lo, hi):
+        return lax.fori_loop(lo, hi, lambda i, x: torch.tanh(x @ W + i), x)
+
+    for lo, hi in ((0, 7), (3, 3), (5, 2)):
+        lo_t, hi_t = torch.tensor(lo), torch.tensor(hi)
+        with torch.no_grad():
+            out, n = _rewrites(f, W, x, lo_t, hi_t, kind="while_loop")
+        assert n == 1
+        assert tree_allclose(_f64(out), f(W.double(), x.double(), lo_t, hi_t), rtol=1e-5, atol=1e-6)
+
+
+def test_while_loop_around_a_scan_and_inside_one():
+    W, xs, h0 = _data(4)
+
+    def f(W, xs, h0):
+        def body(c):
+            k, h = c
+            h, _ = _rnn()(W, xs, h)
+            return k + 1, h
+
+        k, h = lax.while_loop(lambda c: c[0] < 3, body, (torch.tensor(0), h0))
+
+        def step(h, x):
+            _, h = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, torch.tanh(c[1] + x)), (torch.tensor(0), h))
+            return h, h.sum()
+
+        return lax.scan(step, h, xs)
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        before = _scan_in_place.REWRITES.copy()
+        out = tfun.jit(f)(W, xs, h0)
+        after = _scan_in_place.REWRITES
+    assert after["while_loop"] - before["while_loop"] >= 2
+    assert after["scan"] - before["scan"] >= 2
+    assert tree_allclose(_f64(out), f(*_f64((W, xs, h0))), rtol=1e-5, atol=1e-5)
+
+
+def test_while_loop_step_allocates_no_state_and_the_condition_runs_no_kernel():
+    W, x, _ = _data(1, B=4, H=32)
+    args = (W, x[0], torch.tensor(0))
+
+    def code(**jit_kwargs):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            _, codes = run_and_get_code(tfun.jit(_decay(100), **jit_kwargs), *args)
+        code = "\n".join(codes)
+        body = re.search(r"def while_loop_body_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
+        cond = re.search(r"def while_loop_cond_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
+        assert body and cond, code
+        return body.group(1), cond.group(1)
+
+    body, cond = code()
+    body_off, cond_off = code(options=OFF)
+    assert "cpp_fused" in cond_off and "cpp_fused" not in cond and "empty_strided" not in cond, cond
+    assert "empty_strided_cpu((), ()" in body_off and "empty_strided_cpu((), ()" not in body
+    assert body.count("empty_strided") < body_off.count("empty_strided"), (body, body_off)
+
+
+def test_while_loop_gradients_are_torchs_and_right():
+    """A differentiated while_loop is torch's (its autograd form is not a plain while_loop);
+    its gradient under tfun.jit still matches float64, with the rewrite on."""
+    W, x, _ = _data(1, B=3, H=4)
+    x = x[0]
+    f = _decay(5)
+
+    def loss(W, x):
+        return (f(W, x, torch.tensor(0))[1] ** 2).sum()
+
+    g = tfun.grad(loss, argnums=(0, 1))
+    torch._dynamo.reset()
+    got = tfun.jit(g)(W, x)
+    assert tree_allclose(_f64(got), g(W.double(), x.double()), rtol=1e-5, atol=1e-6)

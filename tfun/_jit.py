@@ -97,11 +97,12 @@ def jit(
       (`tfun._jit_options`): small CPU matrix products (at most 2^18 multiply-adds, static
       sizes) are compiled as fused loops rather than extern GEMM calls, the copying views
       of a differentiated loop body (`select_copy`, ...) as fused views rather than ATen
-      calls, a CPU scan with static shapes as a loop that updates its state in place
-      (nothing allocated and no counter read back per step), and CPU kernels under 16,384
+      calls, a CPU scan, map or while_loop with static shapes as a loop that updates its
+      state in place (nothing allocated and no counter read back per step, the condition
+      computed inside the step), and CPU kernels under 16,384
       elements run on one thread. An Inductor option you set in `options` wins
       (`{"post_grad_custom_pre_pass": None}` turns the first two rewrites off,
-      `{"post_grad_custom_post_pass": None}` the in-place scan, `{"cpp.min_chunk_size": 512}`
+      `{"post_grad_custom_post_pass": None}` the in-place loops, `{"cpp.min_chunk_size": 512}`
       restores torch's threading).
 
     **Returns:** a callable with the signature of `fun`, with `.lower(*args)` for

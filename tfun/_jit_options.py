@@ -10,11 +10,13 @@ batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backwar
   views** (`tfun._view_copies`: the `select_copy`s of a differentiated loop body would be
   ATen calls every step): `tfun._inductor_pass.PostGradPass`, as Inductor's
   `post_grad_custom_pre_pass`.
-- **CPU scans that allocate nothing per step** (`tfun._scan_in_place`): a `scan` whose
-  tensors are all on the CPU, with static shapes, becomes a `while_loop` that writes its
+- **CPU loops that allocate nothing per step** (`tfun._scan_in_place`): a `scan` (or `map`)
+  whose tensors are all on the CPU, with static shapes, becomes a `while_loop` that writes its
   carry, its stacked outputs, its counter and its condition in place, instead of allocating
-  three buffers and reading the counter back with `.item()` every step; as Inductor's
-  `post_grad_custom_post_pass` (`{"post_grad_custom_post_pass": None}` turns it off).
+  three buffers and reading the counter back with `.item()` every step; a `while_loop` of
+  such tensors computes its condition inside the step and writes its state in place; as
+  Inductor's `post_grad_custom_post_pass` (`{"post_grad_custom_post_pass": None}` turns it
+  off).
 - **Small kernels on one thread**: Inductor runs a CPU kernel as an OpenMP parallel region
   once each thread gets `cpp.min_chunk_size` elements of its loop nest (torch's default: 512,
   so with 2 threads a kernel of 1,024 elements already forks and joins). For a loop body's

@@ -1,4 +1,4 @@
-"""CPU scans (and maps) compiled as loops that allocate nothing per step, for `tfun.jit` (Inductor).
+"""CPU scans, maps and while_loops compiled as loops that allocate nothing per step, for `tfun.jit` (Inductor).
 
 Inductor compiles a `scan` (tfun's, and the ones torch's autograd makes for its backward) by
 rewriting it into a `while_loop` (torch's `decompose_scan_to_while_loop`) whose every step
@@ -35,15 +35,35 @@ decomposition writes `ys`); it takes mutated inputs in the order the body first 
 and maps them onto outputs by position, so the body mutates its state in position order
 (`ys`, carries, `i`, `go`).
 
+A `while_loop` (tfun's, and `fori_loop` with traced bounds) pays the same per step: the
+condition subgraph (a buffer, a kernel, `bool()`) and a new buffer for each carry. It is
+rewritten the same way, with the condition computed once before the loop and then at the end
+of each step, inside the step's kernel:
+
+```
+state = clone(carried); go = cond(*state)                   # once, before the loop
+while go:                                                   # the condition returns `go`
+    new = body(*state)
+    state.copy_(new)                                        # in place, in position order
+    go.copy_(cond(*state))                                  # in place
+```
+
+(`vs_jax.py`'s `while_loop` program, a (16, 64) state and 1,000 steps: 5.5-6.2 -> 4.8-5.1 ms; a
+`fori_loop` with tensor bounds 6.4 -> 5.0-5.1 ms, interleaved in one process.) A differentiated
+`while_loop` is torch's autograd form (`while_loop_stack_output` forward), not a plain
+`while_loop`, and keeps torch's loop.
+
 Applied only where it is known to hold: every tensor of the scan on the CPU (on CUDA the
 counter would have to live on the device, and a CPU graph's cost is what this removes), every
 size and stride static (a symbolic shape would have to be rebuilt from the graph's symbols),
 at least one `xs` leaf (the length), no complex leaf, and tensors only among the closed-over
-inputs. Other scans are left to torch. `ScanInPlacePass` runs it as Inductor's
+inputs (for a `while_loop`: every carried and closed-over input a tensor). Other loops are
+left to torch. `ScanInPlacePass` runs it as Inductor's
 `post_grad_custom_post_pass`, after Inductor's own graph clean-ups: those remove a `clone`
 whose result is not mutated *in that graph* (`remove_noop_ops`), and the clone of `init` here
 is mutated only inside the loop body, so the rewrite must come after them, or the loop would
-write into the caller's `init`. `REWRITES` counts the scans rewritten (tests read it).
+write into the caller's `init`. `REWRITES` counts the loops rewritten, by HOP name (tests read
+it). While_loops are rewritten first: a scan's replacement is a `while_loop` already in place.
 """
 
 from __future__ import annotations
@@ -60,11 +80,11 @@ from . import _compat
 
 __all__ = ["REWRITES", "ScanInPlacePass", "rewrite"]
 
-#: loops rewritten, by HOP name ("scan", "map_impl"); tests read it
+#: loops rewritten, by HOP name ("scan", "map_impl", "while_loop"); tests read it
 REWRITES: collections.Counter = collections.Counter()
 
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
-_VERSION = 1
+_VERSION = 2
 
 
 def _static(x: Any) -> bool:
@@ -112,17 +132,92 @@ def _op(name: str) -> Any:
     return getattr(torch.ops.higher_order, name, None)
 
 
-def rewrite(graph: torch.fx.Graph) -> int:
-    """Rewrite the eligible `scan` and `map_impl` nodes of `graph` (see the module's docstring);
-    returns how many it rewrote."""
+def _while_parts(node: torch.fx.Node) -> tuple[Any, Any, list[Any], list[Any]] | None:
+    """(condition node, body node, carried inputs, closed-over inputs) of a `while_loop` node,
+    or None when the rewrite does not apply to it."""
+    if node.kwargs or node.target is not _op("while_loop") or len(node.args) != 4:
+        return None
+    cond, body, carried, additional = node.args
+    if not all(isinstance(a, (list, tuple)) for a in (carried, additional)) or not carried:
+        return None
+    out = node.meta.get("val")
+    if not isinstance(out, (list, tuple)) or len(out) != len(carried):
+        return None
+    nodes = (*carried, *additional)
+    if not all(isinstance(n, torch.fx.Node) for n in nodes):
+        return None
+    if not _eligible([_val(n) for n in nodes] + list(out)):
+        return None
+    return cond, body, list(carried), list(additional)
+
+
+def _predicate(out: Any) -> Any:
+    """The condition subgraph's result (a 0-d bool tensor, alone or in a 1-tuple)."""
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def _rewrite_while_loops(graph: torch.fx.Graph, done: collections.Counter) -> None:
+    """Each eligible `while_loop` of `graph` as a `while_loop` whose condition is a carried bool
+    tensor: `go = cond(state)` once before the loop, and each step writes the body's results
+    over the state, then `go.copy_(cond(state))`, so the condition runs inside the step's kernel
+    and the wrapper allocates no state per step."""
     from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
 
-    ops = [op for op in (_op("scan"), _op("map_impl")) if op is not None]
-    if not any(n.target in ops for n in graph.nodes):
-        return 0
     gm = graph.owning_module
     patterns = PatternMatcherPass()
-    done = collections.Counter()
+
+    def replace(match: Match, *args: Any, **kwargs: Any) -> None:
+        node = match.nodes[0]
+        parts = _while_parts(node)
+        if parts is None:
+            return
+        cond_node, body_node, fx_carried, fx_additional = parts
+        cond, body = getattr(gm, cond_node.target), getattr(gm, body_node.target)
+        n_s = len(fx_carried)
+
+        def lower(*flat: Any) -> Any:
+            carried, additional = flat[:n_s], flat[n_s:]
+            state = [t.clone() for t in carried]
+            go = torch.empty((), dtype=torch.bool, device="cpu")
+            go.copy_(_predicate(cond(*state, *additional)))
+
+            def cond_fn(*a: Any) -> Any:
+                return a[n_s]
+
+            def body_fn(*a: Any) -> tuple[Any, ...]:
+                state, go, additional = a[:n_s], a[n_s], a[n_s + 1 :]
+                new = body(*state, *additional)
+                # in position order: Inductor maps mutated inputs onto outputs in that order
+                for s, v in zip(state, new):
+                    s.copy_(v)
+                go.copy_(_predicate(cond(*state, *additional)))
+                return (*state, go)
+
+            res = torch.ops.higher_order.while_loop(cond_fn, body_fn, (*state, go), tuple(additional))
+            return list(res[:n_s])
+
+        match.replace_by_example(lower, [*fx_carried, *fx_additional], run_functional_passes=False)
+        done["while_loop"] += 1
+
+    register_graph_pattern(CallFunctionVarArgs(_op("while_loop")), pass_dict=patterns)(replace)
+    patterns.apply(graph)
+
+
+def rewrite(graph: torch.fx.Graph) -> int:
+    """Rewrite the eligible `while_loop`, `scan` and `map_impl` nodes of `graph` (see the
+    module's docstring); returns how many it rewrote."""
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
+
+    done: collections.Counter = collections.Counter()
+    if _op("while_loop") is not None and any(n.target is _op("while_loop") for n in graph.nodes):
+        # before the scans: their replacements are while_loops already in place
+        _rewrite_while_loops(graph, done)
+    ops = [op for op in (_op("scan"), _op("map_impl")) if op is not None]
+    if not any(n.target in ops for n in graph.nodes):
+        REWRITES.update(done)
+        return sum(done.values())
+    gm = graph.owning_module
+    patterns = PatternMatcherPass()
 
     def replace(match: Match, *args: Any, **kwargs: Any) -> None:
         node = match.nodes[0]
@@ -140,8 +235,8 @@ def rewrite(graph: torch.fx.Graph) -> int:
             n = int(xs[0].shape[0])
             ys = [torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device) for y in ys_vals]
             carry = [t.clone() for t in init]
-            i = torch.zeros((), dtype=torch.int64)
-            go = torch.ones((), dtype=torch.bool)
+            i = torch.zeros((), dtype=torch.int64, device="cpu")
+            go = torch.ones((), dtype=torch.bool, device="cpu")
             state = (ys, carry, i, go, list(xs))
             flat_state, state_spec = pytree.tree_flatten(state)
             _, all_spec = pytree.tree_flatten((*state, list(additional)))
