@@ -17,6 +17,7 @@ from torch._inductor.utils import run_and_get_code
 
 import tfun
 from tfun import _compat, _scan_in_place
+from tfun.errors import JitError
 
 from .helpers import tree_allclose
 
@@ -164,12 +165,39 @@ def test_nested_scans_and_scan_in_cond_are_rewritten_and_right():
         assert tree_allclose(_f64(out), f(*_f64((W, xs, h0)), p), rtol=1e-5, atol=1e-5)
 
 
-def test_symbolic_shapes_are_left_to_torch():
-    f = _rnn()
+@pytest.mark.parametrize("reverse", [False, True])
+def test_symbolic_shapes_are_rewritten_too(reverse):
+    """tfun.jit recompiles with symbolic sizes when a shape changes (automatic dynamic): the
+    loop of that graph is rewritten as well, and serves every later length and batch."""
+    f = _rnn(reverse)
+    jf = tfun.jit(f)
+    torch._dynamo.reset()
+    before = _scan_in_place.REWRITES["scan"]
     with torch.no_grad():
-        out, n = _rewrites(f, *_data(6), dynamic=True)
-    assert n == 0
-    assert tree_allclose(_f64(out), f(*_f64(_data(6))), rtol=1e-5, atol=1e-5)
+        for T, B in ((6, 3), (9, 3), (4, 5), (2, 2)):  # the 2nd call recompiles with symbols
+            args = _data(T, B=B, seed=T)
+            assert tree_allclose(_f64(jf(*args)), f(*_f64(args)), rtol=1e-5, atol=1e-5), (T, B)
+    # the static graph, and each recompile with symbols (the length's, then the batch's)
+    assert _scan_in_place.REWRITES["scan"] - before == 3
+
+
+def test_symbolic_shapes_gradients_map_and_while_loop():
+    def loss(W, xs, h0):
+        h, ys = _rnn()(W, xs, h0)
+        m = lax.map(lambda y: torch.sin(y).sum(), ys)
+        k, h = lax.while_loop(lambda c: c[0] < xs.shape[0], lambda c: (c[0] + 1, torch.tanh(c[1] * 0.5)), (torch.tensor(0), h))
+        return (ys * ys).sum() + m.sum() + h.sum()
+
+    vg = tfun.value_and_grad(loss, argnums=(0, 1, 2))
+    jvg = tfun.jit(vg, dynamic=True)
+    torch._dynamo.reset()
+    before = _scan_in_place.REWRITES.copy()
+    for T, B in ((5, 3), (8, 2)):
+        args = _data(T, B=B, seed=T)
+        assert tree_allclose(_f64(jvg(*args)), vg(*_f64(args)), rtol=1e-5, atol=1e-5), (T, B)
+    after = _scan_in_place.REWRITES
+    assert after["scan"] - before["scan"] >= 2  # the forward's scan and the backward's
+    assert after["map_impl"] - before["map_impl"] >= 1
 
 
 def _loop_code(**jit_kwargs):
@@ -362,3 +390,22 @@ def test_while_loop_gradients_are_torchs_and_right():
     torch._dynamo.reset()
     got = tfun.jit(g)(W, x)
     assert tree_allclose(_f64(got), g(W.double(), x.double()), rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_inside_jit_rewritten_scan_matches_float64():
+    """tfun.vmap of a scan inside tfun.jit: torch batches the scan (its batch axis moved last),
+    and the batched loop is the one rewritten; the values must still be float64's. (Where the
+    installed torch cannot batch a control-flow op under torch.compile, tfun.jit refuses it
+    with its own error: tests/test_jit_matrix.py.)"""
+    W, _, _ = _data(1, H=5)
+    g = torch.Generator().manual_seed(4)
+    xs, h0 = torch.randn(4, 7, 3, 5, generator=g), torch.randn(4, 3, 5, generator=g)
+    f = tfun.vmap(_rnn(), in_axes=(None, 0, 0))
+    with torch.no_grad():
+        try:
+            out, n = _rewrites(f, W, xs, h0)
+        except JitError as e:  # the installed torch cannot trace it: tfun's error, never a wrong value
+            assert "could not compile" in str(e)
+            return
+    assert n == 1
+    assert tree_allclose(_f64(out), f(*_f64((W, xs, h0))), rtol=1e-5, atol=1e-5)

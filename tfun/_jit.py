@@ -97,7 +97,7 @@ def jit(
       (`tfun._jit_options`): small CPU matrix products (at most 2^18 multiply-adds, static
       sizes) are compiled as fused loops rather than extern GEMM calls, the copying views
       of a differentiated loop body (`select_copy`, ...) as fused views rather than ATen
-      calls, a CPU scan, map or while_loop with static shapes as a loop that updates its
+      calls, a CPU scan, map or while_loop as a loop that updates its
       state in place (nothing allocated and no counter read back per step, the condition
       computed inside the step), and CPU kernels under 16,384
       elements run on one thread. An Inductor option you set in `options` wins

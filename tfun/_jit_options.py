@@ -11,7 +11,7 @@ batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backwar
   ATen calls every step): `tfun._inductor_pass.PostGradPass`, as Inductor's
   `post_grad_custom_pre_pass`.
 - **CPU loops that allocate nothing per step** (`tfun._scan_in_place`): a `scan` (or `map`)
-  whose tensors are all on the CPU, with static shapes, becomes a `while_loop` that writes its
+  whose tensors are all on the CPU (static or symbolic shapes) becomes a `while_loop` that writes its
   carry, its stacked outputs, its counter and its condition in place, instead of allocating
   three buffers and reading the counter back with `.item()` every step; a `while_loop` of
   such tensors computes its condition inside the step and writes its state in place; as

@@ -53,12 +53,13 @@ while go:                                                   # the condition retu
 `while_loop` is torch's autograd form (`while_loop_stack_output` forward), not a plain
 `while_loop`, and keeps torch's loop.
 
-Applied only where it is known to hold: every tensor of the scan on the CPU (on CUDA the
+Applied only where it is known to hold: every tensor of the loop on the CPU (on CUDA the
 counter would have to live on the device, and a CPU graph's cost is what this removes), every
-size and stride static (a symbolic shape would have to be rebuilt from the graph's symbols),
-at least one `xs` leaf (the length), no complex leaf, and tensors only among the closed-over
-inputs (for a `while_loop`: every carried and closed-over input a tensor). Other loops are
-left to torch. `ScanInPlacePass` runs it as Inductor's
+size and stride an int or a symbol backed by an input's size (what tfun.jit's recompile with
+symbolic shapes makes: the length `n` is then a symbol, and so are the sizes of `ys`), never a
+size known only from data (an unbacked symbol), at least one `xs` leaf (the length), no complex
+leaf, and among the closed-over inputs only such tensors and sizes (a body reads its sizes as
+closed-over symbols under `dynamic=True`). Other loops are left to torch. `ScanInPlacePass` runs it as Inductor's
 `post_grad_custom_post_pass`, after Inductor's own graph clean-ups: those remove a `clone`
 whose result is not mutated *in that graph* (`remove_noop_ops`), and the clone of `init` here
 is mutated only inside the loop body, so the rewrite must come after them, or the loop would
@@ -84,18 +85,35 @@ __all__ = ["REWRITES", "ScanInPlacePass", "rewrite"]
 REWRITES: collections.Counter = collections.Counter()
 
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
-_VERSION = 2
+_VERSION = 3
 
 
-def _static(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return all(isinstance(s, int) for s in (*x.shape, *x.stride())) and isinstance(x.storage_offset(), int)
-    return False
+def _sized(x: Any) -> bool:
+    """Whether `x` is a tensor whose sizes, strides and offset are ints, or symbols backed by
+    an input's size (what tfun.jit's automatic-dynamic recompile makes); a size known only from
+    data (an unbacked symbol) leaves the loop to torch."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    dims = (*x.shape, *x.stride(), x.storage_offset())
+    return all(isinstance(s, (int, torch.SymInt)) for s in dims) and not free_unbacked_symbols(x)
 
 
 def _eligible(vals: Sequence[Any]) -> bool:
     return all(
-        isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_complex() and _static(v) for v in vals
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_complex() and _sized(v) for v in vals
+    )
+
+
+def _closed_over(vals: Sequence[Any]) -> bool:
+    """Closed-over inputs: eligible tensors, and the sizes a body reads under symbolic shapes
+    (ints, or symbols backed by an input's size)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return all(
+        _eligible([v]) if isinstance(v, torch.Tensor) else isinstance(v, (int, torch.SymInt)) and not free_unbacked_symbols(v)
+        for v in vals
     )
 
 
@@ -123,7 +141,9 @@ def _parts(node: torch.fx.Node) -> tuple[Any, list[Any], list[Any], list[Any]] |
     nodes = (*init, *xs, *additional)  # type: ignore[misc]
     if not all(isinstance(n, torch.fx.Node) for n in nodes):
         return None
-    if not _eligible([_val(n) for n in nodes] + list(out)):
+    if not _eligible([_val(n) for n in (*init, *xs)] + list(out)):  # type: ignore[misc]
+        return None
+    if not _closed_over([_val(n) for n in additional]):  # type: ignore[union-attr]
         return None
     return step, list(init), list(xs), list(additional)  # type: ignore[arg-type]
 
@@ -146,7 +166,7 @@ def _while_parts(node: torch.fx.Node) -> tuple[Any, Any, list[Any], list[Any]] |
     nodes = (*carried, *additional)
     if not all(isinstance(n, torch.fx.Node) for n in nodes):
         return None
-    if not _eligible([_val(n) for n in nodes] + list(out)):
+    if not _eligible([_val(n) for n in carried] + list(out)) or not _closed_over([_val(n) for n in additional]):
         return None
     return cond, body, list(carried), list(additional)
 
@@ -232,7 +252,7 @@ def rewrite(graph: torch.fx.Graph) -> int:
 
         def lower(*flat: Any) -> Any:
             init, xs, additional = pytree.tree_unflatten(list(flat), spec)
-            n = int(xs[0].shape[0])
+            n = xs[0].shape[0]
             ys = [torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device) for y in ys_vals]
             carry = [t.clone() for t in init]
             i = torch.zeros((), dtype=torch.int64, device="cpu")
