@@ -982,7 +982,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         zeros = prim.map_static(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x)
         return tuple(zeros.combine(grads))
 
-    pullback = _VjpFunction(fun, primals, has_aux, vjp_fn, _hop.trace_key())
+    pullback = _VjpFunction(fun, primals, has_aux, vjp_fn, _note_live_pullback(_hop.trace_key()))
     if has_aux:
         return out, pullback, _unpack_aux(box, aux_l)
     return out, pullback
@@ -1048,10 +1048,37 @@ def _is_vjp_function(v: Any) -> bool:
     return isinstance(v, _VjpFunction)
 
 
+#: The traces (by `_hop.trace_key`) in which `tfun.vjp` built a pullback; the newest few.
+_LIVE_PULLBACK_TRACES: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+
+@_hop.assume_constant
+def _note_live_pullback(key: int) -> int:
+    """`key`, noting that trace `key` built a pullback. Run for real while Dynamo traces (an
+    assumed constant), so `_drop_live_pullbacks` knows it without guards."""
+    if key:
+        _LIVE_PULLBACK_TRACES[key] = None
+        while len(_LIVE_PULLBACK_TRACES) > 64:
+            _LIVE_PULLBACK_TRACES.popitem(last=False)
+    return key
+
+
+@_hop.assume_constant
+def _built_live_pullbacks() -> bool:
+    """Whether the trace running now built a pullback. An assumed constant, run for real at
+    trace time (as `_hop.trace_key`'s own escape hatch): no guard, and no trace of
+    `_context.is_tracing`."""
+    return _hop.escaped_trace_key() in _LIVE_PULLBACK_TRACES
+
+
 def _drop_live_pullbacks(out: Any) -> Any:
     """Traced, at the end of a `tfun.jit` function: its vjp functions without their pullback
     (it holds the trace's autograd graph, which Dynamo would otherwise return as tensors:
-    torch 2.13's AOTAutograd fails on some, as a scan's). Outside, they recompute."""
+    torch 2.13's AOTAutograd fails on some, as a scan's). Outside, they recompute. A trace that
+    built none skips the walk over `out`: walking it traces optree's registry, whose guards
+    cost every call of the compiled function about 25 µs."""
+    if not _built_live_pullbacks():
+        return out
     if not any(_is_vjp_function(v) for v in tree_leaves(out, is_leaf=_is_vjp_function)):
         return out
     return tree_map(

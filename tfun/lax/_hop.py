@@ -101,6 +101,7 @@ __all__ = [
     "torch_map",
     "torch_associative_scan",
     "assume_constant",
+    "escaped_trace_key",
     "check_side_effects",
     "check_state",
     "check_result",
@@ -467,6 +468,12 @@ def _escape_trace_key() -> int:
     if _TRACE_KEY[0] is None or _TRACE_KEY[0]() is not trace:
         _TRACE_KEY[:] = [weakref.ref(trace), next(_TRACE_NUMBERS)]
     return int(_TRACE_KEY[1])
+
+
+def escaped_trace_key() -> int:
+    """`trace_key` as plain Python at trace time, for code that runs there (an assumed
+    constant's body): the number of the Dynamo trace running now, or -1 without one."""
+    return _escape_trace_key()
 
 
 def trace_key() -> int:

@@ -218,8 +218,10 @@ def onednn_layers_backward(
     nd = 2 if bidirectional else 1
     hidden = h0.shape[-1]
     x, h0, c0 = x.contiguous(), h0.contiguous(), c0.contiguous()
-    grad_w: list[Tensor] = [torch.zeros_like(w) for w in weights]
-    grad_h0, grad_c0 = torch.zeros_like(h0), torch.zeros_like(c0)
+    # every layer and direction writes all of its weights' and states' cotangents below
+    grad_w: list[Tensor] = list(weights)
+    grad_h0: list[Tensor] = list(h0.unbind(0))
+    grad_c0: list[Tensor] = list(c0.unbind(0))
     g_layer = grad_out if grad_out is not None else torch.zeros_like(out)
     outputs = [*layer_outs, out]
     with torch.enable_grad():
@@ -227,7 +229,7 @@ def onednn_layers_backward(
             if layer < num_layers - 1 and grad_layer_outs[layer] is not None:
                 g_layer = g_layer + grad_layer_outs[layer]
             layer_in = x if layer == 0 else outputs[layer - 1].contiguous()
-            g_in = torch.zeros_like(layer_in)
+            g_dirs: list[Tensor] = []
             for d in range(nd):
                 k = layer * nd + d
                 sl = slice(d * hidden, (d + 1) * hidden)
@@ -237,14 +239,14 @@ def onednn_layers_backward(
                     grad_h[k] if grad_h is not None else None, grad_c[k] if grad_c is not None else None,
                     d == 1, _ONEDNN_LSTM, hidden, num_layers, has_biases, True, bidirectional, [], False, workspaces[k],
                 )
-                g_in = g_in + gx
+                g_dirs.append(gx)
                 per = 4 if has_biases else 2
                 grad_w[per * k], grad_w[per * k + 1] = gw_ih, gw_hh
                 if has_biases:
                     grad_w[per * k + 2], grad_w[per * k + 3] = gb_ih, gb_hh
                 grad_h0[k], grad_c0[k] = gh0, gc0
-            g_layer = g_in
-    return g_layer, grad_h0, grad_c0, grad_w
+            g_layer = g_dirs[0] if nd == 1 else g_dirs[0] + g_dirs[1]
+    return g_layer, torch.stack(grad_h0), torch.stack(grad_c0), grad_w
 
 
 @torch.library.custom_op("tfun::lstm_onednn", mutates_args=())
@@ -306,8 +308,16 @@ def _lstm_onednn_backward(
         grad_out, grad_h, grad_c, found,
     )
     # each in its input's layout, as the fake says (and as Inductor lays out an input's gradient)
-    gx, gh0, gc0 = (torch.empty_like(t).copy_(g) for t, g in zip((x, h0, c0), grads[:3]))
-    return gx, gh0, gc0, [torch.empty_like(w).copy_(g) for w, g in zip(weights, grads[3])]
+    gx, gh0, gc0 = (_like(t, g) for t, g in zip((x, h0, c0), grads[:3]))
+    return gx, gh0, gc0, [_like(w, g) for w, g in zip(weights, grads[3])]
+
+
+def _like(t: Tensor, g: Tensor) -> Tensor:
+    """`g` in `t`'s layout: `g` itself where it has it already (oneDNN's cotangents are
+    contiguous, as a layer's tensors usually are), else a copy."""
+    if g.stride() == t.stride() and g.dtype == t.dtype and g.storage_offset() == 0:
+        return g
+    return torch.empty_like(t).copy_(g)
 
 
 @_lstm_onednn_backward.register_fake
