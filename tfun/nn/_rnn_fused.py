@@ -308,14 +308,18 @@ def _lstm_onednn_backward(
         grad_out, grad_h, grad_c, found,
     )
     # each in its input's layout, as the fake says (and as Inductor lays out an input's gradient)
-    gx, gh0, gc0 = (_like(t, g) for t, g in zip((x, h0, c0), grads[:3]))
-    return gx, gh0, gc0, [_like(w, g) for w, g in zip(weights, grads[3])]
+    taken: set[int] = set()
+    gx, gh0, gc0 = (_like(t, g, taken) for t, g in zip((x, h0, c0), grads[:3]))
+    return gx, gh0, gc0, [_like(w, g, taken) for w, g in zip(weights, grads[3])]
 
 
-def _like(t: Tensor, g: Tensor) -> Tensor:
+def _like(t: Tensor, g: Tensor, taken: set[int]) -> Tensor:
     """`g` in `t`'s layout: `g` itself where it has it already (oneDNN's cotangents are
-    contiguous, as a layer's tensors usually are), else a copy."""
-    if g.stride() == t.stride() and g.dtype == t.dtype and g.storage_offset() == 0:
+    contiguous, as a layer's tensors usually are) and no other output holds its memory, else
+    a copy (an op's outputs must not share memory: two parameters' `.grad` would)."""
+    ptr = g.untyped_storage().data_ptr()
+    if g.stride() == t.stride() and g.dtype == t.dtype and g.storage_offset() == 0 and ptr and ptr not in taken:
+        taken.add(ptr)
         return g
     return torch.empty_like(t).copy_(g)
 
