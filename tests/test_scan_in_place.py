@@ -409,3 +409,19 @@ def test_vmap_inside_jit_rewritten_scan_matches_float64():
             return
     assert n == 1
     assert tree_allclose(_f64(out), f(*_f64((W, xs, h0))), rtol=1e-5, atol=1e-5)
+
+
+def test_symbolic_sizes_torch_cannot_rebuild_are_left_to_torch():
+    """Under `dynamic=True`, `ys` of shape (T, A, B, C) has a stride `A*B*C`: torch 2.13 rebuilds
+    such a product in the graph as an n-ary node Inductor cannot run, so that loop keeps torch's
+    (tests/test_view_copies.py met it first); the values are right either way."""
+    g = torch.Generator().manual_seed(5)
+    xs, h0 = torch.randn(4, 2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+
+    def f(xs, h0):
+        return lax.scan(lambda h, x: (torch.tanh(h + x), h * x), h0, xs)
+
+    with torch.no_grad():
+        out, n = _rewrites(f, xs, h0, dynamic=True)
+    assert n == 0
+    assert tree_allclose(_f64(out), f(xs.double(), h0.double()), rtol=1e-6, atol=1e-6)

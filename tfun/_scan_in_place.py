@@ -73,6 +73,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
@@ -98,6 +99,21 @@ def _sized(x: Any) -> bool:
 
     dims = (*x.shape, *x.stride(), x.storage_offset())
     return all(isinstance(s, (int, torch.SymInt)) for s in dims) and not free_unbacked_symbols(x)
+
+
+def _rebuildable(x: torch.Tensor) -> bool:
+    """Whether the rewrite can allocate a tensor of `x`'s sizes and strides in the graph: each
+    symbolic one is rebuilt there from its expression, and torch 2.13 rebuilds only symbols,
+    integers and sums or products of two terms into nodes Inductor takes (a product of more
+    becomes one n-ary `operator.mul` node, which Inductor's fake-tensor update calls with too
+    many arguments, "mul expected 2 arguments, got 4"; a `Min`/`Max` becomes a `_nary_sym_min`
+    node Inductor cannot lower); other loops are left to torch."""
+    for s in (*x.shape, *x.stride()):
+        if isinstance(s, torch.SymInt):
+            for a in sympy.preorder_traversal(s.node.expr):
+                if not (a.is_Symbol or a.is_Integer or ((a.is_Mul or a.is_Add) and len(a.args) == 2)):
+                    return False
+    return True
 
 
 def _eligible(vals: Sequence[Any]) -> bool:
@@ -142,6 +158,8 @@ def _parts(node: torch.fx.Node) -> tuple[Any, list[Any], list[Any], list[Any]] |
     if not all(isinstance(n, torch.fx.Node) for n in nodes):
         return None
     if not _eligible([_val(n) for n in (*init, *xs)] + list(out)):  # type: ignore[misc]
+        return None
+    if not all(_rebuildable(y) for y in list(out)[len(init) :]):  # `ys` is allocated from these
         return None
     if not _closed_over([_val(n) for n in additional]):  # type: ignore[union-attr]
         return None
