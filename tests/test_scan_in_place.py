@@ -200,11 +200,12 @@ def test_symbolic_shapes_gradients_map_and_while_loop():
     assert after["map_impl"] - before["map_impl"] >= 1
 
 
-def _loop_code(**jit_kwargs):
-    """The generated wrapper's loop body and condition for the small RNN."""
+def _loop_code(fn=None, args=None, **jit_kwargs):
+    """The generated wrapper's loop body and condition for `fn(*args)` (the small RNN by default)."""
+    fn, args = (_rnn(), _data(16, B=4, H=32)) if fn is None else (fn, args)
     torch._dynamo.reset()
     with torch.no_grad():
-        _, codes = run_and_get_code(tfun.jit(_rnn(), **jit_kwargs), *_data(16, B=4, H=32))
+        _, codes = run_and_get_code(tfun.jit(fn, **jit_kwargs), *args)
     code = "\n".join(codes)
     body = re.search(r"def while_loop_body_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
     cond = re.search(r"def while_loop_cond_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
@@ -359,18 +360,8 @@ def test_while_loop_step_allocates_no_state_and_the_condition_runs_no_kernel():
     W, x, _ = _data(1, B=4, H=32)
     args = (W, x[0], torch.tensor(0))
 
-    def code(**jit_kwargs):
-        torch._dynamo.reset()
-        with torch.no_grad():
-            _, codes = run_and_get_code(tfun.jit(_decay(100), **jit_kwargs), *args)
-        code = "\n".join(codes)
-        body = re.search(r"def while_loop_body_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
-        cond = re.search(r"def while_loop_cond_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
-        assert body and cond, code
-        return body.group(1), cond.group(1)
-
-    body, cond = code()
-    body_off, cond_off = code(options=OFF)
+    body, cond = _loop_code(_decay(100), args)
+    body_off, cond_off = _loop_code(_decay(100), args, options=OFF)
     assert "cpp_fused" in cond_off and "cpp_fused" not in cond and "empty_strided" not in cond, cond
     assert "empty_strided_cpu((), ()" in body_off and "empty_strided_cpu((), ()" not in body
     assert body.count("empty_strided") < body_off.count("empty_strided"), (body, body_off)
