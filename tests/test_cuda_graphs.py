@@ -8,6 +8,8 @@ several calls with different arguments.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -245,7 +247,7 @@ class _FakeCuda:
                     if isinstance(o, torch.Tensor):
                         o.copy_(n)
 
-        def capture(graph, device, fn):
+        def capture(graph, device, stream, fn):
             fake.captures += 1
             graph.fn = fn
             graph.out = fn()
@@ -254,6 +256,9 @@ class _FakeCuda:
         def set_mode(m):
             fake.mode = {"default": 0, "warn": 1, "error": 2}.get(m, m)
             fake.modes_seen.append(fake.mode)
+            if fake.mode:  # as torch 2.11 does, after setting it (an error where warnings are)
+                warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                              "synchronizing operations", UserWarning, stacklevel=2)
 
         monkeypatch.setattr(_cuda_graphs, "DEVICE_TYPE", "cpu")
         monkeypatch.setattr(_cuda_graphs, "_capture", capture)

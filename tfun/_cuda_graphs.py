@@ -53,10 +53,12 @@ stays off.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import operator
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -323,32 +325,34 @@ class GraphCache:
         s_args, s_kwargs = tree_unflatten(treedef, static_leaves)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        # one run on the copies with synchronization an error; the caller's mode is put back in
-        # the `finally` whatever happens (the recording below must not run in "error" mode:
-        # torch's capture itself synchronizes)
-        previous = torch.cuda.get_sync_debug_mode()
+        # Three runs on the copies, all on the side stream: a warm-up in the caller's mode (it
+        # compiles whatever running on another stream or with the copies asks for: compiling
+        # synchronizes, and must not happen in "error" mode or while capturing), a check with
+        # synchronization an error (the caller's mode is put back in the `finally` whatever
+        # happens: the capture below synchronizes itself), then the capture.
         failure: Exception | None = None
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.stream(side):
-                run(*s_args, **s_kwargs)
-        except Exception as e:  # noqa: BLE001 - only a synchronization is a reason; the rest is raised below
-            failure = e
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
+        with torch.cuda.stream(side):
+            run(*s_args, **s_kwargs)
+            try:
+                with _synchronizing_is_an_error():
+                    run(*s_args, **s_kwargs)
+            except Exception as e:  # noqa: BLE001 - only a synchronization is a reason; the rest is raised below
+                failure = e
         torch.cuda.current_stream(device).wait_stream(side)
         if failure is not None:
             message = _sync_error(failure)
             if message is None:
                 raise failure
+            log.debug("tfun.jit: the synchronizing call's traceback", exc_info=failure)
             self._refuse(entry, f"a call synchronizes with the host ({message})")
             return run(*args, **kwargs)
         graph = torch.cuda.CUDAGraph()
         try:
-            out = _capture(graph, device, lambda: run(*s_args, **s_kwargs))
+            out = _capture(graph, device, side, lambda: run(*s_args, **s_kwargs))
         except Exception as e:  # noqa: BLE001 - CUDA refused to record an operation: said, then run as usual
             del graph
             first = next((str(x).splitlines()[0] for x in _chain(e) if str(x)), type(e).__name__)
+            log.debug("tfun.jit: the capture's traceback", exc_info=e)
             self._refuse(entry, f"CUDA could not record it ({first})")
             return run(*args, **kwargs)
         out_leaves, out_def = tree_flatten(out)
@@ -360,10 +364,27 @@ class GraphCache:
         return tree_unflatten(out_def, [o.clone() if isinstance(o, torch.Tensor) else o for o in out_leaves])
 
 
-def _capture(graph: torch.cuda.CUDAGraph, device: torch.device, fn: Callable[[], Any]) -> Any:
-    """`fn()`, its CUDA work recorded into `graph`."""
+@contextlib.contextmanager
+def _synchronizing_is_an_error() -> Iterator[None]:
+    """CUDA's synchronization debug mode "error" inside, the caller's mode put back after,
+    whatever happens. torch warns that the mode is a prototype each time it is set (a
+    `UserWarning`, an exception where warnings are errors, raised after the mode was set):
+    that warning is tfun's business here, not the caller's."""
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype", category=UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _capture(graph: torch.cuda.CUDAGraph, device: torch.device, stream: Any, fn: Callable[[], Any]) -> Any:
+    """`fn()`, its CUDA work recorded into `graph` on `stream` (the stream the warm-up and the
+    check ran on: a compiled function may be specialized to the stream it runs on)."""
     with torch.cuda.device(device):
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             return fn()
 
 

@@ -7,6 +7,7 @@ One command for anyone with a CUDA machine (from the repository root):
     python -m tests.gpu.check_cuda --shard 0/3     # every third row, from the first (run the
                                                    # shards side by side on a many-core machine)
     python -m tests.gpu.check_cuda --only nn.LSTM  # the cases whose name contains this
+    python -m tests.gpu.check_cuda --paths inductor+grad+graphs  # the rows of these paths
 
 For each case it runs the op (or the layer's forward) and the gradient of a fixed random
 weighting of every output with respect to every input and parameter, on the device, and compares
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="eager paths and the kernels only")
     ap.add_argument("--shard", default="0/1", help="K/N: only the rows whose index is K modulo N")
     ap.add_argument("--only", default="", help="only the cases whose name contains this (e.g. associative_scan)")
+    ap.add_argument("--paths", nargs="*", default=None, help="only these paths (e.g. eager inductor+grad+graphs)")
     args = ap.parse_args(argv)
     try:
         shard, shards = (int(x) for x in args.shard.split("/"))
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     def record(what: str, path: str, dtype: torch.dtype, fn: Callable[[], Any]) -> None:
         nonlocal bad, index
         index += 1
-        if index % shards != shard or args.only not in what:
+        if index % shards != shard or args.only not in what or (args.paths is not None and path not in args.paths):
             return
         t0 = time.perf_counter()
         full = ""  # a refusal's or crash's whole message, printed under its row
