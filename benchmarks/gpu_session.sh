@@ -14,6 +14,9 @@
 # passed, were skipped or xfailed there; GPU_CHECK_ONLY=NAME runs only check_cuda's cases whose
 # name contains NAME.
 #
+# GPU_SUITE_PATHS="tests/a.py tests/b" runs only those parts of the suite (the rest ran on an
+# earlier device call; docs/compatibility.md says which).
+#
 # GPU_SKIP_BENCH=1 stops after the correctness phase (a caller that runs its own benchmarks).
 # GPU_BUDGET_S (default 560) is the time the steps may take together; each step also has a
 # limit of its own (GPU_PHASE1_S, default 330, for the correctness phase), so one that hangs
@@ -65,8 +68,8 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
 
 # Phase 1, correctness, side by side (mostly CPU-bound compiling; the GPU is shared): the GPU
 # correctness script in three shards, the kernel tests compiled for CUDA (twice: with the
-# default reverse-order tiles, and with TFUN_LINEAR_SCAN_REVERSE_TILES=rising, the candidate
-# layout of tfun/kernels/_linear_scan_triton.py's `Knobs.reverse_tiles`; the tests that run both
+# default reverse-order tiles, "rising", and with TFUN_LINEAR_SCAN_REVERSE_TILES=falling, the
+# earlier default of tfun/kernels/_linear_scan_triton.py's `Knobs.reverse_tiles`; the tests that run both
 # layouts themselves are left out of the second run), and the whole suite (JAX on the CPU there,
 # as on CI: it is the oracle; the full check_cuda cell is its own step).
 phase1=${GPU_PHASE1_S:-330}
@@ -76,7 +79,7 @@ for k in 0 1 2; do
         --only "${GPU_CHECK_ONLY:-}" &
 done
 TFUN_KERNEL_DEVICE=cuda step kernel_tests "$phase1" python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels &
-TFUN_KERNEL_DEVICE=cuda TFUN_LINEAR_SCAN_REVERSE_TILES=rising step kernel_tests_rising "$phase1" \
+TFUN_KERNEL_DEVICE=cuda TFUN_LINEAR_SCAN_REVERSE_TILES=falling step kernel_tests_falling "$phase1" \
     python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels -k "not reverse_tiles and not rising_tiles" &
 # -v: each result as it comes, so a suite cut off by the time limit still says what failed
 deselect=(--deselect tests/gpu/test_check_cuda.py::test_full_check_on_cuda)
@@ -85,8 +88,10 @@ if [ -n "${GPU_SUITE_DONE:-}" ]; then
         grep -oE '(PASSED|SKIPPED|XFAIL|XPASS) tests/[^ ]+' "$GPU_SUITE_DONE" | awk '{print $2}' | sort -u)
     echo "suite: ${#deselect[@]} arguments deselect what passed in $GPU_SUITE_DONE" | tee -a "$OUT/summary.txt"
 fi
-JAX_PLATFORMS=cpu TORCHINDUCTOR_COMPILE_THREADS=1 step suite "$phase1" python3 -m pytest -v -p no:cacheprovider -n 10 tests \
-    "${deselect[@]}"
+# GPU_SUITE_PATHS (default: tests) narrows the suite to what changed since the last device call
+# shellcheck disable=SC2086
+JAX_PLATFORMS=cpu TORCHINDUCTOR_COMPILE_THREADS=1 step suite "$phase1" python3 -m pytest -v -p no:cacheprovider -n 10 \
+    ${GPU_SUITE_PATHS:-tests} "${deselect[@]}"
 wait
 cat "$OUT"/check_cuda_?.log >"$OUT/check_cuda.log" && rm -f "$OUT"/check_cuda_?.log  # 8 files come back at most
 merge() {  # merge INTO PART...: the parts' logs into INTO.log, each under a header (8 files come back)
@@ -98,7 +103,7 @@ merge() {  # merge INTO PART...: the parts' logs into INTO.log, each under a hea
     for part in "$@"; do rm -f "$OUT/$part.log"; done
     mv "$OUT/$into.tmp" "$OUT/$into.log"
 }
-merge kernel_tests kernel_tests kernel_tests_rising
+merge kernel_tests kernel_tests kernel_tests_falling
 echo "check_cuda: $(grep -c ' | ok | ' "$OUT/check_cuda.log") ok, $(grep -cE ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log") wrong or crashed, $(grep -c ' | REFUSED | ' "$OUT/check_cuda.log") refused" | tee -a "$OUT/summary.txt"
 grep -E ' \| (WRONG|CRASH) \| ' "$OUT/check_cuda.log" | head -30 | tee -a "$OUT/summary.txt"
 if [ -f "$OUT/suite.log" ]; then
@@ -117,7 +122,7 @@ if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
     done
     merge linear_scan linear_scan_falling linear_scan_rising
     # tfun.jit with cuda_graphs="auto" (experimental; the plain tfun.jit numbers are in RESULTS.md)
-    step vs_jax 170 python3 benchmarks/vs_jax.py --quick --device cuda --cuda-graphs
+    step vs_jax ${GPU_VS_JAX_S:-170} python3 benchmarks/vs_jax.py --quick --device cuda --cuda-graphs
     step cuda_graphs 90 python3 benchmarks/cuda_graphs.py --strategies jit tfun_cuda_graphs jax --max-seconds 20 --repeat 5
 fi
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"

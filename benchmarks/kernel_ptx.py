@@ -2,15 +2,15 @@
 
     python benchmarks/kernel_ptx.py                 # sm_90 (H100), fp32 and bf16, forward and backward
     python benchmarks/kernel_ptx.py --arch 80 --num-warps 8
-    python benchmarks/kernel_ptx.py --reverse-tiles both   # also the rising-address reverse order
+    python benchmarks/kernel_ptx.py --reverse-tiles both   # also the falling-address reverse order
 
 Triton compiles for a target without a device (its LLVM and ptxas ship in the wheel). For each
 variant of `_scan_kernel` this prints the widths of the global loads and stores in the PTX
 (`v1.b32` is one 32-bit element per thread and instruction, `v4.b32` four: vectorized), the
 registers per thread, barriers and spills `ptxas -v` reports, the `bar.sync` instructions in the
 PTX, and the register layout of the [BLOCK_C, BLOCK_T] tile. `--reverse-tiles` picks the
-reverse-order variants compiled (the private knob `Knobs.reverse_tiles`: `falling`, the
-launcher's default, `rising`, or `both`); the time-order variants are the same for both and
+reverse-order variants compiled (the private knob `Knobs.reverse_tiles`: `rising`, the
+launcher's default, `falling`, or `both`); the time-order variants are the same for both and
 compiled once. Speed needs a GPU (`benchmarks/linear_scan.py`); this says what the code is, for
 kernel work on a machine without one. Written against Triton 3.6's compile API (`ASTSource`,
 `GPUTarget`).
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100)")
     ap.add_argument("--num-warps", type=int, default=4, help="as the launcher uses (4)")
-    ap.add_argument("--reverse-tiles", choices=("falling", "rising", "both"), default="falling",
-                    help="the reverse-order variants to compile (Knobs.reverse_tiles; default: falling, the launcher's)")  # fmt: skip
+    ap.add_argument("--reverse-tiles", choices=("falling", "rising", "both"), default="rising",
+                    help="the reverse-order variants to compile (Knobs.reverse_tiles; default: rising, the launcher's)")  # fmt: skip
     args = ap.parse_args(argv)
     tiles = {"falling": (False,), "rising": (True,), "both": (False, True)}[args.reverse_tiles]
     print(f"triton {triton.__version__}, sm_{args.arch}, {args.num_warps} warps, BLOCK_C={K.MAX_BLOCK_C}, BLOCK_T={K.MAX_BLOCK_T}")

@@ -498,7 +498,7 @@ def test_reverse_tiles_gpu_plan(variant: str, gpu_plans: int, launch_meta: list,
 
 
 def test_reverse_tiles_knob_and_environment(launch_meta: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The knob, else TFUN_LINEAR_SCAN_REVERSE_TILES, else "falling", reaches every launch as the
+    """The knob, else TFUN_LINEAR_SCAN_REVERSE_TILES, else "rising", reaches every launch as the
     constexpr RISING (reverse-order launches only); anything else raises at launch."""
     args = tuple(t.to(DEVICE) for t in (torch.rand(9, 2), torch.randn(9, 2), torch.zeros(2)))
 
@@ -511,6 +511,8 @@ def test_reverse_tiles_knob_and_environment(launch_meta: list, monkeypatch: pyte
 
     monkeypatch.setattr(K.KNOBS, "reverse_tiles", None)
     monkeypatch.delenv(K.REVERSE_TILES_ENV, raising=False)
+    assert rising_of_a_reverse_launch() is True  # the default
+    monkeypatch.setenv(K.REVERSE_TILES_ENV, "falling")
     assert rising_of_a_reverse_launch() is False
     monkeypatch.setenv(K.REVERSE_TILES_ENV, "rising")
     assert rising_of_a_reverse_launch() is True
