@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -1006,3 +1006,44 @@ def dynamo_inspects_wrapped_functions() -> bool:
     wrapper = getattr(functions, "WrapperUserFunctionVariable", None)
     base = getattr(functions, "BaseUserFunctionVariable", None)
     return wrapper is None or base is None or issubclass(wrapper, base)
+
+
+def _cpp_tile2d_probe() -> tuple[bool, bool] | None:
+    """Ask Inductor's C++ backend (`CppTile2DKernel.need_vec_transpose`, on a stand-in kernel
+    with loop variables `x0`, `x1` tiled 16 x 16) whether it would transpose a 2-D tile for
+    an access with stride 1 along the outer variable: `(plain, indirect)`, for the index
+    `x0 + 16*x1` and for the same index plus a multiple of an indirect-index temporary
+    (`tmp10`, a value the kernel loads). None where this torch's internals do not fit the
+    stand-in (a missing name, another signature)."""
+    try:
+        from types import SimpleNamespace
+
+        from torch._inductor.codegen.cpp import CppTile2DKernel
+        from torch._inductor.utils import sympy_index_symbol
+        from torch.utils._sympy.symbol import SymT, make_symbol
+
+        x0, x1 = sympy_index_symbol("x0"), sympy_index_symbol("x1")
+        tmp = make_symbol(SymT.TMP, 10, integer=True)
+        kernel = SimpleNamespace(itervars=[x0, x1], outer_idx=0, tiling_idx=1, tiling_factor=16, _load_mask=None)
+        plain = bool(CppTile2DKernel.need_vec_transpose(kernel, x0 + 16 * x1))
+        indirect = bool(CppTile2DKernel.need_vec_transpose(kernel, x0 + 16 * x1 + 256 * tmp))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - internals of another torch
+        return None
+    return plain, indirect
+
+
+@functools.lru_cache(maxsize=None)
+def cpp_transposes_indirect_index() -> bool:
+    """Whether Inductor's C++ backend may put an access whose index holds an indirect-index
+    temporary (`tmpN`, a value loaded in the kernel) into a 2-D tile transposition, which it
+    emits before the loop that declares `tmpN`: the kernel then fails to compile ("'tmp10' was
+    not declared in this scope", pytorch/pytorch#193581). Torch 2.11 does (a jitted RNN
+    module's training step failed there once `tfun._scan_in_place` wrote a scan's stacked
+    outputs at the counter tensor's index); torch 2.13 skips such accesses. Where True,
+    `tfun._scan_in_place` leaves scans and maps to torch's own loop (which indexes with
+    `.item()`, a plain integer). Asked once, when Inductor first runs the pass (the probe
+    imports Inductor's C++ backend)."""
+    probe = _cpp_tile2d_probe()
+    if probe is None or not probe[0]:  # pragma: no cover - the stand-in does not model this torch
+        return True  # unknown: assume the bug (scans are then left to torch: slower, right)
+    return probe[1]

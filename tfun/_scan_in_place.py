@@ -59,7 +59,9 @@ size and stride an int or a symbol backed by an input's size (what tfun.jit's re
 symbolic shapes makes: the length `n` is then a symbol, and so are the sizes of `ys`), never a
 size known only from data (an unbacked symbol), at least one `xs` leaf (the length), no complex
 leaf, and among the closed-over inputs only such tensors and sizes (a body reads its sizes as
-closed-over symbols under `dynamic=True`). Other loops are left to torch. `ScanInPlacePass` runs it as Inductor's
+closed-over symbols under `dynamic=True`). Other loops are left to torch, and so are all scans
+and maps on a torch whose C++ backend can fail to compile a kernel indexed by a loaded value
+(`_compat.cpp_transposes_indirect_index`: torch 2.11, not 2.13). `ScanInPlacePass` runs it as Inductor's
 `post_grad_custom_post_pass`, after Inductor's own graph clean-ups: those remove a `clone`
 whose result is not mutated *in that graph* (`remove_noop_ops`), and the clone of `init` here
 is mutated only inside the loop body, so the rewrite must come after them, or the loop would
@@ -251,6 +253,10 @@ def rewrite(graph: torch.fx.Graph) -> int:
         # before the scans: their replacements are while_loops already in place
         _rewrite_while_loops(graph, done)
     ops = [op for op in (_op("scan"), _op("map_impl")) if op is not None]
+    if _compat.cpp_transposes_indirect_index():
+        # this torch's C++ backend can fail to compile a kernel that writes `ys` at the
+        # counter tensor's index (`_compat.cpp_transposes_indirect_index`): torch's loop
+        ops = []
     if not any(n.target in ops for n in graph.nodes):
         REWRITES.update(done)
         return sum(done.values())
