@@ -42,12 +42,17 @@ error (a closed-over tensor is then accepted: you promise to update it in place 
 `torch.cuda.make_graphed_callables` asks). `Jitted.cuda_graph_reasons()` lists what was
 decided per signature.
 
-Status (2026-11-27): on an H100 the replays gave eager's values to the last bit
-(`benchmarks/cuda_graphs.py`, strategy `tfun_cuda_graphs`), but in tests/test_cuda_graphs.py's
-first GPU run every CUDA test after the first recording failed: the CUDA synchronization
-debug mode was still "error" after `_record` (each later synchronizing call raised). The
-mode is now put back in one `finally` around the checking run, untested on a GPU; until that run passes, the default
-stays off.
+Status (2026-11-27): on an H100 and an H200 the replays gave eager's values to the last bit
+(`benchmarks/cuda_graphs.py`, strategy `tfun_cuda_graphs`), and the recorded training steps of
+`python -m tests.gpu.check_cuda --paths inductor+grad+graphs` matched float64. But
+tests/test_cuda_graphs.py's CUDA tests failed on both GPU runs: first the debug mode was not
+put back after a recording; then (H200) torch 2.11 warns that the debug mode is a prototype
+*after* setting it, and under warnings-as-errors that warning escaped before the `try` that
+puts the mode back (`_synchronizing_is_an_error` now sets it inside, with that warning
+silenced). And the checking run compiled again (it was the first run on the side stream, and
+compiling synchronizes), so every training step was refused: the warm-up run on the side
+stream, and the capture on that stream, came from that. Until those tests pass on a GPU, the
+default stays off.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def jit(
     - `cuda_graphs` (experimental, off by default): on CUDA, from a call's second run with
       the same argument signature (shapes, dtypes, static values...), replay the call from
       a CUDA graph: one launch for the whole call instead of the host launching every
-      kernel of every loop step (an H100, a 1024-step RNN forward: 42.9 -> 3.7 ms).
+      kernel of every loop step (an H100, a 1024-step RNN forward: 42.9 -> 3.7 ms; an H200:
+      23.6 -> 3.5 ms, `jax.jit` 6.4 ms).
       `"auto"` does so where it is safe: every tensor argument and result on one CUDA
       device, no result requiring grad (differentiate inside:
       `tfun.jit(tfun.value_and_grad(loss))`), one Dynamo graph that reads only its
