@@ -159,6 +159,61 @@ def test_a_compile_worker_failure_names_what_the_worker_raised():
     assert "the worker raised triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource" in msg
 
 
+def test_a_failure_tracing_a_loop_for_autograd_says_every_backend_fails_and_gives_the_details():
+    """A backend failure raised in torch's own tracing of a control-flow op (torch's
+    `_higher_order_ops`, which AOTAutograd runs for aot_eager too) does not suggest aot_eager,
+    and keeps the lines after a headline that ends with ':' (where torch says what differs)."""
+    ns: dict = {}
+    exec(  # a backend whose innermost frame is in torch/_higher_order_ops, as torch's check is
+        compile(
+            "def failing_backend(gm, example_inputs):\n"
+            "    raise RuntimeError('Expected init and carry to have same metadata but found:\\n'\n"
+            "                       'pair[0] differ in stride: (1, 3) vs (4, 1)\\nWhile executing %scan')\n",
+            "/site-packages/torch/_higher_order_ops/utils.py",
+            "exec",
+        ),
+        ns,
+    )
+    with pytest.raises(JitError) as info:
+        tfun.jit(lambda x: x * 2, backend=ns["failing_backend"])(torch.ones(2))
+    msg = str(info.value)
+    assert "same metadata but found: (raised in `failing_backend`, utils.py:2): pair[0] differ in stride: (1, 3) vs (4, 1)" in msg
+    assert "While executing" not in msg
+    assert 'which every backend does (backend="aot_eager" too)' in msg and "tfun.vmap(tfun.jit(tfun.grad(loss)))" in msg
+
+
+# torch warns about its own missing batching rule (aten::select_copy) while tfun.grad probes the
+# function under the vmap: torch's warning about torch, not tfun's
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_grad_of_vmap_of_scan_inside_jit_is_right_or_refused_with_what_to_do():
+    """`tfun.jit(tfun.grad(f))` where `f` maps a scan with `tfun.vmap`: torch 2.13's scan batching
+    rule leaves an init the body batches unbatched (or moves its batch dimension last, so its
+    strides differ from the carry's), and its check refuses the loop under every backend. The
+    result equals float64 eagerly, and under tfun.jit it either does too or is a JitError that
+    says what to do (apply the vmap outside tfun.jit), which works."""
+
+    def loss(W, xs):
+        h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x),) * 2, torch.zeros(3, dtype=xs.dtype), xs)
+        return ys.sum()
+
+    def f(W, xs):
+        return tfun.vmap(loss, in_axes=(None, 0))(W, xs).sum()
+
+    g = torch.Generator().manual_seed(0)
+    W, xs = torch.randn(3, 3, generator=g) / 2, torch.randn(4, 5, 3, generator=g)
+    want = tfun.grad(f)(W.double(), xs.double())
+    assert torch.allclose(tfun.grad(f)(W, xs).double(), want, atol=1e-5)
+    for backend in ("aot_eager", "inductor"):
+        try:
+            got = tfun.jit(tfun.grad(f), backend=backend)(W, xs)
+        except JitError as e:
+            assert "tfun.vmap(tfun.jit(tfun.grad(loss)))" in str(e)
+        else:
+            assert torch.allclose(got.double(), want, atol=1e-5)
+    per_example = tfun.vmap(tfun.jit(tfun.grad(loss)), in_axes=(None, 0))(W, xs)  # what the message says
+    assert torch.allclose(per_example.sum(0).double(), want, atol=1e-5)
+
+
 def test_tfun_error_inside_body_is_unwrapped():
     def f(x):
         return lax.scan(lambda c, x: ((c, c), x), x[0], x)

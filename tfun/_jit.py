@@ -696,7 +696,26 @@ def _backend_failure(e: BaseException) -> str:
         last = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
         if last is not None and last != lines[0]:
             text += f"; the worker raised {last[:300]}"
+    elif len(lines) > 1 and lines[0].endswith(":"):
+        # a headline whose details follow ("Expected init and carry to have same metadata but
+        # found:" then one line per difference): the details are the message
+        details = []
+        for ln in lines[1:4]:
+            if ln.startswith(("While executing", "Original traceback")):
+                break
+            details.append(ln[:300])
+        if details:
+            text += ": " + "; ".join(details)
     return f"the compiler backend failed: {text}"
+
+
+def _failed_tracing_control_flow(e: BaseException) -> bool:
+    """Whether a backend failure was raised while torch traced a control-flow op's subgraphs
+    for autograd and functionalization (AOTAutograd, which backend="aot_eager" runs too), not
+    while Inductor compiled the traced graph."""
+    inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+    frames = traceback.extract_tb(inner.__traceback__)
+    return bool(frames) and "_higher_order_ops" in frames[-1].filename.replace("\\", "/").split("/")
 
 
 # the last line of a Python traceback: "ValueError: ...", "triton.compiler.errors.CompilationError: ..."
@@ -942,7 +961,18 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "each gradient on its own, take the outer derivative outside tfun.jit, or drop tfun.checkpoint "
             "where its gradient is differentiated again."
         )
-    if revise is default_revise and isinstance(e, BackendCompilerFailed):
+    if revise is default_revise and isinstance(e, BackendCompilerFailed) and _failed_tracing_control_flow(e):
+        # torch's own tracing of a loop for autograd failed (under a torch.func transform, most
+        # often): every backend runs it, so aot_eager would fail the same way
+        bullets = [_backend_failure(e)]
+        revise = (
+            "Tracing succeeded and torch then failed to trace a control-flow op (scan, while_loop, cond, "
+            "...) for autograd, which every backend does (backend=\"aot_eager\" too): a limitation of the "
+            "installed torch, not of your code. Apply a tfun.vmap or tfun.jvp that is inside tfun.jit "
+            "outside it instead (`tfun.vmap(tfun.jit(tfun.grad(loss)))`), jit the forward only and call "
+            ".backward() on its result, or call the function outside tfun.jit."
+        )
+    elif revise is default_revise and isinstance(e, BackendCompilerFailed):
         # traced, then the compiler (Inductor) failed on the graph: nothing in the user's code
         bullets = [_backend_failure(e)]
         revise = (
