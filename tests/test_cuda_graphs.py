@@ -218,6 +218,37 @@ def test_random_numbers_advance_on_each_replay():
     assert not torch.equal(outs[2], outs[3])
 
 
+@cuda
+def test_a_module_trained_through_functional_call_is_replayed_and_trains_as_eager():
+    """docs/performance.md's pattern for a module (parameters passed detached, the optimizer
+    updating them in place between calls), on CUDA: replayed from the third call on, and the
+    same losses and parameters as the eager loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).cuda()
+    reference = __import__("copy").deepcopy(model)
+
+    def loss(params, x, y):
+        return (torch.func.functional_call(model, params, (x,)) - y).pow(2).mean()
+
+    step = tfun.jit(tfun.value_and_grad(loss), cuda_graphs="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(5):
+        x, y = _data(k, (16, 4), (16, 1))
+        value, grads = step({n: p.detach() for n, p in model.named_parameters()}, x, y)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        opt_ref.zero_grad()
+        want = (reference(x) - y).pow(2).mean()
+        want.backward()
+        opt_ref.step()
+        torch.testing.assert_close(value, want.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+
+
 # ---------------------------------------------------------------------------------------------
 # The recording logic on any machine: CPU tensors stand for CUDA ones, and stand-ins for the
 # torch.cuda calls record what was asked (a "replay" reruns the captured call into its outputs)
@@ -363,4 +394,39 @@ def test_recording_logic_through_tfun_jit(backend, monkeypatch):
     for got, want in results:
         torch.testing.assert_close(got, want)
     assert fake.captures == 1 and fake.replays == 3
+    assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+
+
+def test_recording_logic_a_module_trained_through_functional_call(monkeypatch):
+    """The training-step pattern docs/performance.md gives for a module: its parameters come in
+    as an argument (detached: they share the memory the optimizer updates), the step is
+    `tfun.value_and_grad` inside, and the optimizer updates the parameters in place between
+    calls. Recorded once and replayed, it trains exactly as the same loop run eagerly."""
+    fake = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(_cuda_graphs, "available", lambda: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = __import__("copy").deepcopy(model)
+
+    def loss(params, x, y):
+        return (torch.func.functional_call(model, params, (x,)) - y).pow(2).mean()
+
+    step = tfun.jit(tfun.value_and_grad(loss), cuda_graphs="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(5):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        value, grads = step({n: p.detach() for n, p in model.named_parameters()}, x, y)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        opt_ref.zero_grad()
+        want = (reference(x) - y).pow(2).mean()
+        want.backward()
+        opt_ref.step()
+        torch.testing.assert_close(value, want.detach())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    assert fake.captures == 1 and fake.replays == 4  # the second call records, then replays; 3-5 replay
     assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"

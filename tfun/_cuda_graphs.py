@@ -210,8 +210,9 @@ def graph_reason(graph_modules: list[torch.fx.GraphModule], n_tensor_args: int) 
             else:
                 return (
                     f"it reads a tensor that is not an argument (`{node.name}`: a closed-over tensor, a global or a "
-                    "module's parameter); pass it as an argument, or pass cuda_graphs=True if it is only ever "
-                    "updated in place"
+                    "module's parameter); pass it as an argument (a module's parameters as a dict: "
+                    "`torch.func.functional_call(model, params, (x,))` inside the function), or pass "
+                    "cuda_graphs=True if it is only ever updated in place"
                 )
         elif node.op in ("call_method", "call_function"):
             target = node.target
@@ -409,6 +410,8 @@ def _result_reason(out: Any, tensors: list[torch.Tensor]) -> str | None:
             if leaf.requires_grad:
                 return (
                     "a result requires grad (autograd continues outside the call; compute the gradient inside, "
-                    "e.g. tfun.jit(tfun.value_and_grad(loss)), or call it under torch.no_grad())"
+                    "e.g. tfun.jit(tfun.value_and_grad(loss)), with arguments that do not require grad: "
+                    "`p.detach()` of a parameter shares the memory its optimizer updates; or call it under "
+                    "torch.no_grad())"
                 )
     return None
