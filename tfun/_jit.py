@@ -897,8 +897,11 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
                 "they differentiate with autograd, which compiles to one graph).",
                 revise="Apply the transform outside tfun.jit, around the jitted function: "
                 "`tfun.vmap(tfun.jit(tfun.grad(loss)))` for per-example gradients, `tfun.hessian(tfun.jit(f))`, "
-                "`tfun.jacrev(tfun.jit(f))`; use `tfun.grad` / `tfun.vjp` instead of `torch.func.grad` / `vjp` "
-                "inside `tfun.jit`; or compile the function without the transform and call `.backward()`.",
+                "`tfun.jacrev(tfun.jit(f))` (the jitted function then runs uncompiled inside the transform, "
+                "since Dynamo cannot be entered inside one; for compiled per-example gradients call "
+                "`tfun.jit(tfun.grad(loss))` on each example); use `tfun.grad` / `tfun.vjp` instead of "
+                "`torch.func.grad` / `vjp` inside `tfun.jit`; or compile the function without the transform "
+                "and call `.backward()`.",
             )
         )
         err.dynamo_error = e  # type: ignore[attr-defined]
@@ -969,8 +972,10 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "Tracing succeeded and torch then failed to trace a control-flow op (scan, while_loop, cond, "
             "...) for autograd, which every backend does (backend=\"aot_eager\" too): a limitation of the "
             "installed torch, not of your code. Apply a tfun.vmap or tfun.jvp that is inside tfun.jit "
-            "outside it instead (`tfun.vmap(tfun.jit(tfun.grad(loss)))`), jit the forward only and call "
-            ".backward() on its result, or call the function outside tfun.jit."
+            "outside it instead (`tfun.vmap(tfun.jit(tfun.grad(loss)))`: the jitted function then runs "
+            "uncompiled inside the transform; for compiled per-example gradients call "
+            "`tfun.jit(tfun.grad(loss))` on each example), jit the forward only and call .backward() on its "
+            "result, or call the function outside tfun.jit."
         )
     elif revise is default_revise and isinstance(e, BackendCompilerFailed):
         # traced, then the compiler (Inductor) failed on the graph: nothing in the user's code
