@@ -218,13 +218,13 @@ def test_random_numbers_advance_on_each_replay():
     assert not torch.equal(outs[2], outs[3])
 
 
-@cuda
-def test_a_module_trained_through_functional_call_is_replayed_and_trains_as_eager():
-    """docs/performance.md's pattern for a module (parameters passed detached, the optimizer
-    updating them in place between calls), on CUDA: replayed from the third call on, and the
-    same losses and parameters as the eager loop."""
+def _train_through_functional_call(device, data, rtol=None, atol=None):
+    """docs/performance.md's pattern for a module under `cuda_graphs="auto"`: its parameters
+    passed detached (sharing the memory the optimizer updates in place between calls) through
+    `torch.func.functional_call`, the step `tfun.value_and_grad` inside; five steps, each loss
+    and the final parameters compared with the same loop run eagerly. Returns the step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
     reference = __import__("copy").deepcopy(model)
 
     def loss(params, x, y):
@@ -234,7 +234,7 @@ def test_a_module_trained_through_functional_call_is_replayed_and_trains_as_eage
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     for k in range(5):
-        x, y = _data(k, (16, 4), (16, 1))
+        x, y = data(k)
         value, grads = step({n: p.detach() for n, p in model.named_parameters()}, x, y)
         for n, p in model.named_parameters():
             p.grad = grads[n]
@@ -243,9 +243,16 @@ def test_a_module_trained_through_functional_call_is_replayed_and_trains_as_eage
         want = (reference(x) - y).pow(2).mean()
         want.backward()
         opt_ref.step()
-        torch.testing.assert_close(value, want.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(value, want.detach(), rtol=rtol, atol=atol)
     for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+    return step
+
+
+@cuda
+def test_a_module_trained_through_functional_call_is_replayed_and_trains_as_eager():
+    """On CUDA: replayed from the third call on, the same losses and parameters as eager."""
+    step = _train_through_functional_call("cuda", lambda k: _data(k, (16, 4), (16, 1)), rtol=1e-5, atol=1e-6)
     assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
 
 
@@ -398,35 +405,15 @@ def test_recording_logic_through_tfun_jit(backend, monkeypatch):
 
 
 def test_recording_logic_a_module_trained_through_functional_call(monkeypatch):
-    """The training-step pattern docs/performance.md gives for a module: its parameters come in
-    as an argument (detached: they share the memory the optimizer updates), the step is
-    `tfun.value_and_grad` inside, and the optimizer updates the parameters in place between
-    calls. Recorded once and replayed, it trains exactly as the same loop run eagerly."""
+    """The same pattern with the stand-ins: recorded once and replayed, it trains exactly as
+    the same loop run eagerly."""
     fake = _FakeCuda(monkeypatch)
     monkeypatch.setattr(_cuda_graphs, "available", lambda: True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    reference = __import__("copy").deepcopy(model)
 
-    def loss(params, x, y):
-        return (torch.func.functional_call(model, params, (x,)) - y).pow(2).mean()
-
-    step = tfun.jit(tfun.value_and_grad(loss), cuda_graphs="auto")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for k in range(5):
+    def data(k):
         g = torch.Generator().manual_seed(k)
-        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
-        value, grads = step({n: p.detach() for n, p in model.named_parameters()}, x, y)
-        for n, p in model.named_parameters():
-            p.grad = grads[n]
-        opt.step()
-        opt_ref.zero_grad()
-        want = (reference(x) - y).pow(2).mean()
-        want.backward()
-        opt_ref.step()
-        torch.testing.assert_close(value, want.detach())
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q)
+        return torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+
+    step = _train_through_functional_call("cpu", data)
     assert fake.captures == 1 and fake.replays == 4  # the second call records, then replays; 3-5 replay
     assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
