@@ -681,12 +681,17 @@ def _user_frame(e: BaseException) -> str | None:
     return None
 
 
+def _backend_raised(e: BaseException) -> tuple[BaseException, list[traceback.FrameSummary]]:
+    """The exception a compiler backend raised, for a `BackendCompilerFailed`, and its frames."""
+    inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+    return inner, traceback.extract_tb(inner.__traceback__)
+
+
 def _backend_failure(e: BaseException) -> str:
     """What a compiler backend raised and where (its innermost frame), for a `BackendCompilerFailed`."""
-    inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+    inner, frames = _backend_raised(e)
     lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
     text = f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
-    frames = traceback.extract_tb(inner.__traceback__)
     if frames:
         text += f" (raised in `{frames[-1].name}`, {_os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
     # An error re-raised from a compile worker (Inductor's `SubprocException`: "An exception
@@ -713,10 +718,15 @@ def _failed_tracing_control_flow(e: BaseException) -> bool:
     """Whether a backend failure was raised while torch traced a control-flow op's subgraphs
     for autograd and functionalization (AOTAutograd, which backend="aot_eager" runs too), not
     while Inductor compiled the traced graph."""
-    inner = getattr(e, "inner_exception", None) or e.__cause__ or e
-    frames = traceback.extract_tb(inner.__traceback__)
+    frames = _backend_raised(e)[1]
     return bool(frames) and "_higher_order_ops" in frames[-1].filename.replace("\\", "/").split("/")
 
+
+# what a transform applied around a jitted function does to it (said in two messages)
+_UNCOMPILED_OUTSIDE = (
+    "the jitted function then runs uncompiled inside the transform, since Dynamo cannot be entered inside "
+    "one; for compiled per-example gradients call `tfun.jit(tfun.grad(loss))` on each example"
+)
 
 # the last line of a Python traceback: "ValueError: ...", "triton.compiler.errors.CompilationError: ..."
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*:")
@@ -897,9 +907,7 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
                 "they differentiate with autograd, which compiles to one graph).",
                 revise="Apply the transform outside tfun.jit, around the jitted function: "
                 "`tfun.vmap(tfun.jit(tfun.grad(loss)))` for per-example gradients, `tfun.hessian(tfun.jit(f))`, "
-                "`tfun.jacrev(tfun.jit(f))` (the jitted function then runs uncompiled inside the transform, "
-                "since Dynamo cannot be entered inside one; for compiled per-example gradients call "
-                "`tfun.jit(tfun.grad(loss))` on each example); use `tfun.grad` / `tfun.vjp` instead of "
+                f"`tfun.jacrev(tfun.jit(f))` ({_UNCOMPILED_OUTSIDE}); use `tfun.grad` / `tfun.vjp` instead of "
                 "`torch.func.grad` / `vjp` inside `tfun.jit`; or compile the function without the transform "
                 "and call `.backward()`.",
             )
@@ -972,10 +980,8 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "Tracing succeeded and torch then failed to trace a control-flow op (scan, while_loop, cond, "
             "...) for autograd, which every backend does (backend=\"aot_eager\" too): a limitation of the "
             "installed torch, not of your code. Apply a tfun.vmap or tfun.jvp that is inside tfun.jit "
-            "outside it instead (`tfun.vmap(tfun.jit(tfun.grad(loss)))`: the jitted function then runs "
-            "uncompiled inside the transform; for compiled per-example gradients call "
-            "`tfun.jit(tfun.grad(loss))` on each example), jit the forward only and call .backward() on its "
-            "result, or call the function outside tfun.jit."
+            f"outside it instead (`tfun.vmap(tfun.jit(tfun.grad(loss)))`: {_UNCOMPILED_OUTSIDE}), jit the "
+            "forward only and call .backward() on its result, or call the function outside tfun.jit."
         )
     elif revise is default_revise and isinstance(e, BackendCompilerFailed):
         # traced, then the compiler (Inductor) failed on the graph: nothing in the user's code
