@@ -5,6 +5,7 @@
     python benchmarks/nn.py --quick     # fewer repeats
     python benchmarks/nn.py --record    # also append the tables to benchmarks/RESULTS.md
     python benchmarks/nn.py --only lstm --threads 1   # one section, one intra-op thread
+    python benchmarks/nn.py --device cuda --only lstm  # the layers on CUDA (cuDNN), eager and jitted
 
 Times are medians over repeats of forward + backward (after warm-up). Memory: bytes of tensors
 saved for backward (counted with `torch.autograd.graph.saved_tensors_hooks`, unique storages),
@@ -31,15 +32,31 @@ import tfun
 from tfun.nn._common import linear_scan_backend
 
 
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _time(fn, repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def _sizes() -> list[tuple[int, int, int, int]]:
+    """(T, B, in, hidden) of the LSTM and GRU rows: on CUDA, also the issue's H100 size."""
+    sizes = [(64, 16, 64, 128), (256, 8, 32, 64)]
+    return sizes + [(256, 32, 128, 256)] if DEVICE.type == "cuda" else sizes
 
 
 def fwd_bwd(model, x):
@@ -52,25 +69,30 @@ def fwd_bwd(model, x):
 
 def bench_lstm(repeats: int) -> list[str]:
     rows = ["| layer | T | B | in | hidden | fwd+bwd ms |", "|---|---|---|---|---|---|"]
-    for T, B, I, H in [(64, 16, 64, 128), (256, 8, 32, 64)]:
+    cuda = DEVICE.type == "cuda"
+    for T, B, I, H in _sizes():
         torch.manual_seed(0)
-        ref = torch.nn.LSTM(I, H)
-        ours = tfun.nn.LSTM(I, H)
+        ref = torch.nn.LSTM(I, H).to(DEVICE)
+        ours = tfun.nn.LSTM(I, H).to(DEVICE)
         ours.load_state_dict(ref.state_dict())
-        scan = tfun.nn.LSTM(I, H, fused=False)
+        scan = tfun.nn.LSTM(I, H, fused=False).to(DEVICE)
         scan.load_state_dict(ref.state_dict())
-        x = torch.randn(T, B, I, requires_grad=True)
+        x = torch.randn(T, B, I, device=DEVICE, requires_grad=True)
         variants = [("torch.nn.LSTM", ref), ("tfun.nn.LSTM (eager, fused: torch._VF.lstm)", ours),
                     ("tfun.nn.LSTM (eager, fused=False: tfun.lax.scan)", scan)]
         if hasattr(tfun, "jit"):
-            # traced, the default layer runs oneDNN's layer kernels through the tfun::lstm_onednn op
-            # (forward and backward; tfun::rnn_fused for a forward alone)
-            # (CPU, float32); fused=False compiles the scan
-            for label, layer in (("fused: tfun::lstm_onednn op", ours), ("fused=False: scan", scan)):
+            # traced, the default layer runs the fused kernels through opaque ops (forward and
+            # backward; tfun::rnn_fused for a forward alone): oneDNN's layer kernels on the CPU
+            # (tfun::lstm_onednn, float32), cuDNN's on CUDA (tfun::rnn_cudnn); fused=False
+            # compiles the scan (on the CPU: on CUDA its compile takes minutes)
+            jits = [("fused: tfun::rnn_cudnn op" if cuda else "fused: tfun::lstm_onednn op", ours)]
+            jits += [] if cuda else [("fused=False: scan", scan)]
+            for label, layer in jits:
                 try:
                     jitted = tfun.jit(layer)
                     t0 = time.perf_counter()
                     fwd_bwd(jitted, x)()
+                    _sync()
                     compile_s = time.perf_counter() - t0
                     variants.append((f"tfun.nn.LSTM (tfun.jit, {label}; first call {compile_s:.1f} s)", jitted))
                 except Exception as e:  # noqa: BLE001 - report, do not fail the benchmark
@@ -79,7 +101,7 @@ def bench_lstm(repeats: int) -> list[str]:
         for name, m in variants:
             ms = 1e3 * _time(fwd_bwd(m, x), repeats)
             rows.append(f"| {name} | {T} | {B} | {I} | {H} | {ms:.2f} |")
-            if m is ref and torch.backends.mkldnn.is_available():
+            if m is ref and not cuda and torch.backends.mkldnn.is_available():
                 # torch's CPU LSTM runs oneDNN's fused RNN kernel (mkldnn_rnn_layer); without it,
                 # ATen's per-step cell: the same ops per step as tfun's scan body, run from C++
                 with warnings.catch_warnings():
@@ -92,16 +114,24 @@ def bench_lstm(repeats: int) -> list[str]:
 
 def bench_gru(repeats: int) -> list[str]:
     rows = ["| layer | T | B | in | hidden | fwd+bwd ms |", "|---|---|---|---|---|---|"]
-    for T, B, I, H in [(64, 16, 64, 128), (256, 8, 32, 64)]:
+    for T, B, I, H in _sizes():
         torch.manual_seed(0)
-        ref = torch.nn.GRU(I, H)
-        ours = tfun.nn.GRU(I, H)
-        scan = tfun.nn.GRU(I, H, fused=False)
+        ref = torch.nn.GRU(I, H).to(DEVICE)
+        ours = tfun.nn.GRU(I, H).to(DEVICE)
+        scan = tfun.nn.GRU(I, H, fused=False).to(DEVICE)
         ours.load_state_dict(ref.state_dict())
         scan.load_state_dict(ref.state_dict())
-        x = torch.randn(T, B, I, requires_grad=True)
-        for name, m in [("torch.nn.GRU", ref), ("tfun.nn.GRU (eager, fused: torch._VF.gru)", ours),
-                        ("tfun.nn.GRU (eager, fused=False: tfun.lax.scan)", scan)]:
+        x = torch.randn(T, B, I, device=DEVICE, requires_grad=True)
+        variants = [("torch.nn.GRU", ref), ("tfun.nn.GRU (eager, fused: torch._VF.gru)", ours),
+                    ("tfun.nn.GRU (eager, fused=False: tfun.lax.scan)", scan)]
+        if DEVICE.type == "cuda":  # traced on CUDA: cuDNN's GRU through tfun::rnn_cudnn
+            jitted = tfun.jit(ours)
+            t0 = time.perf_counter()
+            fwd_bwd(jitted, x)()
+            _sync()
+            variants.append((f"tfun.nn.GRU (tfun.jit, fused: tfun::rnn_cudnn op; first call "
+                             f"{time.perf_counter() - t0:.1f} s)", jitted))
+        for name, m in variants:
             ms = 1e3 * _time(fwd_bwd(m, x), repeats)
             rows.append(f"| {name} | {T} | {B} | {I} | {H} | {ms:.2f} |")
     return rows
@@ -119,8 +149,9 @@ def bench_ssm(repeats: int) -> list[str]:
         ("MinGRU", "d_hidden 64", tfun.nn.MinGRU(D, 64)),
         ("Mamba", "d_state 16, expand 2, d_conv 4", tfun.nn.Mamba(D)),
     ]
-    x = torch.randn(B, L, D, requires_grad=True)
+    x = torch.randn(B, L, D, device=DEVICE, requires_grad=True)
     for name, cfg, m in layers:
+        m.to(DEVICE)
         ms = 1e3 * _time(fwd_bwd(m, x), repeats)
         rows.append(f"| tfun.nn.{name} | {cfg} | {ms:.2f} |")
     return rows
@@ -179,6 +210,10 @@ def bench_ce() -> list[str]:
 
 
 def machine() -> str:
+    if DEVICE.type == "cuda":
+        return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
+                f"{datetime.date.today().isoformat()}; float32 matmuls and cuDNN at torch's defaults "
+                f"(cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'})")
     try:
         model = next(line.split(":", 1)[1].strip() for line in subprocess.run(
             ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
@@ -194,7 +229,10 @@ def main() -> None:
     p.add_argument("--record", action="store_true")
     p.add_argument("--only", choices=["lstm", "ssm", "ce"], help="run one section")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the ce section is CPU-only: it reads the RSS)")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 10
@@ -206,7 +244,7 @@ def main() -> None:
     }
     out = ["## tfun.nn (benchmarks/nn.py)", "", f"Machine: {machine()}.", ""]
     for name, section in sections.items():
-        if args.only in (None, name):
+        if args.only in (None, name) and not (name == "ce" and DEVICE.type != "cpu"):
             out += section()
     text = "\n".join(out)
     print(text)

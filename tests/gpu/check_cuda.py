@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device is available; pass --device cpu to run the checks on the CPU", file=sys.stderr)
         return 2
+    # tfun.nn's RNN layers run cuDNN on CUDA, as torch.nn.LSTM does, and cuDNN computes float32
+    # RNNs in TF32 (10-bit mantissas) on Ampere and later at torch's default; float32 is checked
+    # at float32's tolerance, so TF32 is off here (tests/nn/test_rnn_cuda.py does the same)
+    torch.backends.cudnn.allow_tf32 = False
     jit_paths = [] if args.quick else ["aot_eager", "inductor", "aot_eager+grad", "inductor+grad", "inductor+grad+graphs"]
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     rows: list[tuple[str, ...]] = []

@@ -13,8 +13,15 @@
     oneDNN's layer backward (`aten.mkldnn_rnn_layer_backward`) over them in reverse, as
     torch's own autograd of the eager call does. A compiled training step runs each fused
     kernel once, as eagerly.
+  - On CUDA with cuDNN, `tfun::rnn_cudnn` where a gradient is wanted (every mode: LSTM, GRU,
+    RNN; float32, float16, bfloat16; no projections): cuDNN's whole-stack kernel
+    (`aten._cudnn_rnn`, what `torch._VF.lstm` runs on CUDA) in training mode, returning its
+    reserve space and flat weight buffer beside the outputs; `tfun::rnn_cudnn_backward` runs
+    `aten._cudnn_rnn_backward` on them, as torch's own autograd of the eager call does.
+    (Dynamo itself does not trace torch's RNN modules at all: `torch._dynamo.config.allow_rnn`
+    is off, so a `torch.compile`d `torch.nn.LSTM` is a graph break around an eager call.)
   - `tfun::rnn_fused` for a forward alone (nothing requires grad, or grad mode is off).
-- The backward op has no derivative of its own: the layers take the scan wherever a
+- The backward ops have no derivative of their own: the layers take the scan wherever a
   derivative of a derivative is traced (see `tfun.nn._rnn._RNNBase._use_fused`).
 """
 
@@ -30,12 +37,24 @@ from torch import _VF, Tensor
 from .. import _compat, _context
 
 # The dtypes torch's fused RNN functions run (forward and backward) per device type; anything
-# else (other devices, complex, integer) takes the scan. CUDA (cuDNN) is left out until it is
-# measured on a GPU: cuDNN wants the weights in one flat buffer (`flatten_parameters`, a no-op
-# here) and has no double backward, where the scan has one.
+# else (other devices, complex, integer) takes the scan. On CUDA they run cuDNN (ATen's CUDA
+# cells where cuDNN is off or refuses the input), as `torch.nn.LSTM` does. Neither oneDNN's nor
+# cuDNN's backward has a derivative of its own, as for `torch.nn.LSTM`; the scan has one
+# (`fused=False`, and every `torch.func` transform takes it).
 FUSED_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cuda": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
 }
+
+# The dtypes the traced CUDA path hands to cuDNN's kernels directly (`tfun::rnn_cudnn`).
+CUDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# cuDNN wants the weights in one flat buffer. torch's layers keep theirs as views of one
+# (`torch.nn.RNNBase.flatten_parameters`); tfun's keep one tensor per parameter, as every other
+# module does (`.to()`, `load_state_dict` and optimizers need nothing special), so torch warns
+# on each eager CUDA call that it copies them into one. That copy is of the weights alone (a
+# few hundred KB for a layer of 256 units), next to a whole sequence's work.
+_FLAT_WEIGHTS_WARNING = r"RNN module weights are not part of single contiguous chunk of memory"
 
 
 def _onednn_lstm() -> tuple[bool, bool]:
@@ -50,13 +69,26 @@ def _onednn_lstm() -> tuple[bool, bool]:
 _onednn_lstm._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _cudnn_on() -> bool:
+    """Whether torch runs cuDNN (built with it, and `torch.backends.cudnn.enabled`)."""
+    return bool(torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled)
+
+
+_cudnn_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def traced_pays(mode: str, x: Tensor, has_proj: bool) -> bool:
-    """Whether a traced call takes the op: only where torch's fused function is one fused
-    kernel for the whole sequence, oneDNN's LSTM layer (CPU, float32 or bfloat16, no
-    projections). Elsewhere (GRU and RNN, float64, projections: ATen's per-step cells) the
-    op's backward, which runs the forward again, made a training step slower than the
-    compiled scan (measured: benchmarks/RESULTS.md)."""
-    if mode != "LSTM" or has_proj or x.device.type != "cpu":
+    """Whether a traced call takes the ops: only where torch's fused function is one fused
+    kernel for the whole sequence: oneDNN's LSTM layer (CPU, float32 or bfloat16, no
+    projections) and cuDNN's RNNs (CUDA, `CUDNN_DTYPES`, no projections). Elsewhere (GRU and
+    RNN on the CPU, float64, projections: ATen's per-step cells) an op whose backward runs the
+    forward again made a training step slower than the compiled scan (measured:
+    benchmarks/RESULTS.md)."""
+    if has_proj:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype in CUDNN_DTYPES and _cudnn_on()
+    if mode != "LSTM" or x.device.type != "cpu":
         return False
     on, bf16 = _onednn_lstm()
     return (on and x.dtype == torch.float32) or (bf16 and x.dtype == torch.bfloat16)
@@ -81,6 +113,21 @@ def call(
     kernel keeps what its backward needs (cuDNN refuses a backward of an inference-mode
     forward).
     """
+    if x.is_cuda:
+        # cuDNN refuses strided states ("rnn: hx is not contiguous", torch.nn.LSTM's error
+        # too), and torch notes that it copies the weights into one buffer (silenced)
+        h0 = h0.contiguous()
+        c0 = c0.contiguous() if c0 is not None else None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_WARNING)
+            return _call(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj, train)
+    return _call(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, has_proj, train)
+
+
+def _call(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool, has_proj: bool, train: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     if mode == "LSTM":
         hx = (h0, cast(Tensor, c0))
         if not has_proj:
@@ -111,6 +158,9 @@ def fused(
     """The fused stack: `call` eagerly (keeping what a backward needs whenever autograd
     records, so an `eval()` layer is differentiable as on the scan path), the op when traced."""
     if _context.is_tracing():
+        if x.is_cuda and not has_proj and _wants_grad(x, h0, c0, weights):
+            out, h, c, _, _ = torch.ops.tfun.rnn_cudnn(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional)
+            return out, h, (c if mode == "LSTM" else None)
         if mode == "LSTM" and not has_proj and c0 is not None and _wants_grad(x, h0, c0, weights):
             out, h, c, _, _ = torch.ops.tfun.lstm_onednn(x, h0, c0, weights, has_biases, num_layers, bidirectional)
             return out, h, c
@@ -159,8 +209,8 @@ def _rnn_fused_fake(
     return out, _empty(h0), (_empty(c0) if c0 is not None else h0.new_empty(0))
 
 
-def _wants_grad(x: Tensor, h0: Tensor, c0: Tensor, weights: list[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (x, h0, c0, *weights))
+def _wants_grad(x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, h0, c0, *weights))
 
 
 # oneDNN's LSTM in `aten.mkldnn_rnn_layer`'s `mode` argument (what torch's `_VF.lstm` passes)
@@ -358,3 +408,177 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None,
 
 
 _lstm_onednn.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# cuDNN's RNNs, traced with a gradient (CUDA)
+# ----------------------------------------------------------------------------------------
+
+
+def _cudnn_config(mode: str, h0: Tensor, has_biases: bool) -> tuple[int, int, int]:
+    """`(cuDNN's mode number, weight_stride0, hidden_size)` as `aten._cudnn_rnn` takes them:
+    `weights` is in `_flat_weights_names` order, `weight_stride0` tensors per layer and
+    direction (no projections here)."""
+    from torch.backends.cudnn import rnn as cudnn_rnn
+
+    return cudnn_rnn.get_cudnn_mode(mode), (4 if has_biases else 2), h0.shape[-1]
+
+
+def cudnn_layers(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The whole stack by cuDNN in training mode, keeping what its backward needs: `(output,
+    h_n, c_n (empty but for an LSTM), cuDNN's reserve space, the flat weight buffer cuDNN
+    copied the weights into)`."""
+    return _cudnn_forward(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional)
+
+
+def _cudnn_forward(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    cmode, stride0, hidden = _cudnn_config(mode, h0, has_biases)
+    # torch's note that cuDNN copies the weights into one buffer, silenced. Called through
+    # `torch._cudnn_rnn` (a binding that hands C++ warnings to Python as it returns), not
+    # `torch.ops.aten._cudnn_rnn`, whose warnings surface at the outermost call from Python
+    # (Dynamo's run of this op's fake kernel), past this filter: measured on an H100.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FLAT_WEIGHTS_WARNING)
+        out, h, c, reserve, buf = torch._cudnn_rnn(
+            x.contiguous(), [w.contiguous() for w in weights], stride0, None, h0.contiguous(),
+            c0.contiguous() if c0 is not None else None, cmode, hidden, 0, num_layers, False, 0.0, True,
+            bidirectional, [], None,
+        )
+    return out, h, (c if c0 is not None else h.new_empty(0)), reserve, buf
+
+
+def cudnn_layers_backward(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool, out: Tensor, reserve: Tensor, buf: Tensor,
+    grad_out: Tensor | None, grad_h: Tensor | None, grad_c: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, list[Tensor]]:
+    """The cotangents of `(x, h0, c0, weights)` for those of `cudnn_layers`' outputs (None:
+    zero), by `aten._cudnn_rnn_backward`. cuDNN's backward writes into the reserve space, so it
+    gets a copy (torch's own autograd does the same where the graph is kept)."""
+    if grad_out is None and grad_h is None and grad_c is None:
+        return (torch.zeros_like(x), torch.zeros_like(h0), torch.zeros_like(c0) if c0 is not None else None,
+                [torch.zeros_like(w) for w in weights])
+    cmode, stride0, hidden = _cudnn_config(mode, h0, has_biases)
+    x, h0 = x.contiguous(), h0.contiguous()
+    c0 = c0.contiguous() if c0 is not None else None
+    grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
+    grad_h = grad_h if grad_h is not None else torch.zeros_like(h0)
+    if c0 is not None and grad_c is None:
+        grad_c = torch.zeros_like(c0)
+    gx, gh0, gc0, gw = torch.ops.aten._cudnn_rnn_backward(
+        x, [w.contiguous() for w in weights], stride0, buf, h0, c0, out, grad_out.contiguous(), grad_h.contiguous(),
+        grad_c.contiguous() if (c0 is not None and grad_c is not None) else None, cmode, hidden, 0, num_layers,
+        False, 0.0, True, bidirectional, [], None, reserve.clone(), [True, True, c0 is not None, True],
+    )
+    return gx, gh0, (gc0 if c0 is not None else None), list(gw)
+
+
+@torch.library.custom_op("tfun::rnn_cudnn", mutates_args=())
+def _rnn_cudnn(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`cudnn_layers` as an op (the last two outputs are for its backward)."""
+    return cudnn_layers(mode, x, h0, c0, weights, has_biases, num_layers, bidirectional)
+
+
+@_rnn_cudnn.register_fake
+def _rnn_cudnn_fake(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    nd = 2 if bidirectional else 1
+    reserve, buf = _cudnn_buffer_numels(mode, x, h0, weights, has_biases, num_layers, bidirectional)
+    return (
+        x.new_empty(x.shape[0], x.shape[1], nd * h0.shape[-1]), _empty(h0),
+        _empty(c0) if c0 is not None else h0.new_empty(0),
+        x.new_empty(reserve, dtype=torch.uint8), x.new_empty(buf),
+    )
+
+
+def _cudnn_buffer_numels(
+    mode: str, x: Tensor, h0: Tensor, weights: list[Tensor], has_biases: bool, num_layers: int, bidirectional: bool
+) -> tuple[Any, Any]:
+    """The sizes of cuDNN's reserve space and flat weight buffer for this call (cuDNN sizes
+    them itself; torch's own fake kernel says a reserve of 0 bytes). Where the sizes are known
+    they are asked of cuDNN by running the stack once on zeros, outside the fake mode
+    (`_cudnn_buffer_numels_of`, cached); with symbolic sizes they are sizes known once the op has
+    run (unbacked sizes)."""
+    dims = (x.shape[0], x.shape[1], x.shape[2], h0.shape[-1])
+    if all(isinstance(d, int) for d in dims):
+        shapes = tuple(tuple(w.shape) for w in weights)
+        return _cudnn_buffer_numels_of(mode, *dims, shapes, has_biases, num_layers, bidirectional, x.dtype, x.device)
+    ctx = torch.library.get_ctx()
+    return ctx.new_dynamic_size(), ctx.new_dynamic_size()
+
+
+@functools.lru_cache(maxsize=256)
+def _cudnn_buffer_numels_of(
+    mode: str, steps: int, batch: int, features: int, hidden: int, shapes: tuple, has_biases: bool, num_layers: int,
+    bidirectional: bool, dtype: torch.dtype, device: torch.device,
+) -> tuple[int, int]:
+    nd = 2 if bidirectional else 1
+    with _compat.outside_fake_mode(), torch.no_grad():
+        new = functools.partial(torch.zeros, dtype=dtype, device=device)
+        c0 = new(num_layers * nd, batch, hidden) if mode == "LSTM" else None
+        _, _, _, reserve, buf = _cudnn_forward(
+            mode, new(steps, batch, features), new(num_layers * nd, batch, hidden), c0, [new(s) for s in shapes],
+            has_biases, num_layers, bidirectional,
+        )
+        return int(reserve.numel()), int(buf.numel())
+
+
+@torch.library.custom_op("tfun::rnn_cudnn_backward", mutates_args=())
+def _rnn_cudnn_backward(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], has_biases: bool, num_layers: int,
+    bidirectional: bool, out: Tensor, reserve: Tensor, buf: Tensor,
+    grad_out: Tensor | None, grad_h: Tensor | None, grad_c: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """`cudnn_layers_backward` as an op (the cotangent of `c0` is empty without one). cuDNN
+    returns the weights' cotangents as views of one flat buffer; each is copied out, in its
+    weight's layout (an op's outputs must not share memory: two parameters' `.grad` would)."""
+    gx, gh0, gc0, gw = cudnn_layers_backward(
+        mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, out, reserve, buf, grad_out, grad_h, grad_c
+    )
+    taken: set[int] = set()
+    gx, gh0 = _like(x, gx, taken), _like(h0, gh0, taken)
+    gc0 = _like(c0, gc0, taken) if (c0 is not None and gc0 is not None) else h0.new_empty(0)
+    return gx, gh0, gc0, [torch.empty_like(w).copy_(g) for w, g in zip(weights, gw)]
+
+
+@_rnn_cudnn_backward.register_fake
+def _rnn_cudnn_backward_fake(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], *rest: Any
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    gc0 = torch.empty_like(c0) if c0 is not None else h0.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(h0), gc0, [torch.empty_like(w) for w in weights]
+
+
+def _cudnn_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    mode, x, h0, c0, weights, has_biases, num_layers, bidirectional = inputs
+    out, _, _, reserve, buf = output
+    ctx.config = (mode, has_biases, num_layers, bidirectional, len(weights), c0 is not None)  # type: ignore[attr-defined]
+    ctx.save_for_backward(x, h0, c0 if c0 is not None else h0.new_empty(0), *weights, out, reserve, buf)
+
+
+def _cudnn_backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None, grad_h: Tensor | None,
+                    grad_c: Tensor | None, grad_reserve: Any, grad_buf: Any) -> tuple:
+    mode, has_biases, num_layers, bidirectional, n_weights, has_c0 = ctx.config  # type: ignore[attr-defined]
+    saved = list(ctx.saved_tensors)  # type: ignore[attr-defined]
+    x, h0, c0 = saved[0], saved[1], (saved[2] if has_c0 else None)
+    weights = saved[3 : 3 + n_weights]
+    out, reserve, buf = saved[3 + n_weights :]
+    gx, gh0, gc0, gw = torch.ops.tfun.rnn_cudnn_backward(
+        mode, x, h0, c0, weights, has_biases, num_layers, bidirectional, out, reserve, buf,
+        grad_out, grad_h, grad_c if has_c0 else None,
+    )
+    return None, gx, gh0, (gc0 if has_c0 else None), gw, None, None, None
+
+
+_rnn_cudnn.register_autograd(_cudnn_backward, setup_context=_cudnn_setup_context)
