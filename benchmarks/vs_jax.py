@@ -8,7 +8,8 @@ and each compiled path's first call (trace + compile + one run).
     python benchmarks/vs_jax.py --record           # append the table to benchmarks/RESULTS.md
     python benchmarks/vs_jax.py --unroll 8         # unroll= of every scan/fori_loop, in both frameworks
     python benchmarks/vs_jax.py --jit-options '{"cpp_wrapper": true}'   # Inductor options to try
-    python benchmarks/vs_jax.py --device cuda --cuda-graphs   # tfun.jit(..., cuda_graphs="auto")
+    python benchmarks/vs_jax.py --device cuda                    # tfun.jit's default, cuda_graphs="auto"
+    python benchmarks/vs_jax.py --device cuda --no-cuda-graphs   # tfun.jit(..., cuda_graphs=False)
 
 Programs (each written once per framework, the same arithmetic, float32):
 
@@ -246,7 +247,7 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-CUDA_GRAPHS: bool | str = False  # --cuda-graphs: tfun.jit's cuda_graphs= (experimental, off by default)
+CUDA_GRAPHS: bool | str = "auto"  # tfun.jit's cuda_graphs= (its default; --no-cuda-graphs: False)
 
 
 def run(device: torch.device, names: list[str], repeat: int, jit_options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -294,12 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     ap.add_argument("--jit-options", default="", help="Inductor options for tfun.jit, as JSON")
     ap.add_argument("--unroll", type=int, default=1, help="unroll= of every scan and fori_loop, in both frameworks")
-    ap.add_argument("--cuda-graphs", action="store_true", help='tfun.jit(..., cuda_graphs="auto"): replay CUDA calls from a graph')
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help='tfun.jit(..., cuda_graphs="auto"), the default: replay CUDA calls from a graph')
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="tfun.jit(..., cuda_graphs=False)")
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     global UNROLL, CUDA_GRAPHS
     UNROLL = args.unroll
-    CUDA_GRAPHS = "auto" if args.cuda_graphs else False
+    CUDA_GRAPHS = False if args.no_cuda_graphs else "auto"
     if jax is None:
         print("jax is not installed: pip install jax")
         return 1
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
         opts = f" with Inductor options `{json.dumps(jit_options)}`" if jit_options else ""
         opts += f", `unroll={UNROLL}` in both" if UNROLL != 1 else ""
-        opts += ', `cuda_graphs="auto"`' if CUDA_GRAPHS else ""
+        opts += ", `cuda_graphs=False`" if not CUDA_GRAPHS else ""
         with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as fh:
             fh.write(
                 f"\n## tfun vs JAX, the same programs (`python benchmarks/vs_jax.py{' --quick' if args.quick else ''}`){opts}\n\n"

@@ -83,7 +83,10 @@ def test_options():
         tfun.jit(rnn, cuda_graphs=True, mode="reduce-overhead")
     assert tfun.jit(rnn, mode="reduce-overhead", cuda_graphs="auto")._graphs is None  # torch records its own
     assert tfun.jit(rnn, backend="cudagraphs", cuda_graphs="auto")._graphs is None
-    assert tfun.jit(rnn)._graphs is None  # off by default
+    assert tfun.jit(rnn, cuda_graphs=False)._graphs is None
+    assert tfun.jit(rnn)._graphs is not None  # "auto" by default
+    assert tfun.jit(rnn)._graphs.max_graphs == _cuda_graphs.AUTO_MAX_GRAPHS
+    assert tfun.jit(rnn, cuda_graphs=True)._graphs.max_graphs == tfun.jit(rnn)._graphs.max_entries
     assert tfun.jit(rnn, cuda_graphs="auto")._graphs is not None
     assert tfun.jit(rnn, backend="aot_eager", cuda_graphs="auto")._graphs is not None
 
@@ -378,6 +381,22 @@ def test_recording_logic_results_requiring_grad_and_signatures(monkeypatch):
     assert [text for text, _ in cache2.reasons()] == [
         "(float32[3] cpu; static n=3; grad on)", "(float32[4] cpu; static n=4; grad on)"
     ]
+
+
+def test_recording_logic_records_at_most_max_graphs_signatures(monkeypatch):
+    # "auto" keeps at most `max_graphs` graphs (each holds its own memory): later signatures
+    # run as compiled, with that reason; the recorded ones keep replaying
+    fake = _FakeCuda(monkeypatch)
+    cache = _cuda_graphs.GraphCache(False, "f at here:1", max_entries=10, max_graphs=2)
+    f = lambda x: x + 1  # noqa: E731
+    for _ in range(3):
+        for n in (2, 3, 4):
+            out = cache.call((), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
+            torch.testing.assert_close(out, torch.full((n,), 2.0))
+    assert fake.captures == 2 and fake.replays == 4  # n=2 and n=3: recorded on call 2, replayed on call 3
+    decisions = [d for _, d in cache.reasons()]
+    assert decisions[:2] == ["replayed from a CUDA graph"] * 2
+    assert "2 signatures of this function are recorded already" in decisions[2]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -1,5 +1,5 @@
-"""`tfun.jit` on CUDA: a call replayed from a CUDA graph (`cuda_graphs="auto"` or `True`;
-experimental and off by default: its CUDA tests have not yet passed on a GPU, see the end).
+"""`tfun.jit` on CUDA: a call replayed from a CUDA graph (`cuda_graphs="auto"`, the default,
+or `True`).
 
 A loop of small steps on a GPU is bound by the host: under plain `torch.compile` each step's
 kernels are launched from Inductor's Python wrapper, about 25-40 us a step on an H100 whatever
@@ -37,22 +37,20 @@ strides, dtype, device and `requires_grad`, each non-tensor leaf's value, and gr
 
 At most `cache_size` graphs are kept per jitted function (least recently used first out);
 each holds its arguments, results and intermediates in a memory pool of its own.
-`cuda_graphs=False` (the default) turns this off; `True` makes any reason not to record an
-error (a closed-over tensor is then accepted: you promise to update it in place only, as
-`torch.cuda.make_graphed_callables` asks). `Jitted.cuda_graph_reasons()` lists what was
-decided per signature.
+`"auto"` records at most `AUTO_MAX_GRAPHS` (8) signatures per function; `cuda_graphs=False`
+turns this off; `True` makes any reason not to record an error (a closed-over tensor is then
+accepted: you promise to update it in place only, as `torch.cuda.make_graphed_callables`
+asks) and records up to `cache_size` signatures. `Jitted.cuda_graph_reasons()` lists what
+was decided per signature.
 
 Status (2026-11-27): on an H100 and an H200 the replays gave eager's values to the last bit
 (`benchmarks/cuda_graphs.py`, strategy `tfun_cuda_graphs`), and the recorded training steps of
-`python -m tests.gpu.check_cuda --paths inductor+grad+graphs` matched float64. But
-tests/test_cuda_graphs.py's CUDA tests failed on both GPU runs: first the debug mode was not
-put back after a recording; then (H200) torch 2.11 warns that the debug mode is a prototype
-*after* setting it, and under warnings-as-errors that warning escaped before the `try` that
-puts the mode back (`_synchronizing_is_an_error` now sets it inside, with that warning
-silenced). And the checking run compiled again (it was the first run on the side stream, and
-compiling synchronizes), so every training step was refused: the warm-up run on the side
-stream, and the capture on that stream, came from that. Until those tests pass on a GPU, the
-default stays off.
+`python -m tests.gpu.check_cuda --paths inductor+grad+graphs` matched float64.
+tests/test_cuda_graphs.py's CUDA tests failed on the first two GPU runs (the debug mode was
+not put back after a recording, as torch 2.11 warns that the mode is a prototype after
+setting it; the checking run compiled again on its side stream, so every training step was
+refused) and passed on an H100 in session 17 once those were fixed (three had failed only on
+Inductor's TF32 advice, a warning, under warnings-as-errors); "auto" became the default then.
 """
 
 from __future__ import annotations
@@ -227,13 +225,23 @@ def graph_reason(graph_modules: list[torch.fx.GraphModule], n_tensor_args: int) 
     return None
 
 
+#: How many signatures of one jitted function `cuda_graphs="auto"` records (each graph holds
+#: its arguments, results and intermediates in a memory pool of its own, for as long as it is
+#: kept); later signatures run as compiled, with that reason.
+AUTO_MAX_GRAPHS = 8
+
+
 class GraphCache:
     """The CUDA graphs of one jitted function, one per call signature (see the module)."""
 
-    def __init__(self, required: bool, fn_text: str, max_entries: int) -> None:
+    def __init__(self, required: bool, fn_text: str, max_entries: int, max_graphs: int | None = None) -> None:
         self.required = required
         self.fn_text = fn_text
         self.max_entries = max_entries
+        # "auto" (the default) records at most `AUTO_MAX_GRAPHS` signatures: each graph keeps
+        # its own memory; `True` records up to `max_entries`
+        self.max_graphs = max_graphs if max_graphs is not None else (
+            max_entries if required else min(max_entries, AUTO_MAX_GRAPHS))
         self.entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self.lock = threading.Lock()
 
@@ -316,6 +324,12 @@ class GraphCache:
         lower: Callable[[], list[torch.fx.GraphModule]],
     ) -> Any:
         reason = _device_reason(tensors)
+        recorded = sum(e.graph is not None for e in self.entries.values())
+        if reason is None and recorded >= self.max_graphs:
+            reason = (
+                f"{recorded} signatures of this function are recorded already, each graph keeping its own memory "
+                "(arguments, results, intermediates); cuda_graphs=True records up to cache_size"
+            )
         if reason is None and not self.required:
             try:
                 reason = graph_reason(lower(), len(tensors))

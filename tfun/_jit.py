@@ -42,7 +42,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     fullgraph: bool = True,
     cache_size: int = _CACHE_SIZE,
-    cuda_graphs: bool | str = False,
+    cuda_graphs: bool | str = "auto",
     **compile_options: Any,
 ) -> Any:
     """Compile `fun` with `torch.compile`, JAX-style.
@@ -73,21 +73,23 @@ def jit(
       `SideEffectError`); that run only reports the error, its result is never returned.
     - Nested: a `tfun.jit` function called inside another (or as a control-flow body
       under it) is inlined, as `jax.jit` inlines.
-    - `cuda_graphs` (experimental, off by default): on CUDA, from a call's second run with
-      the same argument signature (shapes, dtypes, static values...), replay the call from
-      a CUDA graph: one launch for the whole call instead of the host launching every
-      kernel of every loop step (an H100, a 1024-step RNN forward: 42.9 -> 3.7 ms; an H200:
+    - `cuda_graphs` (`"auto"` by default): on CUDA, from a call's second run with the same
+      argument signature (shapes, dtypes, static values...), replay the call from a CUDA
+      graph: one launch for the whole call instead of the host launching every kernel of
+      every loop step (an H100, a 1024-step RNN forward: 42.9 -> 3.7 ms; an H200:
       23.6 -> 3.5 ms, `jax.jit` 6.4 ms).
       `"auto"` does so where it is safe: every tensor argument and result on one CUDA
       device, no result requiring grad (differentiate inside:
       `tfun.jit(tfun.value_and_grad(loss))`), one Dynamo graph that reads only its
-      arguments (no closed-over tensor or module parameter) and writes none, and no host
+      arguments (no closed-over tensor or module parameter) and writes none, no host
       synchronization (a `while_loop` with its predicate on the GPU synchronizes every
-      step); otherwise the call runs as compiled and the reason is logged on the
-      `tfun.jit` logger (`.cuda_graph_reasons()` lists them). `True` makes such a reason
-      an error, except that closed-over tensors are accepted (update them in place only:
-      the graph reads their memory). `False` (the default until its CUDA tests pass on a
-      GPU: docs/performance.md) never records. Not with torch's own CUDA graphs
+      step), and at most 8 signatures per function (each graph keeps its own memory);
+      otherwise the call runs as compiled and the reason is logged on the `tfun.jit`
+      logger (`.cuda_graph_reasons()` lists them). A replayed call copies its tensor
+      arguments in and its results out. `True` makes such a reason an error, except that
+      closed-over tensors are accepted (update them in place only: the graph reads their
+      memory), and records up to `cache_size` signatures. `False` never records. Calls on
+      the CPU are never recorded; nor with torch's own CUDA graphs
       (`mode="reduce-overhead"`). See `tfun._cuda_graphs`.
     - `**compile_options`: passed to `torch.compile` (`mode`, `dynamic`, `backend`,
       `options`). On the CPU, `options={"cpp_wrapper": True}` runs a compiled loop's
@@ -239,7 +241,7 @@ class Jitted:
         fullgraph: bool,
         cache_size: int,
         compile_options: dict[str, Any],
-        cuda_graphs: bool | str = False,
+        cuda_graphs: bool | str = "auto",
     ) -> None:
         if not callable(fun):
             raise ArgumentTypeError(f"tfun.jit: expected a function, but got {type(fun).__qualname__}: {fun!r}.")
