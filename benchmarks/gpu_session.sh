@@ -123,8 +123,11 @@ if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
             --bd 65536 --T 4096 --paths triton --reps 5 --max-seconds 5
     done
     merge linear_scan linear_scan_falling linear_scan_rising
-    # tfun.jit with cuda_graphs="auto" (experimental; the plain tfun.jit numbers are in RESULTS.md)
-    step vs_jax ${GPU_VS_JAX_S:-170} python3 benchmarks/vs_jax.py --quick --device cuda --cuda-graphs
+    # tfun.jit with its default cuda_graphs="auto" (--no-cuda-graphs: plain; those numbers are in RESULTS.md)
+    step vs_jax ${GPU_VS_JAX_S:-170} python3 benchmarks/vs_jax.py --quick --device cuda
+    # tfun.nn's RNN layers against cuDNN (torch.nn.LSTM/GRU), eager and jitted
+    step nn 90 python3 benchmarks/nn.py --device cuda --only lstm --quick
     step cuda_graphs 90 python3 benchmarks/cuda_graphs.py --strategies jit tfun_cuda_graphs jax --max-seconds 20 --repeat 5
+    merge cuda_graphs cuda_graphs nn  # 8 files come back at most
 fi
 echo "total: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"

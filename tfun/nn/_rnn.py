@@ -8,12 +8,14 @@ registration order and initialization are torch's, so `state_dict`s move between
 
 Fused path (`tfun.nn._rnn_fused`): `RNN`, `LSTM` and `GRU` (not the cells) called eagerly,
 outside any `torch.func` transform and forward-AD dual level, with no inter-layer dropout
-active, on a CPU floating dtype, call torch's own fused functions instead (`torch._VF.lstm`,
-`gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does: oneDNN's
-`mkldnn_rnn_layer` or ATen's C++ cells; not yet on CUDA), since a Python-level scan step costs
-several dispatches per time step. Traced (`tfun.jit`, `torch.compile`), an LSTM on oneDNN
-(CPU, float32 or bfloat16, no projections) calls oneDNN's layer kernels through opaque ops
-(`tfun::lstm_onednn` with its backward op, or `tfun::rnn_fused` for a forward alone), under
+active, on a CPU or CUDA floating dtype, call torch's own fused functions instead
+(`torch._VF.lstm`, `gru`, `rnn_tanh`, `rnn_relu`, as `torch.nn.RNNBase.forward` does:
+oneDNN's `mkldnn_rnn_layer` or ATen's C++ cells on the CPU, cuDNN on CUDA), since a
+Python-level scan step costs several dispatches per time step. Traced (`tfun.jit`,
+`torch.compile`), an LSTM on oneDNN (CPU, float32 or bfloat16, no projections) calls
+oneDNN's layer kernels through opaque ops (`tfun::lstm_onednn` with its backward op), and
+every mode on CUDA (float32, float16, bfloat16, no projections) cuDNN's (`tfun::rnn_cudnn`
+with its backward op), or `tfun::rnn_fused` for a forward alone, under
 the same conditions and not inside a loop body or a derivative that
 is differentiated again; every other traced call (`torch.export` included) runs the scan,
 which lowers to torch's scan higher-order op and has every transform's rules. `fused=False`
