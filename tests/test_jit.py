@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
 
 import tfun
-from tfun import lax
+from tfun import _jit, lax
 from tfun.errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, TfunError
 from tfun.errors import JitError
 
@@ -135,6 +136,31 @@ def test_a_failing_compiler_backend_is_a_jit_error_that_says_so():
     assert "the compiler backend failed: AssertionError: graph inputs do not match (raised in `failing_backend`, test_jit.py:" in msg
     assert "not of your code" in msg and 'backend="aot_eager"' in msg
     assert "Revise that line" not in msg
+
+
+def test_a_warning_raised_as_an_error_while_compiling_says_so():
+    """Under warnings-as-errors a warning issued while compiling is an exception (Inductor's
+    TF32 advice failed a suite on an H100 that way): the error names the warning and the filter,
+    not a compiler failure, and gives a filter that ignores it."""
+
+    def warning_backend(gm, example_inputs):
+        warnings.warn("TensorFloat32 tensor cores available but not enabled (a note)", UserWarning, stacklevel=1)
+        return gm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(JitError) as info:
+            tfun.jit(lambda x: x * 2, backend=warning_backend)(torch.ones(2))
+    msg = str(info.value)
+    assert "* UserWarning: TensorFloat32 tensor cores available but not enabled (a note)" in msg
+    assert "warnings filter in effect turns warnings into errors" in msg
+    assert 'message="TensorFloat32 tensor cores available but not enabled ")' in msg
+    assert "limitation of the installed torch" not in msg and "Revise that line" not in msg
+    # the filter it suggests lets the same call compile
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=_jit._warning_pattern(info.value.dynamo_error.inner_exception))
+        assert tfun.jit(lambda x: x * 2, backend=warning_backend)(torch.ones(2)).tolist() == [2.0, 2.0]
 
 
 def test_a_compile_worker_failure_names_what_the_worker_raised():

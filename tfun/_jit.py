@@ -716,6 +716,30 @@ def _backend_failure(e: BaseException) -> str:
     return f"the compiler backend failed: {text}"
 
 
+def _raised_warning(e: BaseException) -> Warning | None:
+    """The `Warning` raised as an exception somewhere in `e`'s chain (a backend's exception,
+    its causes and contexts, Dynamo's wrapped errors), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        if isinstance(c, Warning):
+            return c
+        todo += [getattr(c, "inner_exception", None), c.__cause__, c.__context__]
+    return None
+
+
+def _warning_pattern(w: Warning) -> str:
+    """A `filterwarnings` message pattern for `w` (matched at the start of the message): its
+    first line up to the first character a regex or a quoted string would read specially,
+    at most 60 characters."""
+    first = str(w).strip().splitlines()[0] if str(w).strip() else ""
+    return re.match(r"[^.^$*+?{}\[\]\\|()'\"]{0,60}", first).group(0)  # type: ignore[union-attr]
+
+
 def _failed_tracing_control_flow(e: BaseException) -> bool:
     """Whether a backend failure was raised while torch traced a control-flow op's subgraphs
     for autograd and functionalization (AOTAutograd, which backend="aot_eager" runs too), not
@@ -974,7 +998,21 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "each gradient on its own, take the outer derivative outside tfun.jit, or drop tfun.checkpoint "
             "where its gradient is differentiated again."
         )
-    if revise is default_revise and isinstance(e, BackendCompilerFailed) and _failed_tracing_control_flow(e):
+    warning = _raised_warning(e) if revise is default_revise else None
+    if warning is not None:
+        # a warning the compiler (or torch's tracing) issued, raised as an exception because the
+        # caller's warnings filter says so (`-W error`, pytest's filterwarnings = ["error"]):
+        # on an H100 Inductor's TF32 advice failed every compile of a test suite that way
+        bullets = [f"{type(warning).__name__}: {(str(warning).strip().splitlines() or [''])[0][:300]}"]
+        bullets += [f"at {where}"] if where and not isinstance(e, BackendCompilerFailed) else []
+        revise = (
+            "That is a warning issued while compiling, raised as an exception because the warnings filter in "
+            "effect turns warnings into errors (`python -W error`, `warnings.simplefilter(\"error\")`, pytest's "
+            "filterwarnings = [\"error\"]); it is not a failure of the compiler nor of your code. Ignore that "
+            f"warning in the filter (e.g. `warnings.filterwarnings(\"ignore\", message=\"{_warning_pattern(warning)}\")`), "
+            "or let warnings be warnings while tfun.jit compiles."
+        )
+    elif revise is default_revise and isinstance(e, BackendCompilerFailed) and _failed_tracing_control_flow(e):
         # torch's own tracing of a loop for autograd failed (under a torch.func transform, most
         # often): every backend runs it, so aot_eager would fail the same way
         bullets = [_backend_failure(e)]
