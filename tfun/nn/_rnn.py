@@ -396,16 +396,20 @@ class RNN(_RNNBase):
     - `device`, `dtype`: factory arguments of the parameters.
     - `fused` (keyword-only, default `True`): eager calls run torch's fused kernels
       (`torch._VF.rnn_tanh` / `rnn_relu` / `lstm` / `gru`, as `torch.nn.RNN` does: oneDNN or
-      ATen's C++ cells) with identical semantics, where all of these hold:
-      not traced (`tfun.jit`, `torch.compile`, `torch.export` keep the scan, which lowers to
-      torch's scan op; but see `tfun.nn.LSTM` for its traced fused path), no `torch.func` transform (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, ...)
-      and no `torch.autograd.forward_ad` dual level active, no dropout active (`dropout == 0`
-      or `eval()`), parameters, input and state of one CPU floating dtype. Otherwise the
-      scan runs: on CUDA too, for now (cuDNN is not yet measured on a GPU; it would need
-      flat weights, and it has no double backward). `fused=False` always runs the scan.
-      Double backward works on both paths (oneDNN's LSTM layer has a differentiable
-      backward under `create_graph=True`; GRU, RNN, float64 and LSTMs with `proj_size` run
-      ATen's composite cells).
+      ATen's C++ cells on the CPU, cuDNN on CUDA) with identical semantics, where all of
+      these hold: not traced (`tfun.jit`, `torch.compile`, `torch.export` keep the scan,
+      which lowers to torch's scan op; but the traced layers take fused ops on oneDNN's LSTM
+      and on cuDNN: see `tfun.nn.LSTM`), no `torch.func` transform (`tfun.grad`,
+      `tfun.vmap`, `tfun.jvp`, ...) and no `torch.autograd.forward_ad` dual level active, no
+      dropout active (`dropout == 0` or `eval()`), parameters, input and state of one CPU
+      or CUDA floating dtype. Otherwise the scan runs. `fused=False` always runs the scan.
+      On the CPU double backward works on both paths (oneDNN's LSTM layer has a
+      differentiable backward under `create_graph=True`; GRU, RNN, float64 and LSTMs with
+      `proj_size` run ATen's composite cells); cuDNN's backward has no derivative (as for
+      `torch.nn.LSTM` on CUDA: differentiate a gradient with `fused=False`, or with
+      `tfun.grad` of `tfun.grad`, which takes the scan). On Ampere and later GPUs cuDNN runs
+      float32 in TF32 unless `torch.backends.cudnn.allow_tf32` is off, as for
+      `torch.nn.LSTM`.
 
     **Returns:** `forward(input, hx=None)` returns `(output, h_n)`: `output` is
     `(seq, batch, D * hidden_size)` (or batch-first, or `(seq, D * hidden_size)` for unbatched
@@ -463,14 +467,16 @@ class LSTM(_RNNBase):
     `c_t = σ(f) c_{t-1} + σ(i) tanh(g)`, `h_t = σ(o) tanh(c_t)` (then `h_t W_hr^T` if
     `proj_size > 0`, Sak et al. 2014). Each layer and direction is one `tfun.lax.scan`;
     the input projection of all steps is one matmul before it. Eager calls outside
-    `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on CPU; the
-    scan on CUDA for now; see `fused` in `tfun.nn.RNN`), several times faster.
+    `torch.func` transforms run torch's fused `torch._VF.lstm` instead (oneDNN on the CPU,
+    cuDNN on CUDA; see `fused` in `tfun.nn.RNN`), several times faster.
 
     Under `tfun.jit` and `torch.compile` too, on the CPU in float32 and bfloat16 without
     projections (where torch runs oneDNN's fused LSTM layer), the layer calls oneDNN's layer
     kernels through opaque ops (`tfun::lstm_onednn` and its backward op where a gradient is
-    wanted, `tfun::rnn_fused` for a forward alone), so a compiled training step runs oneDNN's
-    forward and backward kernels once each instead of a compiled scan (benchmarks/RESULTS.md). Inside a `torch.func` transform, a loop
+    wanted, `tfun::rnn_fused` for a forward alone), and on CUDA in float32, float16 and
+    bfloat16 without projections cuDNN's (`tfun::rnn_cudnn` and its backward op), so a
+    compiled training step runs the fused forward and backward kernels once each instead of
+    a compiled scan (benchmarks/RESULTS.md). Inside a `torch.func` transform, a loop
     body, or a derivative that is differentiated again (`tfun.grad` of `tfun.grad`), and for
     `torch.export`, the traced layer runs the scan.
 
