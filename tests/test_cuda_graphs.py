@@ -399,6 +399,26 @@ def test_recording_logic_records_at_most_max_graphs_signatures(monkeypatch):
     assert "2 signatures of this function are recorded already" in decisions[2]
 
 
+def test_recording_logic_large_arguments_are_not_recorded_under_auto(monkeypatch):
+    # a graph keeps a copy of its arguments: "auto" leaves calls with large arguments alone
+    # (a training step of a large model would hold its parameters twice), True records them
+    fake = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(_cuda_graphs, "AUTO_MAX_ARGUMENT_BYTES", 64)
+    f = lambda x: x + 1  # noqa: E731
+    lower = lambda n: (lambda: tfun.jit(f).lower(torch.ones(n)).graph_modules)  # noqa: E731
+    cache = _cuda_graphs.GraphCache(False, "f at here:1", max_entries=10)
+    for n in (16, 17):  # 64 bytes of float32: recorded; 68: not
+        for _ in range(3):
+            torch.testing.assert_close(cache.call((), (torch.ones(n),), {}, f, lower(n)), torch.full((n,), 2.0))
+    decisions = [d for _, d in cache.reasons()]
+    assert decisions[0] == "replayed from a CUDA graph" and fake.captures == 1
+    assert "its tensor arguments take 0 MiB, and a graph keeps a copy of them" in decisions[1]
+    strict = _cuda_graphs.GraphCache(True, "f at here:1", max_entries=10)
+    for _ in range(3):
+        strict.call((), (torch.ones(17),), {}, f, lower(17))
+    assert strict.reasons()[0][1] == "replayed from a CUDA graph" and fake.captures == 2
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_recording_logic_through_tfun_jit(backend, monkeypatch):
     """The whole path of a jitted call (compile, inspect the Dynamo graph, check, record,

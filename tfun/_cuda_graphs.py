@@ -37,7 +37,8 @@ strides, dtype, device and `requires_grad`, each non-tensor leaf's value, and gr
 
 At most `cache_size` graphs are kept per jitted function (least recently used first out);
 each holds its arguments, results and intermediates in a memory pool of its own.
-`"auto"` records at most `AUTO_MAX_GRAPHS` (8) signatures per function; `cuda_graphs=False`
+`"auto"` records at most `AUTO_MAX_GRAPHS` (8) signatures per function, and no call whose
+tensor arguments take more than `AUTO_MAX_ARGUMENT_BYTES` (256 MiB); `cuda_graphs=False`
 turns this off; `True` makes any reason not to record an error (a closed-over tensor is then
 accepted: you promise to update it in place only, as `torch.cuda.make_graphed_callables`
 asks) and records up to `cache_size` signatures. `Jitted.cuda_graph_reasons()` lists what
@@ -230,6 +231,12 @@ def graph_reason(graph_modules: list[torch.fx.GraphModule], n_tensor_args: int) 
 #: kept); later signatures run as compiled, with that reason.
 AUTO_MAX_GRAPHS = 8
 
+#: `cuda_graphs="auto"` does not record a call whose tensor arguments take more than this
+#: many bytes: the graph keeps a copy of each argument for as long as it is
+#: kept, so a training step of a large model would hold a second copy of its parameters. Such
+#: calls are rarely bound by kernel launches anyway.
+AUTO_MAX_ARGUMENT_BYTES = 256 * 2**20
+
 
 class GraphCache:
     """The CUDA graphs of one jitted function, one per call signature (see the module)."""
@@ -325,6 +332,12 @@ class GraphCache:
     ) -> Any:
         reason = _device_reason(tensors)
         recorded = sum(e.graph is not None for e in self.entries.values())
+        arg_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        if reason is None and not self.required and arg_bytes > AUTO_MAX_ARGUMENT_BYTES:
+            reason = (
+                f"its tensor arguments take {arg_bytes / 2**20:.0f} MiB, and a graph keeps a copy of them (over "
+                f"{AUTO_MAX_ARGUMENT_BYTES // 2**20} MiB, \"auto\" does not record; cuda_graphs=True does)"
+            )
         if reason is None and recorded >= self.max_graphs:
             reason = (
                 f"{recorded} signatures of this function are recorded already, each graph keeping its own memory "

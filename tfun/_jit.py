@@ -83,7 +83,8 @@ def jit(
       `tfun.jit(tfun.value_and_grad(loss))`), one Dynamo graph that reads only its
       arguments (no closed-over tensor or module parameter) and writes none, no host
       synchronization (a `while_loop` with its predicate on the GPU synchronizes every
-      step), and at most 8 signatures per function (each graph keeps its own memory);
+      step), at most 8 signatures per function (each graph keeps its own memory), and tensor
+      arguments of at most 256 MiB in all (the graph keeps a copy of them);
       otherwise the call runs as compiled and the reason is logged on the `tfun.jit`
       logger (`.cuda_graph_reasons()` lists them). A replayed call copies its tensor
       arguments in and its results out. `True` makes such a reason an error, except that
