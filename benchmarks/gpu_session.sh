@@ -18,6 +18,7 @@
 # earlier device call; docs/compatibility.md says which).
 #
 # GPU_SKIP_BENCH=1 stops after the correctness phase (a caller that runs its own benchmarks).
+# GPU_SWEEP=1 adds the Triton linear_scan tile/warp sweep to the benchmarks (about 3 minutes).
 # GPU_BUDGET_S (default 560) is the time the steps may take together; each step also has a
 # limit of its own (GPU_PHASE1_S, default 330, for the correctness phase), so one that hangs
 # leaves time for the next.
@@ -122,7 +123,14 @@ if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
         TFUN_LINEAR_SCAN_REVERSE_TILES=$tiles step "linear_scan_$tiles" 45 python3 benchmarks/linear_scan.py \
             --bd 65536 --T 4096 --paths triton --reps 5 --max-seconds 5
     done
-    merge linear_scan linear_scan_falling linear_scan_rising
+    # GPU_SWEEP=1: the Triton kernel's tiles x warps at the same size, fwd+bwd (27 configurations
+    # per dtype, a compile each): what the backward's bandwidth gap (77% fp32, 56% bf16 on an
+    # H200) might be made of
+    if [ "${GPU_SWEEP:-0}" = 1 ]; then
+        step linear_scan_sweep 180 python3 benchmarks/linear_scan.py --bd 65536 --T 4096 --modes fwd+bwd \
+            --sweep --reps 3 --max-seconds 3
+    fi
+    merge linear_scan linear_scan_falling linear_scan_rising linear_scan_sweep
     # tfun.jit with its default cuda_graphs="auto" (--no-cuda-graphs: plain; those numbers are in RESULTS.md)
     step vs_jax ${GPU_VS_JAX_S:-170} python3 benchmarks/vs_jax.py --quick --device cuda
     # tfun.nn's RNN layers against cuDNN (torch.nn.LSTM/GRU), eager and jitted

@@ -5,6 +5,7 @@ Usage:
     python benchmarks/linear_scan.py            # the full grid (slow on a CPU)
     python benchmarks/linear_scan.py --quick    # B*D in {1k, 16k}, T in {256, 4096}
     python benchmarks/linear_scan.py --bd 1024 --T 65536 --dtypes fp32 --modes fwd
+    python benchmarks/linear_scan.py --bd 65536 --T 4096 --modes fwd+bwd --sweep   # Triton tiles x warps (CUDA)
 
 Shapes are `(B*D, T)` scanned along the last (contiguous) axis. Bytes are the minimum traffic:
 read `a`, `b`, write `h` in the forward (12 bytes per element in fp32, 6 in bf16); the backward
@@ -111,12 +112,18 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=20.0, help="skip a row whose one call would take longer")
     p.add_argument("--max-gib", type=float, default=2.0, help="skip sizes whose b tensor is larger")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sweep", action="store_true",
+                   help="the Triton kernel only, once per tile (BLOCK_C x BLOCK_T) and warp count (the kernel "
+                   "knobs block_c, block_t, num_warps), at the first --bd and --T")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "linear_scan.png"))
     args = p.parse_args()
     device = torch.device(args.device)
     bds = args.bd or ([1024, 16384] if args.quick else [1024, 16384, 65536])
     Ts = args.T or ([256, 4096] if args.quick else [256, 4096, 65536])
     peak = peak_bandwidth(device)
+    if args.sweep:
+        sweep(device, bds[0], Ts[0], args.dtypes, args.modes, args.reps, args.max_seconds, peak)
+        return
     paths = torch_paths(device)
     if args.paths:
         paths = {k: v for k, v in paths.items() if k in args.paths}
@@ -169,6 +176,54 @@ def main() -> None:
                         print(f"| {name:24s} | {dname:5s} | {mode:7s} | {bd:5d} | {T:5d} | {t * 1e3:9.2f} | "
                               f"{gbs / 1e9:6.2f} | {100 * gbs / peak:5.1f}% |", flush=True)
     _plot(rows, args.out, device, peak)
+
+
+#: the tiles and warp counts `--sweep` tries (the default plan: BLOCK_C 16, BLOCK_T 128, 4 warps)
+SWEEP = [(c, t, w) for c in (8, 16, 32) for t in (64, 128, 256) for w in (2, 4, 8)]
+
+
+def sweep(device: torch.device, bd: int, T: int, dtypes: list[str], modes: list[str], reps: int,
+          max_seconds: float, peak: float) -> None:
+    """The Triton kernel at one size, once per (BLOCK_C, BLOCK_T, num_warps) of `SWEEP`, through
+    the launchers' knobs; the best row per dtype and mode last."""
+    from tfun.kernels import _linear_scan_triton as K
+
+    print(f"sweep: B*D {bd}, T {T}, device {device}")
+    print("| dtype | mode    | BLOCK_C | BLOCK_T | warps | time (ms) | GB/s   | % peak |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    best: dict[tuple[str, str], tuple[float, tuple[int, int, int]]] = {}
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        a = (0.5 + 0.49 * torch.rand(bd, T, generator=g)).to(device, dtype)
+        b = torch.randn(bd, T, generator=g).to(device, dtype)
+        h0 = torch.zeros(bd, device=device, dtype=dtype)
+        ar, br = a.detach().requires_grad_(), b.detach().requires_grad_()
+        dh = torch.ones_like(b)
+        for mode in modes:
+            for c, t, w in SWEEP:
+                with K.knobs(block_c=c, block_t=t, num_warps=w):
+                    if mode == "fwd":
+                        def call():
+                            with torch.no_grad():
+                                return K.linear_scan_triton(a, b, h0, 1, False)
+                    else:
+                        def call():
+                            torch.autograd.grad(K.linear_scan_triton(ar, br, h0, 1, False), (ar, br), dh)
+                    try:
+                        sec = measure(call, device, reps, max_seconds)
+                    except Exception as e:  # noqa: BLE001 - a tile Triton cannot compile here is a row, said
+                        print(f"| {dname} | {mode:7s} | {c} | {t} | {w} | failed: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:80] if str(e) else ''} |", flush=True)
+                        continue
+                gbs = BYTES[(mode, dname)] * bd * T / sec
+                print(f"| {dname} | {mode:7s} | {c} | {t} | {w} | {sec * 1e3:.3f} | {gbs / 1e9:.0f} | "
+                      f"{100 * gbs / peak:.1f}% |", flush=True)
+                if (dname, mode) not in best or sec < best[(dname, mode)][0]:
+                    best[(dname, mode)] = (sec, (c, t, w))
+    for (dname, mode), (sec, (c, t, w)) in best.items():
+        gbs = BYTES[(mode, dname)] * bd * T / sec
+        print(f"best {dname} {mode}: BLOCK_C {c}, BLOCK_T {t}, {w} warps: {sec * 1e3:.3f} ms, {100 * gbs / peak:.1f}% of copy")
 
 
 def _plot(rows: list[tuple], out: str, device: torch.device, peak: float) -> None:

@@ -94,6 +94,36 @@ def test_block_size_is_128_for_long_sequences():
     assert K.plan(2, 2100, torch.device("cpu"))[2] == 2100  # one segment unless forced, on the CPU
 
 
+@pytest.mark.parametrize(
+    ("block_c", "block_t", "num_warps", "segment", "dtype"),
+    [
+        (32, 256, 8, None, torch.float32),
+        (32, 256, 8, None, torch.bfloat16),
+        (4, 16, 2, None, torch.bfloat16),
+        (8, 64, 4, 128, torch.float32),
+        (1, 512, 1, None, torch.float32),
+    ],
+)
+def test_tuning_knobs_tiles_and_warps(block_c, block_t, num_warps, segment, dtype, monkeypatch) -> None:
+    # the tiles and warps `benchmarks/linear_scan.py --sweep` tries: same outputs and gradients
+    # (odd lengths, channels spanning partial tiles, a forced multi-segment plan, both orders)
+    for name, value in [("block_c", block_c), ("block_t", block_t), ("num_warps", num_warps), ("force_segment", segment)]:
+        monkeypatch.setattr(K.KNOBS, name, value)
+    for reverse in (False, True):
+        check((37 if not segment else 11, 301 if not segment else 401), 1, reverse, dtype=dtype, seed=block_c + block_t)
+    assert K.plan(37, 1000, torch.device("cpu"))[:2] == (block_c, block_t)
+
+
+def test_tuning_knobs_refuse_what_is_not_a_tile(monkeypatch) -> None:
+    monkeypatch.setattr(K.KNOBS, "block_t", 8)
+    with pytest.raises(ValueError, match="block_t must be a power of two"):
+        K.plan(3, 100, torch.device("cpu"))
+    monkeypatch.setattr(K.KNOBS, "block_t", None)
+    monkeypatch.setattr(K.KNOBS, "block_c", 12)
+    with pytest.raises(ValueError, match="block_c must be a power of two"):
+        K.plan(3, 100, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("T", [1, 7, 127, 128, 129])
 @pytest.mark.parametrize("C", [1, 3])
 @pytest.mark.parametrize("reverse", [False, True])

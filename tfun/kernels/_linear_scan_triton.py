@@ -128,12 +128,20 @@ class Knobs:
       the value it was traced with), else `"rising"`.
       The value reaches the kernels as the constexpr `RISING`, so the two variants compile
       separately.
+    - `block_c`, `block_t`, `num_warps`: a tile of `block_c` channels x `block_t` steps (powers
+      of two; `block_t` at least 16) and the warps per program, instead of the plan's
+      (`MAX_BLOCK_C`, `MAX_BLOCK_T` at most, 4 warps), for every kernel of the main pass: the
+      tuning sweep of `benchmarks/linear_scan.py --sweep` (the backward's bandwidth is below
+      the forward's on H100/H200, bfloat16 most: benchmarks/RESULTS.md).
     """
 
     force_segment: int | None = None
     simulate_sms: int | None = None
     nan_fill: bool = False
     reverse_tiles: str | None = None
+    block_c: int | None = None
+    block_t: int | None = None
+    num_warps: int | None = None
 
 
 KNOBS = Knobs()
@@ -430,6 +438,12 @@ def plan(C: int, T: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_C, BLOCK_T, segment length) for C channels of T steps."""
     block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(T)))
     block_c = min(MAX_BLOCK_C, triton.next_power_of_2(max(C, 1)))
+    for name in ("block_c", "block_t"):
+        value = getattr(KNOBS, name)
+        if value is not None and (value < (16 if name == "block_t" else 1) or value & (value - 1)):
+            raise ValueError(f"the kernel knob {name} must be a power of two (block_t at least 16), got {value}")
+    block_t = KNOBS.block_t or block_t
+    block_c = KNOBS.block_c or block_c
     if KNOBS.force_segment is not None:
         return block_c, block_t, max(block_t, KNOBS.force_segment // block_t * block_t)
     tiles = triton.cdiv(C, block_c)
@@ -443,7 +457,7 @@ def plan(C: int, T: int, device: torch.device) -> tuple[int, int, int]:
 
 def _launch(name: str, grid: tuple[int, int], *args: Any, **meta: Any) -> None:
     LAUNCHES[name] += 1
-    triton_launcher(_kernel(name.split("_")[0]))[grid](*args, num_warps=4, **meta)
+    triton_launcher(_kernel(name.split("_")[0]))[grid](*args, num_warps=KNOBS.num_warps or 4, **meta)
 
 
 def _segment_carries(
