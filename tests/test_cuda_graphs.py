@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tfun
-from tfun import _cuda_graphs
+from tfun import _compat, _cuda_graphs
 from tfun.errors import JitError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -282,8 +282,12 @@ class _FakeCuda:
 
         class Graph:
             def replay(self):
+                # a real replay runs the recorded kernels without Dynamo: here the function runs
+                # again, with Dynamo forbidden to recompile, so a replay whose guards no longer
+                # hold (a stale graph on a GPU) raises instead of quietly recompiling
                 fake.replays += 1
-                out = self.fn()
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    out = self.fn()
                 for o, n in zip(tfun.tree.tree_leaves(self.out), tfun.tree.tree_leaves(out)):
                     if isinstance(o, torch.Tensor):
                         o.copy_(n)
@@ -311,6 +315,20 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
 
 
+class _AlwaysHolds:
+    """A stand-in for Dynamo's guards (`_cuda_graphs.GuardProbe`) that always hold: the
+    recording logic alone."""
+
+    def holding(self):
+        return ["a guard"]
+
+    def still(self, checks):
+        return True
+
+
+ALWAYS = _AlwaysHolds()
+
+
 def _cache(required=False):
     return _cuda_graphs.GraphCache(required, "f at here:1", max_entries=2)
 
@@ -328,7 +346,7 @@ def test_recording_logic_copies_in_replays_and_returns_copies(monkeypatch):
     outs = []
     for k in range(5):
         x, b = torch.full((3,), float(k)), torch.ones(3)
-        out = cache.call((), (x, {"b": b}), {}, run, lower)
+        out = cache.call((), (x, {"b": b}), {}, run, lower, guards=ALWAYS)
         assert out["n"] == 3
         torch.testing.assert_close(out["y"], x * 2 + 1)
         outs.append((out["y"], x * 2 + 1))
@@ -353,13 +371,13 @@ def test_recording_logic_a_synchronizing_call_is_not_recorded(monkeypatch):
     cache = _cache()
     x = torch.zeros(2)
     for _ in range(4):
-        torch.testing.assert_close(cache.call((), (x,), {}, run, lower), x + 1)
+        torch.testing.assert_close(cache.call((), (x,), {}, run, lower, guards=ALWAYS), x + 1)
     assert fake.captures == 0 and fake.mode == 0
     assert "synchronizes with the host (called a synchronizing CUDA operation)" in cache.reasons()[0][1]
     strict = _cache(required=True)
-    strict.call((), (x,), {}, run, lower)
+    strict.call((), (x,), {}, run, lower, guards=ALWAYS)
     with pytest.raises(JitError, match="cuda_graphs=True, but a call of `f at here:1` cannot be replayed"):
-        strict.call((), (x,), {}, run, lower)
+        strict.call((), (x,), {}, run, lower, guards=ALWAYS)
     assert fake.mode == 0
 
 
@@ -369,14 +387,14 @@ def test_recording_logic_results_requiring_grad_and_signatures(monkeypatch):
     w = torch.ones(2, requires_grad=True)
     run = lambda x: x * w  # noqa: E731
     for _ in range(3):
-        cache.call((), (torch.ones(2),), {}, run, lambda: [])
+        cache.call((), (torch.ones(2),), {}, run, lambda: [], guards=ALWAYS)
     assert "requires grad" in cache.reasons()[0][1] and fake.captures == 0
     # a new shape, a new static value: signatures of their own, least recently used dropped
     cache2 = _cache()
     f = lambda x: x + 1  # noqa: E731
     for n in (2, 3, 4):
         for _ in range(2):
-            cache2.call((("n", n),), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
+            cache2.call((("n", n),), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules, guards=ALWAYS)
     assert len(cache2.entries) == 2 and fake.captures == 3
     assert [text for text, _ in cache2.reasons()] == [
         "(float32[3] cpu; static n=3; grad on)", "(float32[4] cpu; static n=4; grad on)"
@@ -391,7 +409,7 @@ def test_recording_logic_records_at_most_max_graphs_signatures(monkeypatch):
     f = lambda x: x + 1  # noqa: E731
     for _ in range(3):
         for n in (2, 3, 4):
-            out = cache.call((), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules)
+            out = cache.call((), (torch.ones(n),), {}, f, lambda n=n: tfun.jit(f).lower(torch.ones(n)).graph_modules, guards=ALWAYS)
             torch.testing.assert_close(out, torch.full((n,), 2.0))
     assert fake.captures == 2 and fake.replays == 4  # n=2 and n=3: recorded on call 2, replayed on call 3
     decisions = [d for _, d in cache.reasons()]
@@ -409,13 +427,13 @@ def test_recording_logic_large_arguments_are_not_recorded_under_auto(monkeypatch
     cache = _cuda_graphs.GraphCache(False, "f at here:1", max_entries=10)
     for n in (16, 17):  # 64 bytes of float32: recorded; 68: not
         for _ in range(3):
-            torch.testing.assert_close(cache.call((), (torch.ones(n),), {}, f, lower(n)), torch.full((n,), 2.0))
+            torch.testing.assert_close(cache.call((), (torch.ones(n),), {}, f, lower(n), guards=ALWAYS), torch.full((n,), 2.0))
     decisions = [d for _, d in cache.reasons()]
     assert decisions[0] == "replayed from a CUDA graph" and fake.captures == 1
     assert "its tensor arguments take 0 MiB, and a graph keeps a copy of them" in decisions[1]
     strict = _cuda_graphs.GraphCache(True, "f at here:1", max_entries=10)
     for _ in range(3):
-        strict.call((), (torch.ones(17),), {}, f, lower(17))
+        strict.call((), (torch.ones(17),), {}, f, lower(17), guards=ALWAYS)
     assert strict.reasons()[0][1] == "replayed from a CUDA graph" and fake.captures == 2
 
 
@@ -441,6 +459,81 @@ def test_recording_logic_through_tfun_jit(backend, monkeypatch):
         torch.testing.assert_close(got, want)
     assert fake.captures == 1 and fake.replays == 3
     assert step.cuda_graph_reasons()[0][1] == "replayed from a CUDA graph"
+
+
+def test_recording_logic_checks_dynamos_guards_before_each_replay(monkeypatch):
+    """A replay runs the recorded kernels without Dynamo. When what Dynamo compiled the call for
+    changes (a closed-over Python number, a module's `training` flag), the graph must not be
+    replayed (the stand-in's replay raises if it is): the call runs as compiled, Dynamo
+    recompiles, and the call is recorded again or refused with the reason; after a second
+    such change it is left unrecorded."""
+    fake = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(_cuda_graphs, "available", lambda: True)
+    scale = 2.0
+    f = tfun.jit(lambda x: x * scale, backend="aot_eager")
+    x = torch.ones(3)
+    for _ in range(3):
+        torch.testing.assert_close(f(x), x * 2)
+    # torch 2.13 bakes the number into the graph (recorded, then replayed); torch 2.11 reads it
+    # as an input of the graph, which a replay would bake in, so the call is refused
+    recorded = fake.captures
+    assert recorded == 1 or "reads a tensor that is not an argument" in f.cuda_graph_reasons()[0][1]
+    scale = 3.0  # what a recorded graph multiplies by is now wrong
+    for _ in range(3):
+        torch.testing.assert_close(f(x), x * 3)
+    # Dynamo now reads the number at each call (a float that changed becomes an input of the
+    # graph): refused, as above
+    assert "not recorded: it reads a tensor that is not an argument" in f.cuda_graph_reasons()[0][1]
+
+    # a parameterless module closed over: its `training` flag is one of Dynamo's guards
+    drop = torch.nn.Dropout(0.5)
+    g = tfun.jit(lambda x: drop(x), backend="aot_eager")
+    ones = torch.ones(64)
+    with torch.no_grad():
+        for _ in range(3):
+            g(ones)
+        assert fake.captures == recorded + 1
+        drop.eval()
+        for _ in range(3):
+            torch.testing.assert_close(g(ones), ones)  # no dropout in eval mode
+        assert fake.captures == recorded + 2  # recorded again, in eval mode
+        drop.train()
+        for _ in range(3):
+            out = g(ones)
+            assert set(out.unique().tolist()) <= {0.0, 2.0}
+        (_, decision), = g.cuda_graph_reasons()
+        assert "changed after it was recorded, twice" in decision and fake.captures == recorded + 2
+
+
+def test_recording_logic_without_dynamos_guards_records_nothing(monkeypatch):
+    # a torch that does not expose Dynamo's guards: nothing is recorded, and the reason says why
+    fake = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(_cuda_graphs, "available", lambda: True)
+    monkeypatch.setattr(_compat, "dynamo_guards", lambda compiled: None)
+    f = tfun.jit(lambda x: x + 1, backend="aot_eager")
+    for _ in range(3):
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 2.0))
+    assert fake.captures == 0
+    assert "does not let tfun check Dynamo's guards" in f.cuda_graph_reasons()[0][1]
+
+
+def test_dynamos_guards_are_found_and_checked_on_this_torch():
+    # the feature the replays depend on, on the installed torch: the guards of a tfun.jit
+    # function's compiled graphs, checked against a frame built from the call's arguments
+    scale = 2.0
+    f = tfun.jit(lambda x, n=1: x * scale * n, backend="aot_eager")
+    f(torch.ones(2))
+    probe = _cuda_graphs.GuardProbe(f._plain, (torch.ones(2),), {})
+    held = probe.holding()
+    assert held and probe.still(held)
+    assert not _cuda_graphs.GuardProbe(f._plain, (torch.ones(5, 5),), {}).still(held)  # another shape
+    scale = 3.0
+    assert not probe.still(held)
+    h = tfun.jit(lambda x, n: x * n, static_argnums=1, backend="aot_eager")
+    h(torch.ones(2), 3)
+    compiled, a, k = h._runner((torch.ones(2), 3), {})
+    probe = _cuda_graphs.GuardProbe(compiled, a, k)
+    assert probe.holding() and probe.still(probe.holding())
 
 
 def test_recording_logic_a_module_trained_through_functional_call(monkeypatch):

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -1047,3 +1048,52 @@ def cpp_transposes_indirect_index() -> bool:
     if probe is None or not probe[0]:  # pragma: no cover - the stand-in does not model this torch
         return True  # unknown: assume the bug (scans are then left to torch: slower, right)
     return probe[1]
+
+
+def dynamo_guards(compiled: Callable[..., Any]) -> list[Any] | None:
+    """The guard checkers of the Dynamo cache entries of `compiled` (what `torch.compile`
+    returned), in the order Dynamo tries them, or None where this torch does not expose them
+    (each has `check(frame_locals) -> bool`: Dynamo's own test before it reuses a compiled
+    graph, reading the arguments, closed-over values, globals and torch's global state it
+    specialized on). `tfun._cuda_graphs` checks them before replaying a recorded call, since a
+    replay bypasses Dynamo."""
+    inner = getattr(compiled, "_torchdynamo_orig_callable", None)
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    entries_of = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    code = getattr(inner, "__code__", None)
+    if entries_of is None or code is None:
+        return None
+    checks = []
+    for entry in entries_of(code):
+        manager = getattr(entry, "guard_manager", None)
+        if not callable(getattr(manager, "check", None)):
+            return None
+        checks.append(manager)
+    return checks
+
+
+def dynamo_frame_locals(compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The local variables of the frame Dynamo sees when `compiled` is called with `args` and
+    `kwargs`: its parameters (a `*args` parameter as a tuple, `**kwargs` as a dict, defaults
+    filled in) and the closed-over variables of the function it compiled."""
+    inner = compiled._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    bound = _signature_of(inner).bind(*args, **kwargs)
+    bound.apply_defaults()
+    frame = dict(bound.arguments)
+    for name, cell in zip(inner.__code__.co_freevars, inner.__closure__ or ()):
+        try:
+            frame[name] = cell.cell_contents
+        except ValueError:  # an empty cell: the frame has no such local yet
+            pass
+    return frame
+
+
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKeyDictionary()
+
+
+def _signature_of(fn: Callable[..., Any]) -> inspect.Signature:
+    """`inspect.signature(fn)`, kept while `fn` lives (a closure may hold tensors)."""
+    sig = _SIGNATURES.get(fn)
+    if sig is None:
+        sig = _SIGNATURES[fn] = inspect.signature(fn)
+    return sig

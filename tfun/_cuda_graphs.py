@@ -30,10 +30,15 @@ strides, dtype, device and `requires_grad`, each non-tensor leaf's value, and gr
      (`torch.cuda.set_sync_debug_mode("error")`: a `while_loop` whose predicate is on the
      GPU reads it back every step, `.item()`, `nonzero`...).
    Then a third run on those copies is captured in a `torch.cuda.CUDAGraph`.
-3. Every later call with that signature copies the tensor arguments into the graph's copies,
-   replays the graph, and returns copies of its results (the graph overwrites its own on the
-   next replay; a result must stay yours). Random numbers drawn with torch's generator
-   advance on each replay, as they would eagerly.
+3. Every later call with that signature first checks Dynamo's guards for it (`GuardProbe`:
+   what the compiled graph assumed of its arguments, of the values it closes over, of module
+   flags such as `training` and of torch's global settings). If they still hold, it copies
+   the tensor arguments into the graph's copies, replays the graph, and returns copies of its
+   results (the graph overwrites its own on the next replay; a result must stay yours).
+   Random numbers drawn with torch's generator advance on each replay, as they would
+   eagerly. If they do not hold (a replay would run kernels compiled for the old value), the
+   graph is dropped and the call runs as compiled (Dynamo recompiles); the signature is
+   decided again, and after a second such change it is not recorded any more.
 
 At most `cache_size` graphs are kept per jitted function (least recently used first out);
 each holds its arguments, results and intermediates in a memory pool of its own.
@@ -67,6 +72,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from ._errors import JitError, format_message
 from ._tree import tree_flatten, tree_unflatten
 
@@ -110,11 +116,13 @@ def applies(options: dict[str, Any]) -> bool:
 
 
 class _Entry:
-    __slots__ = ("calls", "graph", "static", "out_leaves", "out_def", "reason", "text")
+    __slots__ = ("calls", "graph", "static", "out_leaves", "out_def", "reason", "text", "guards", "invalidated")
 
     def __init__(self, text: str = "") -> None:
         self.text = text  # the signature, for people (`GraphCache.reasons`)
         self.calls = 0
+        self.guards: list[Any] = []  # Dynamo's guards that held when the graph was recorded
+        self.invalidated = 0  # how often those guards failed before a replay
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: list[torch.Tensor] = []
         self.out_leaves: list[Any] = []
@@ -280,8 +288,11 @@ class GraphCache:
         kwargs: dict[str, Any],
         run: Callable[..., Any],
         lower: Callable[[], list[torch.fx.GraphModule]],
+        guards: GuardProbe | None = None,
     ) -> Any:
-        """`run(*args, **kwargs)`, or its replay. `lower()` gives the call's Dynamo graphs."""
+        """`run(*args, **kwargs)`, or its replay. `lower()` gives the call's Dynamo graphs;
+        `guards` checks Dynamo's guards for this call (None: a graph is never replayed after
+        Dynamo's state may have changed, so nothing is recorded)."""
         leaves, treedef = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if not any(t.device.type == DEVICE_TYPE for t in tensors):
@@ -302,6 +313,18 @@ class GraphCache:
             else:
                 self.entries.move_to_end(sig)
             entry.calls += 1
+            if entry.graph is not None and not guards_hold(guards, entry.guards):
+                # what the graph was compiled for no longer holds (a closed-over Python value,
+                # a module's `training` flag, a global torch setting: Dynamo would recompile),
+                # and a replay would run the old kernels: drop it, run as compiled, decide again
+                entry.invalidated += 1
+                entry.graph, entry.static, entry.out_leaves, entry.guards = None, [], [], []
+                entry.calls = 1
+                if entry.invalidated >= 2:
+                    self._refuse(entry, "what Dynamo compiled it for changed after it was recorded, twice (a "
+                                 "closed-over Python value, a module flag such as `training`, or a global torch "
+                                 "setting that changes between calls)")
+                return run(*args, **kwargs)
             if entry.graph is not None:
                 for s, t in zip(entry.static, tensors):
                     s.copy_(t)
@@ -317,7 +340,7 @@ class GraphCache:
                     if reason is not None:
                         self._refuse(entry, reason)
                 return out
-            return self._record(entry, args, kwargs, leaves, treedef, tensors, run, lower)
+            return self._record(entry, args, kwargs, leaves, treedef, tensors, run, lower, guards)
 
     def _record(
         self,
@@ -329,8 +352,15 @@ class GraphCache:
         tensors: list[torch.Tensor],
         run: Callable[..., Any],
         lower: Callable[[], list[torch.fx.GraphModule]],
+        guards: GuardProbe | None,
     ) -> Any:
         reason = _device_reason(tensors)
+        held = guards.holding() if guards is not None else None
+        if reason is None and held is None:
+            reason = ("this torch does not let tfun check Dynamo's guards before a replay (a replay would not "
+                      "notice a closed-over value or setting that changed)")
+        elif reason is None and not held:
+            reason = "no compiled graph of Dynamo's matches this call's arguments"
         recorded = sum(e.graph is not None for e in self.entries.values())
         arg_bytes = sum(t.numel() * t.element_size() for t in tensors)
         if reason is None and not self.required and arg_bytes > AUTO_MAX_ARGUMENT_BYTES:
@@ -390,11 +420,42 @@ class GraphCache:
             return run(*args, **kwargs)
         out_leaves, out_def = tree_flatten(out)
         entry.graph, entry.static, entry.out_leaves, entry.out_def = graph, static, out_leaves, out_def
+        entry.guards = held or []
         entry.reason = None
         for s, t in zip(static, tensors):
             s.copy_(t)
         graph.replay()
         return tree_unflatten(out_def, [o.clone() if isinstance(o, torch.Tensor) else o for o in out_leaves])
+
+
+class GuardProbe:
+    """Dynamo's guards for one call of a `torch.compile`d function (`tfun._compat`): which of
+    its compiled graphs' guards hold for these arguments now (`holding`, when a graph is
+    recorded), and whether the ones that held then still do (`still`, before each replay).
+    A replay runs recorded kernels without Dynamo, so without this check it would keep
+    running a graph compiled for a closed-over value or setting that has since changed."""
+
+    __slots__ = ("compiled", "args", "kwargs")
+
+    def __init__(self, compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.compiled, self.args, self.kwargs = compiled, args, kwargs
+
+    def holding(self) -> list[Any] | None:
+        """The guards that hold now, or None where this torch does not expose them."""
+        checks = _compat.dynamo_guards(self.compiled)
+        if checks is None:
+            return None
+        frame = _compat.dynamo_frame_locals(self.compiled, self.args, self.kwargs)
+        return [c for c in checks if c.check(frame)]
+
+    def still(self, checks: list[Any]) -> bool:
+        frame = _compat.dynamo_frame_locals(self.compiled, self.args, self.kwargs)
+        return all(c.check(frame) for c in checks)
+
+
+def guards_hold(probe: GuardProbe | None, checks: list[Any]) -> bool:
+    """Whether a graph recorded while `checks` held may be replayed for this call."""
+    return probe is not None and bool(checks) and probe.still(checks)
 
 
 @contextlib.contextmanager

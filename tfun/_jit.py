@@ -466,6 +466,7 @@ class Jitted:
                 dyn_kwargs,
                 lambda *a, **k: self._run_compiled(compiled, a, k, args, kwargs),
                 lambda: self.lower(*args, **kwargs).graph_modules,
+                _cuda_graphs.GuardProbe(compiled, dyn_args, dyn_kwargs),
             )
         return self._run_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
 
