@@ -223,8 +223,8 @@ def _loop_code(fn=None, args=None, **jit_kwargs):
     code = "\n".join(codes)
     body = re.search(r"def while_loop_body_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
     cond = re.search(r"def while_loop_cond_graph_\w+\(args\):\n(.*?)\n\n", code, re.S)
-    assert body and cond, code
-    return body.group(1), cond.group(1)
+    assert body, code
+    return body.group(1), (cond.group(1) if cond else None), code
 
 
 @scan_rewrite
@@ -232,12 +232,51 @@ def test_a_step_allocates_no_state_and_reads_no_counter():
     """What the rewrite is for: in the generated wrapper, the loop body reads no counter with
     `.item()` and allocates no new carry or counter (what is left is the step's own scratch,
     here the matrix product's sum), and the condition runs no kernel and allocates nothing."""
-    body, cond = _loop_code()
-    body_off, cond_off = _loop_code(options=OFF)
+    body, cond, code = _loop_code()
+    body_off, cond_off, _ = _loop_code(options=OFF)
     assert ".item()" in body_off and ".item()" not in body
     assert "empty_strided_cpu((), ()" in body_off and "empty_strided_cpu((), ()" not in body
     assert body.count("empty_strided") < body_off.count("empty_strided"), (body, body_off)
-    assert "cpp_fused" in cond_off and "cpp_fused" not in cond and "empty_strided" not in cond, cond
+    assert cond_off is not None and "cpp_fused" in cond_off
+    # the scan's 16 steps are counted: no condition is asked per step (`_compat.counted_while_loops`)
+    assert cond is None and "for _ in range(16):  # tfun: a loop of static length" in code, code
+    assert "while should_loop" not in code
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["tensor", "one_tuple"])
+def test_a_while_loop_of_one_tensor_compiles_and_equals_float64(packed):
+    """A while_loop whose state is one tensor (bare or in a 1-tuple): the rewrite's replacement
+    has one result, which Inductor's pattern matcher put in the place of the loop node itself,
+    so the loop's `res[0]` indexed the tensor ("getitem is not an OpOverload": every such loop
+    failed to compile under tfun.jit, with a float condition as with an int one)."""
+    def f(x):
+        if packed:
+            return lax.while_loop(lambda c: c[0].sum() < 50.0, lambda c: (c[0] * 1.5 + 1.0,), (x,))[0]
+        return lax.while_loop(lambda c: c.sum() < 50.0, lambda c: c * 1.5 + 1.0, x)
+
+    x = torch.tensor([1.0, 0.5, 0.25])
+    torch._dynamo.reset()
+    before = _scan_in_place.REWRITES["while_loop"]
+    got = tfun.jit(f)(x)
+    assert _scan_in_place.REWRITES["while_loop"] == before + 1
+    torch.testing.assert_close(got.double(), f(x.double()))
+
+
+@scan_rewrite
+def test_only_a_static_length_is_counted():
+    """A while_loop whose condition depends on the data keeps asking it each step (its condition
+    is computed in the step's kernel, without a kernel or buffer of its own); so does a scan of
+    symbolic length."""
+    def f(x):
+        return lax.while_loop(lambda c: c[0].sum() < 50.0, lambda c: (c[0] * 1.5 + 1.0,), (x,))[0]
+
+    body, cond, code = _loop_code(f, (torch.ones(3),))
+    assert cond is not None and "cpp_fused" not in cond and "empty_strided" not in cond, cond
+    assert "while should_loop" in code and "# tfun: a loop of static length" not in code
+    torch.testing.assert_close(tfun.jit(f)(torch.ones(3)), f(torch.ones(3)))
+    rnn = _rnn()
+    _, cond, code = _loop_code(rnn, _data(16, B=4, H=32), dynamic=True)
+    assert "# tfun: a loop of static length" not in code
 
 
 def test_options_turn_it_off_and_other_backends_never_see_it():
@@ -377,8 +416,8 @@ def test_while_loop_step_allocates_no_state_and_the_condition_runs_no_kernel():
     W, x, _ = _data(1, B=4, H=32)
     args = (W, x[0], torch.tensor(0))
 
-    body, cond = _loop_code(_decay(100), args)
-    body_off, cond_off = _loop_code(_decay(100), args, options=OFF)
+    body, cond, _ = _loop_code(_decay(100), args)
+    body_off, cond_off, _ = _loop_code(_decay(100), args, options=OFF)
     assert "cpp_fused" in cond_off and "cpp_fused" not in cond and "empty_strided" not in cond, cond
     assert "empty_strided_cpu((), ()" in body_off and "empty_strided_cpu((), ()" not in body
     assert body.count("empty_strided") < body_off.count("empty_strided"), (body, body_off)

@@ -196,6 +196,14 @@ def _predicate(out: Any) -> Any:
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
+def _outputs(values: list[Any]) -> Any:
+    """A replacement's results for a loop node whose users index its result (`res[0]`...):
+    Inductor's pattern matcher puts a replacement that returns one value in the place of the
+    node itself, so a loop with one result returns it in a 1-tuple (else its user would index
+    the tensor: "getitem is not an OpOverload", as a one-tensor while_loop did)."""
+    return (values,) if len(values) == 1 else values
+
+
 def _rewrite_while_loops(graph: torch.fx.Graph, done: collections.Counter) -> None:
     """Each eligible `while_loop` of `graph` as a `while_loop` whose condition is a carried bool
     tensor: `go = cond(state)` once before the loop, and each step writes the body's results
@@ -234,7 +242,7 @@ def _rewrite_while_loops(graph: torch.fx.Graph, done: collections.Counter) -> No
                 return (*state, go)
 
             res = torch.ops.higher_order.while_loop(cond_fn, body_fn, (*state, go), tuple(additional))
-            return list(res[:n_s])
+            return _outputs(list(res[:n_s]))
 
         match.replace_by_example(lower, [*fx_carried, *fx_additional], run_functional_passes=False)
         done["while_loop"] += 1
@@ -262,6 +270,7 @@ def rewrite(graph: torch.fx.Graph) -> int:
         return sum(done.values())
     gm = graph.owning_module
     patterns = PatternMatcherPass()
+    counted = _compat.counted_while_loops()
 
     def replace(match: Match, *args: Any, **kwargs: Any) -> None:
         node = match.nodes[0]
@@ -307,11 +316,19 @@ def rewrite(graph: torch.fx.Graph) -> int:
             ys_out, carry_out, _, _, _ = pytree.tree_unflatten(list(res), state_spec)
             if is_map:  # map_impl's result is one list, as torch's own decomposition returns it
                 return (list(ys_out),)  # type: ignore[return-value]
-            return list(carry_out) + list(ys_out)
+            return _outputs(list(carry_out) + list(ys_out))
 
         flat_args, spec = pytree.tree_flatten((fx_init, fx_xs, fx_additional))
+        before = set(graph.nodes)
         match.replace_by_example(lower, flat_args, run_functional_passes=False)
         done[node.target.name()] += 1  # type: ignore[union-attr]
+        length = _val(fx_xs[0]).shape[0]
+        if isinstance(length, int) and length >= 1 and counted:
+            # it runs exactly `length` times: Inductor's wrapper may count instead of asking
+            # the condition each step (`_compat.counted_while_loops`)
+            for new in graph.nodes:
+                if new not in before and new.target is _op("while_loop") and new.args[0].op == "get_attr":
+                    getattr(gm, new.args[0].target).meta[_compat.STATIC_TRIPS] = length
 
     for op in ops:
         register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(replace)
