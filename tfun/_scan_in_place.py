@@ -35,6 +35,11 @@ decomposition writes `ys`); it takes mutated inputs in the order the body first 
 and maps them onto outputs by position, so the body mutates its state in position order
 (`ys`, carries, `i`, `go`).
 
+Where the length `n` is a static int (at least 1), the condition subgraph of the new loop is
+marked with it (`_compat.STATIC_TRIPS` in its `meta`): the loop runs exactly `n` times, and
+Inductor's Python wrapper then writes `for _ in range(n):` around the step instead of calling
+the condition and reading its bool back each step (`_compat.counted_while_loops`).
+
 A `while_loop` (tfun's, and `fori_loop` with traced bounds) pays the same per step: the
 condition subgraph (a buffer, a kernel, `bool()`) and a new buffer for each carry. It is
 rewritten the same way, with the condition computed once before the loop and then at the end
