@@ -324,11 +324,12 @@ def rewrite(graph: torch.fx.Graph) -> int:
             return _outputs(list(carry_out) + list(ys_out))
 
         flat_args, spec = pytree.tree_flatten((fx_init, fx_xs, fx_additional))
-        before = set(graph.nodes)
+        length = _val(fx_xs[0]).shape[0]
+        counts = counted and isinstance(length, int) and length >= 1
+        before = set(graph.nodes) if counts else set()
         match.replace_by_example(lower, flat_args, run_functional_passes=False)
         done[node.target.name()] += 1  # type: ignore[union-attr]
-        length = _val(fx_xs[0]).shape[0]
-        if isinstance(length, int) and length >= 1 and counted:
+        if counts:
             # it runs exactly `length` times: Inductor's wrapper may count instead of asking
             # the condition each step (`_compat.counted_while_loops`)
             for new in graph.nodes:
