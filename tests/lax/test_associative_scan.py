@@ -296,34 +296,39 @@ def test_jit_asks_for_the_fused_mode_only_with_grads_off(backend, monkeypatch):
     assert calls(lambda a, b: torch.func.grad(f)(a, b), a, b)[0] == {True}
 
 
-def test_the_cuda_lowering_with_gradients_is_tfuns_algorithm():
-    from tfun.lax import _associative_scan as A
+def test_the_lowering_is_tfuns_algorithm_except_cudas_fused_mode():
+    """Traced, the scan is tfun's log-depth algorithm as plain ops (no HOP node) on every
+    device; only CUDA without gradients takes torch's fused HOP."""
+    import tfun
 
-    assert A._tfun_algorithm(on_cuda=True, mode="generic")
-    assert not A._tfun_algorithm(on_cuda=True, mode="pointwise")
-    assert not A._tfun_algorithm(on_cuda=False, mode="generic")
+    f = lambda a, b: lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (a, b))[1]
+    a, b = torch.rand(9, 3), torch.randn(9, 3)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            torch._dynamo.reset()
+            low = tfun.jit(f).lower(a, b)
+        assert "in _take" in low.as_text()  # tfun's algorithm (torch's has no _take)
+        assert low.count("higher_order.associative_scan") == 0
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("reverse", [False, True])
-def test_tfuns_algorithm_under_jit_gives_eagers_values_and_gradients(backend, reverse, monkeypatch):
-    """The lowering CUDA takes where gradients may be taken, forced on the CPU: the values and
-    gradients of `tfun.jit(tfun.value_and_grad(f))` (the path that was wrong with torch's HOP
-    under Inductor on an H100) and of a jitted forward differentiated outside."""
+@pytest.mark.parametrize(("reverse", "axis"), [(False, 1), (True, 1), (False, -2), (True, -1)])
+def test_tfuns_algorithm_under_jit_gives_eagers_values_and_gradients(backend, reverse, axis):
+    """The values and gradients of `tfun.jit(tfun.value_and_grad(f))` (the path that was wrong
+    with torch's generic HOP under Inductor on an H100) and of a jitted forward
+    differentiated outside, along a positive and a negative axis (a negative axis reached
+    the algorithm unresolved: `[slice(None)] * -1` sliced axis 0, or recursed without end)."""
     import tfun
-    from tfun.lax import _associative_scan as A
 
-    monkeypatch.setattr(A, "_tfun_algorithm", lambda on_cuda, mode: mode == "generic")
     affine = lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1])
 
     def f(a, b):
-        h = lax.associative_scan(affine, (a, b), reverse=reverse, axis=1)[1]
+        h = lax.associative_scan(affine, (a, b), reverse=reverse, axis=axis)[1]
         return (h * torch.cos(h)).sum(), h
 
     g = torch.Generator().manual_seed(3)
     a, b = torch.rand(4, 37, 5, dtype=torch.float64, generator=g), torch.randn(4, 37, 5, dtype=torch.float64, generator=g)
     torch._dynamo.reset()
-    assert "in _take" in tfun.jit(f).lower(a, b).as_text()  # the forced lowering: tfun's algorithm (torch's has no _take)
     (v, h), grads = tfun.jit(tfun.value_and_grad(f, argnums=(0, 1), has_aux=True), backend=backend)(a, b)
     (v0, h0), grads0 = tfun.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
     torch.testing.assert_close(h, h0)
@@ -332,3 +337,44 @@ def test_tfuns_algorithm_under_jit_gives_eagers_values_and_gradients(backend, re
     a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
     v2, _ = tfun.jit(f, backend=backend)(a2, b2)
     torch.testing.assert_close(torch.autograd.grad(v2, (a2, b2)), grads0)
+
+
+def test_second_order_along_a_negative_axis():
+    """Inside a traced gradient that is differentiated again the scan was unrolled with its
+    axis unresolved as well."""
+    import tfun
+
+    def f(a, b):
+        return lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (a, b), axis=-1)[1].pow(2).sum()
+
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.rand(3, 6, dtype=torch.float64, generator=g), torch.randn(3, 6, dtype=torch.float64, generator=g)
+    hess = lambda a, b: tfun.grad(lambda a: tfun.grad(f)(a, b).sum())(a)
+    torch.testing.assert_close(tfun.jit(hess, backend="aot_eager")(a, b), hess(a, b))
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex:UserWarning")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("length", [2, 4, 37])
+def test_complex_scan_gradients_under_jit_equal_eager(backend, length):
+    """A complex linear recurrence (S5's operator): Inductor's gradients through torch's
+    generic HOP were wrong at lengths >= 4 (so tfun refused them); through tfun's algorithm
+    they are eager's, forward-then-backward and `tfun.jit(tfun.grad(f))` alike."""
+    import tfun
+
+    def f(lam, bu):
+        return lax.associative_scan(lambda x, y: (y[0] * x[0], y[0] * x[1] + y[1]), (lam * torch.ones_like(bu), bu), axis=1)[1]
+
+    g = torch.Generator().manual_seed(5)
+    lam = (torch.randn(3, dtype=torch.complex128, generator=g) * 0.5).requires_grad_()
+    bu = torch.randn(2, length, 3, dtype=torch.complex128, generator=g).requires_grad_()
+    w = torch.randn(2, length, 3, dtype=torch.float64, generator=g)
+    loss = lambda lam, bu: (f(lam, bu).real * w).sum()
+    ref = torch.autograd.grad(loss(lam, bu), (lam, bu))
+    torch._dynamo.reset()
+    out = tfun.jit(f, backend=backend)(lam, bu)
+    torch.testing.assert_close(out, f(lam, bu))
+    torch.testing.assert_close(torch.autograd.grad((out.real * w).sum(), (lam, bu)), ref)
+    # tfun.grad follows JAX for complex inputs: the conjugate of torch's gradient
+    got = tfun.jit(tfun.grad(loss, argnums=(0, 1)), backend=backend)(lam.detach(), bu.detach())
+    torch.testing.assert_close(got, tuple(r.conj() for r in ref))

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _compat, _context, _funcinfo, _rules
-from .._errors import ArgumentValueError, JitError, format_message
+from .._errors import ArgumentValueError, format_message
 from .._tree import PyTreeSpec, tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import xs_leaves
@@ -85,7 +85,7 @@ def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, a
     elems = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "combine function", fn)
-        return _lower_associative_scan(fn, elems, bool(reverse), axis)
+        return _lower_associative_scan(fn, elems, bool(reverse), ax)
     return _assoc_eager(op, fn, leaves, treedef, axes, bool(reverse))
 
 
@@ -172,80 +172,73 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------
-# Lowering under tfun.jit / torch.export: torch's associative_scan (see `_hop`)
+# Lowering under tfun.jit / torch.export (see `_combine_mode`)
 # ----------------------------------------------------------------------------------------
 
 
 #: Use the fused "pointwise" mode of torch's associative_scan for CUDA inputs traced with
 #: gradients off (see `_combine_mode`). The combine function must then contain only pointwise
-#: ops; set to False to always use "generic".
+#: ops; set to False to always lower to tfun's log-depth algorithm.
 POINTWISE_ON_CUDA = True
 
 
-#: How a CUDA associative_scan is lowered where gradients may be taken (mode "generic"):
-#: "tfun", the log-depth algorithm of the eager path as plain tensor ops in the graph
-#: (differentiated by AOTAutograd like any ops), or "hop", torch's associative_scan HOP in its
-#: "generic" mode. With the HOP, `tfun.jit(tfun.value_and_grad(f))` under Inductor returned
-#: wrong *values* of the scan (relative error 2.3, gradients right; H100, torch 2.11,
-#: 2026-11-27, tests/gpu/check_cuda.py, the pair scan T=37 C=5 reversed along axis 1), while
-#: aot_eager and the forward-only Inductor graph were right.
-CUDA_GRAD_LOWERING = "tfun"
-
-
-def _tfun_algorithm(on_cuda: bool, mode: str) -> bool:
-    """Whether the lowering writes tfun's log-depth algorithm as plain ops instead of torch's
-    HOP (see `CUDA_GRAD_LOWERING`)."""
-    return on_cuda and mode == "generic" and CUDA_GRAD_LOWERING == "tfun"
-
-
 def _combine_mode(on_cuda: bool, grad_possible: bool) -> str:
-    """torch's `combine_mode` for a scan: "pointwise" (one fused kernel, CUDA only) where the
-    trace runs with gradients off (`torch.no_grad()`, `torch.inference_mode()`) and no
-    `torch.func` transform, else "generic" (a log-depth tree of combine calls, differentiated
-    through its ops), as on the CPU.
+    """How a traced associative_scan is lowered: "pointwise" (torch's associative_scan HOP in
+    its fused mode: one kernel, CUDA only) where the trace runs with gradients off
+    (`torch.no_grad()`, `torch.inference_mode()`) and no `torch.func` transform; else
+    "generic": tfun's own log-depth algorithm (`_log_depth_scan`, the eager path's) as plain
+    tensor ops in the graph, differentiated by AOTAutograd like any ops, on every device.
 
-    Measured on CUDA with torch 2.11 (2026-11-26, tests/gpu/check_cuda.py, the pair scan of the
+    Why not torch's HOP in its "generic" mode (a log-depth tree of combine calls, which tfun
+    lowered to on the CPU up to session 18):
+
+    - Under Inductor its gradients through a complex scan were wrong (relative error ~1 at
+      length >= 4; torch 2.11 and 2.13, CPU), so tfun refused complex scans with gradients
+      under Inductor (S5, LRU, S4D's scan mode). tfun's algorithm in plain ops gives eager's
+      gradients there (tests/lax/test_associative_scan.py).
+    - On CUDA, `tfun.jit(tfun.value_and_grad(f))` under Inductor returned wrong scan *values*
+      with it (relative error 2.3, right gradients; H100, torch 2.11, 2026-11-27).
+    - Dynamo traces it as a `torch.vmap` of the combine function per level: 5 s to trace a
+      length-4096 pair scan on a 2-core CPU, 12 s with its gradient, against 0.2-0.4 s for
+      the plain ops; first calls went from 8.0 to 4.7 s (forward) and 20 to 11.5 s (with
+      the gradient), and the compiled gradient ran in 3.0 ms instead of 5.0 (torch 2.13).
+
+    And torch's fused "pointwise" mode is kept to traces where autograd cannot run at all,
+    because (measured on CUDA with torch 2.11, tests/gpu/check_cuda.py, the pair scan of the
     differential suite, T=37, reversed, axis 1):
 
-    - torch's autograd for the "pointwise" mode (`AssociativeScanAutogradOp`) treats each leaf's
+    - torch's autograd for that mode (`AssociativeScanAutogradOp`) treats each leaf's
       per-step Jacobian as its own and drops the cross terms between leaves, so a pair scan such
       as the linear recurrence `(a1 * a2, a2 * b1 + b2)` gets wrong gradients with right
       outputs: relative gradient error 0.74 under `tfun.jit` with both backends, on an H100
       (reported upstream in pytorch/pytorch#172568).
     - With "pointwise" only where no input required grad, `tfun.jit(tfun.value_and_grad(f))`
       under Inductor returned a wrong *value* (relative error 5.3, gradients right) on an H200:
-      its graph held both modes (tfun.grad's probe call runs `f` on detached inputs), and no
-      other path did.
-
-    So the fused mode is kept to traces where autograd cannot run at all."""
+      its graph held both modes (tfun.grad's probe call runs `f` on detached inputs)."""
     return "pointwise" if (on_cuda and POINTWISE_ON_CUDA and not grad_possible) else "generic"
 
 
 def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: bool, axis: int) -> Any:
-    """`torch._higher_order_ops.associative_scan` with tfun pytrees (inside a derivative that
-    is differentiated again, the eager algorithm instead: see the end)."""
-    if not _hop.unrolled_steps():
-        _hop.begin_lowering()
+    """The traced associative_scan (`axis` non-negative): torch's fused HOP on CUDA without
+    gradients, else tfun's log-depth algorithm as plain ops (see `_combine_mode`)."""
     op = "tfun.lax.associative_scan"
     leaves, td = tree_flatten(elems)
     n = len(leaves)
-    cuda = all(x.device.type == "cuda" for x in leaves)
-    mode = _combine_mode(cuda, torch.is_grad_enabled() or _context.functorch_active())
-
-    carrier = _hop.carrier(td, leaves)
-    if leaves and leaves[0].shape[axis] == 0:
+    if leaves[0].shape[axis] == 0:
         return elems  # nothing to combine (torch's associative_scan rejects length 0), as in eager
-    if torch.is_grad_enabled() and not _hop.is_exporting() and any(x.is_complex() for x in leaves):
-        # Inductor (torch 2.13) computes wrong gradients through a complex associative_scan
-        # (S4D/S5/LRU, length >= 4; the outputs are right): refuse rather than return them.
-        # without sizes: under Dynamo a symbolic size (automatic dynamic shapes) cannot be told
-        # from a concrete one, and cannot be passed to an escape hatch (see cond)
-        msg = _escape_complex_scan_refusal(_hop.describe(td, leaves, False), _hop.code_of(fn))
-        if msg is not None:
-            raise JitError(msg)
+    cuda = all(x.device.type == "cuda" for x in leaves)
+    hop = not _hop.unrolled_steps() and _combine_mode(cuda, torch.is_grad_enabled() or _context.functorch_active()) == "pointwise"
+    carrier = _hop.carrier(td, leaves)
+    # The rules are checked on the first combine call: the others differ only in the length
+    # of their slices (as eagerly, where `_rules.first_call` checks the first). Dynamo traces
+    # each check again at each call, so this keeps a long scan's trace short.
+    checked = [False]
 
     def combine(a: list[Any], b: list[Any]) -> Any:
         td_in = tree_structure(carrier)
+        if checked[0] and not hop:
+            out_leaves = tree_flatten(fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b))))[0]
+            return [_hop.as_tensor(t, r) for t, r in zip(out_leaves, a)]
         state = _hop.torch_state()
         out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
         _hop.check_state(op, "combine function", fn, state)
@@ -266,57 +259,17 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
                 op, what, "elems", names, _hop.describe(td_in, a, False), _hop.describe(out_td, out_leaves, False), fn,
                 _REVISE_COMBINE,
             )
-        return _hop.unalias(out_leaves, list(a) + list(b))
+        checked[0] = True
+        # a HOP body may not return an alias of its inputs; plain ops may
+        return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
-    if _hop.unrolled_steps() or _tfun_algorithm(cuda, mode):
-        # inside a traced derivative that is differentiated again: the eager algorithm's tensor
-        # ops in the graph, no HOP (torch's have no second derivative; see _hop.unroll_scope).
-        # Likewise on CUDA where gradients may be taken (see CUDA_GRAD_LOWERING).
+    if not hop:
+        # Also inside a traced derivative that is differentiated again: plain ops have second
+        # derivatives, torch's HOPs none (see _hop.unroll_scope).
         return tree_unflatten(td, _log_depth_scan(combine, list(leaves), [axis] * n, reverse))
-    out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode=mode)
+    _hop.begin_lowering()
+    out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode="pointwise")
     return tree_unflatten(td, list(out))
-
-
-#: Backends under which gradients through a complex associative_scan are right (tested).
-_COMPLEX_SCAN_GRAD_BACKENDS = ("eager", "aot_eager")
-
-
-def _compiling_backend() -> str | None:
-    """The name of the backend Dynamo is compiling for ("inductor", "aot_eager", ...), or
-    None where it cannot be told (a custom backend, or torch internals that moved)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        fn = InstructionTranslator.current_tx().output.compiler_fn
-    except Exception:  # noqa: BLE001 - not under Dynamo, or its internals changed: unknown
-        return None
-    name = getattr(fn, "compiler_name", None) or getattr(fn, "_compiler_name", None)
-    return name if isinstance(name, str) else None
-
-
-@_hop.assume_constant
-def _escape_complex_scan_refusal(desc: Any, code: Any) -> str | None:
-    """None if the backend being compiled for differentiates a complex associative_scan
-    correctly; else the message of the JitError that refuses it."""
-    backend = _compiling_backend()
-    if backend in _COMPLEX_SCAN_GRAD_BACKENDS:
-        return None
-    sk, leaf_descs = desc
-    bullets = [
-        f"elems{p}: a {_rules.dtype_name(d[0])} tensor on {d[2]}"
-        for p, d in zip(_rules.skeleton_leaf_paths(sk), leaf_descs)
-        if len(d) == 3 and d[0].is_complex
-    ]
-    bullets.append(f"backend: {backend or 'not one of ' + ', '.join(_COMPLEX_SCAN_GRAD_BACKENDS)}")
-    return format_message(
-        "tfun.lax.associative_scan: complex elems must be compiled with a backend whose gradients are right, "
-        f"but Inductor (torch {torch.__version__}; measured on 2.11 and 2.13) computes wrong gradients through "
-        "a complex associative_scan (its outputs are right), so this is refused:",
-        bullets,
-        function=_hop.fn_text(code),
-        revise='Compile with tfun.jit(..., backend="aot_eager") (exact), or run the compiled function under '
-        "torch.no_grad() if no gradient is needed.",
-    )
 
 
 __all__ = ["associative_scan"]

@@ -44,12 +44,13 @@ How the lowering works (torch 2.11-2.13):
   plain `torch.compile` alike.
 - torch 2.13's scan autograd rejects integer and bool carries and ys; under grad mode they
   cross the HOP as int64 bits in float64 tensors (exact; see `_scan._lower_scan`).
-- Inductor on torch 2.13 computes wrong gradients through a complex `associative_scan`
-  (S4D, S5, LRU): under grad mode with a backend other than eager/aot_eager it is refused
-  with a `JitError` (`_associative_scan._escape_complex_scan_refusal`).
+- Inductor on torch 2.11 and 2.13 computes wrong gradients through a complex
+  `associative_scan` lowered to torch's generic HOP (S4D, S5, LRU); tfun lowers it as its own
+  log-depth algorithm in plain ops instead, and only CUDA without gradients takes torch's
+  fused HOP (`_associative_scan._combine_mode`).
 - Known torch 2.13 limitations: `x.T` inside a cond branch triggers a spurious Dynamo
-  aliasing error (use `x.t()` / `x.mT`); `associative_scan` on the CPU lowers to torch's
-  "generic" mode (a log-depth unrolled tree of the combine function, not one HOP node);
+  aliasing error (use `x.t()` / `x.mT`); `associative_scan` lowers to a log-depth
+  unrolled tree of the combine function, not one HOP node (except CUDA's fused mode);
   gradients through a scan nested in a scan body are not implemented by torch (any
   backend); `torch.compile(torch.func.grad(f))` fails for every control-flow HOP (see
   `is_tracing`).
