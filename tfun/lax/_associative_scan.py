@@ -9,7 +9,7 @@ import torch
 
 from .. import _compat, _context, _funcinfo, _rules
 from .._errors import ArgumentValueError, format_message
-from .._tree import PyTreeSpec, tree_flatten, tree_structure, tree_unflatten
+from .._tree import PyTreeSpec, tree_flatten, tree_leaves, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import xs_leaves
 
@@ -235,10 +235,11 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
     checked = [False]
 
     def combine(a: list[Any], b: list[Any]) -> Any:
-        td_in = tree_structure(carrier)
         if checked[0] and not hop:
-            out_leaves = tree_flatten(fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b))))[0]
-            return [_hop.as_tensor(t, r) for t, r in zip(out_leaves, a)]
+            # (inline in the caller's trace, not a HOP body: `td` may be used as it is)
+            out_leaves = tree_leaves(fn(tree_unflatten(td, a), tree_unflatten(td, b)))
+            return [x if isinstance(x, torch.Tensor) else _hop.as_tensor(x, r) for x, r in zip(out_leaves, a)]
+        td_in = tree_structure(carrier)
         state = _hop.torch_state()
         out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
         _hop.check_state(op, "combine function", fn, state)
