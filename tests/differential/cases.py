@@ -143,7 +143,7 @@ def fori_loop(spec: Spec, dtype: torch.dtype, device: torch.device):
 def associative_scan(spec: Spec, dtype: torch.dtype, device: torch.device):
     """The linear recurrence as a pair scan, along `axis` of a (C, T) or (T, C) array."""
     T, C, reverse, axis = spec["T"], spec["C"], spec.get("reverse", False), spec.get("axis", 0)
-    shape = (T, C) if axis == 0 else (C, T)
+    shape = (T, C) if axis in (0, -2) else (C, T)  # (a negative axis as JAX resolves it)
     a = _rand(spec, 1, *shape, lo=0.5, hi=1.0)
     b = _randn(spec, 2, *shape)
 

@@ -43,7 +43,7 @@ def specs(draw: st.DrawFn, name: str) -> dict:
     if name in ("scan", "associative_scan", "linear_scan"):
         spec["reverse"] = draw(st.booleans())
     if name == "associative_scan":
-        spec["axis"] = draw(st.sampled_from([0, 1]))
+        spec["axis"] = draw(st.sampled_from([0, 1, -1, -2]))
     if name == "map":
         spec["batch_size"] = draw(st.sampled_from([None, 1, 2, 4]))
     return spec
@@ -80,7 +80,7 @@ def _check_path(name: str, spec: dict, path: str) -> None:
     assert isinstance(res.error, TfunError)
 
 
-JIT_SPECS = [{"T": 1, "C": 1, "seed": 3}, {"T": 9, "C": 3, "seed": 4, "reverse": True, "axis": 1, "batch_size": 2}]
+JIT_SPECS = [{"T": 1, "C": 1, "seed": 3}, {"T": 9, "C": 3, "seed": 4, "reverse": True, "axis": -1, "batch_size": 2}]
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ from ..differential import harness
 from ..differential.cases import CASES
 
 LAX_SPECS: dict[str, list[dict[str, Any]]] = {
-    name: [{"T": 1, "C": 1, "seed": 1}, {"T": 37, "C": 5, "seed": 2, "reverse": True, "axis": 1, "batch_size": 4}]
+    name: [{"T": 1, "C": 1, "seed": 1}, {"T": 37, "C": 5, "seed": 2, "reverse": True, "axis": -1, "batch_size": 4}]
     for name in CASES
 }
 # the shapes of the 2026-11-23 CUDA report, where the kernel split time into segments
