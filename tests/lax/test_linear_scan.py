@@ -5,6 +5,7 @@ The Triton kernels themselves are tested in tests/kernels/test_linear_scan.py (i
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -166,6 +167,51 @@ def test_algorithm_choice_is_by_shape() -> None:
     assert ref.choose_torch_algorithm(4096, 1024, "cuda") == "logdepth"
     assert ref.choose_torch_algorithm(256, 16384, "cuda") == "logdepth"
     assert ref.choose_torch_algorithm(4096, 16384, "cuda") == "chunked"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(("shape", "axis", "reverse", "loop"), [
+    ((40, 300), 0, False, True),  # sequential eagerly (C > 256): one loop op traced
+    ((3, 70, 40), 1, True, True),  # chunked eagerly (64 < C <= 256): one loop op traced
+    ((2, 33), -1, True, False),  # log-depth eagerly (few channels): the same traced
+])
+def test_traced_cpu_path_is_one_loop_op_with_eagers_values_and_gradients(backend, shape, axis, reverse, loop) -> None:
+    """Traced on the CPU, a shape whose eager algorithm is a Python loop (sequential, chunked)
+    runs as one `tfun.lax.scan` instead of `T` steps unrolled into the graph (compile time);
+    values and gradients are float64 eager's, forward-then-backward and `tfun.jit(tfun.grad)`."""
+    T = shape[axis]
+    C = math.prod(shape) // T
+    assert (ref.choose_torch_algorithm(T, C) != "logdepth") == loop
+    g = torch.Generator().manual_seed(6)
+    a = 0.5 + 0.5 * torch.rand(shape, dtype=torch.float64, generator=g)
+    b = torch.randn(shape, dtype=torch.float64, generator=g)
+    h0 = torch.randn([s for i, s in enumerate(shape) if i != axis % len(shape)], dtype=torch.float64, generator=g)
+    w = torch.randn(shape, dtype=torch.float64, generator=g)
+    loss = lambda a, b, h0: (linear_scan(a, b, h0, axis=axis, reverse=reverse) * w).sum()
+    want = torch.func.grad(loss, argnums=(0, 1, 2))(a, b, h0)
+    torch._dynamo.reset()
+    low = tfun.jit(lambda a, b, h0: linear_scan(a, b, h0, axis=axis, reverse=reverse)).lower(a, b, h0)
+    assert low.count("higher_order.scan") == (1 if loop else 0)
+    got = tfun.jit(tfun.grad(loss, argnums=(0, 1, 2)), backend=backend)(a, b, h0)
+    torch.testing.assert_close(got, want)
+    xs = [t.clone().requires_grad_() for t in (a, b, h0)]
+    out = tfun.jit(lambda a, b, h0: linear_scan(a, b, h0, axis=axis, reverse=reverse), backend=backend)(*xs)
+    torch.testing.assert_close(out, linear_scan(a, b, h0, axis=axis, reverse=reverse))
+    torch.testing.assert_close(torch.autograd.grad((out * w).sum(), xs), want)
+
+
+def test_traced_loop_not_under_vmap_or_second_order() -> None:
+    """Where torch's loop ops cannot go (a `torch.func` transform inside the trace, a
+    derivative differentiated again) the plain algorithm is traced, as before: both work."""
+    g = torch.Generator().manual_seed(7)
+    a = 0.5 + 0.5 * torch.rand(3, 40, 40, dtype=torch.float64, generator=g)
+    b = torch.randn(3, 40, 40, dtype=torch.float64, generator=g)
+    f = lambda a, b: linear_scan(a, b).pow(2).sum()
+    torch._dynamo.reset()
+    per_example = tfun.jit(tfun.vmap(tfun.grad(f)), backend="aot_eager")(a, b)
+    torch.testing.assert_close(per_example, torch.func.vmap(torch.func.grad(f))(a, b))
+    hess = lambda a, b: tfun.grad(lambda a: tfun.grad(f)(a, b).sum())(a)
+    torch.testing.assert_close(tfun.jit(hess, backend="aot_eager")(a[0], b[0]), hess(a[0], b[0]))
 
 
 # ----------------------------------------------------------------------------------------------
