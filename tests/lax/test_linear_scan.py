@@ -214,6 +214,33 @@ def test_traced_loop_not_under_vmap_or_second_order() -> None:
     torch.testing.assert_close(tfun.jit(hess, backend="aot_eager")(a[0], b[0]), hess(a[0], b[0]))
 
 
+@pytest.mark.parametrize("where", ["cond", "map", "scan"])
+def test_traced_in_a_control_flow_body_with_gradients(where: str) -> None:
+    """Inside another op's body the traced loop is not used (torch cannot differentiate a scan
+    nested in a `cond` branch or a `map` body: found by a correctness hunt, session 19): values
+    and gradients equal eager's, forward+backward compiled together and apart."""
+    g = torch.Generator().manual_seed(3)
+    T, C = 5, 8  # eagerly the sequential algorithm: traced at top level, a loop op
+    a = 0.5 + 0.5 * torch.rand(2, T, C, dtype=torch.float64, generator=g)
+    b = torch.randn(2, T, C, dtype=torch.float64, generator=g)
+    w = torch.randn(2, T, C, dtype=torch.float64, generator=g)
+    if where == "cond":
+        inner = lambda a, b: tfun.lax.cond(a.sum() > 0, lambda a, b: linear_scan(a, b, axis=1),
+                                           lambda a, b: linear_scan(a, b, axis=1, reverse=True), a, b)
+    elif where == "map":
+        inner = lambda a, b: tfun.lax.map(lambda ab: linear_scan(ab[0], ab[1]), (a, b))
+    else:
+        inner = lambda a, b: tfun.lax.scan(lambda c, ab: (c, linear_scan(ab[0], ab[1])), 0.0, (a, b))[1]
+    f = lambda a, b: (inner(a, b) * w).sum()
+    want = tfun.grad(f, argnums=(0, 1))(a, b)
+    torch._dynamo.reset()
+    got = tfun.jit(tfun.grad(f, argnums=(0, 1)), backend="aot_eager")(a, b)
+    torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    xs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    torch.testing.assert_close(torch.autograd.grad(tfun.jit(f, backend="aot_eager")(*xs), xs), list(want))
+
+
 # ----------------------------------------------------------------------------------------------
 # errors (wording pinned)
 

@@ -201,7 +201,10 @@ def _traced_loop_wanted(algorithm: str, device: torch.device) -> bool:
     against the loop's 0.96. Only on the CPU (on CUDA a loop step is a kernel launch: not
     measured there), and not where a loop op cannot go: inside a `torch.func` transform
     (torch's loop ops do not run on batched tensors under Dynamo) or a traced derivative that
-    is differentiated again (they have no second derivative)."""
+    is differentiated again (they have no second derivative), nor inside another control-flow
+    op's body (torch cannot differentiate a scan nested in a `cond` branch or a `map` body:
+    "cannot register a hook on a tensor that doesn't require gradient"; the Python loop is
+    unrolled into the body there, as before)."""
     from .. import _context
     from ..lax import _hop
 
@@ -211,6 +214,7 @@ def _traced_loop_wanted(algorithm: str, device: torch.device) -> bool:
         and _context.is_tracing()
         and not _context.functorch_active()
         and not _hop.unrolled_steps()
+        and not _hop.in_body()
     )
 
 
