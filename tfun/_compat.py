@@ -733,6 +733,15 @@ def _custom_graph_pass() -> type:
 CustomGraphPass: type = _custom_graph_pass()
 
 
+def inductor_unrolled_reduction_size() -> int:
+    """The largest reduction Inductor unrolls into pointwise code (`unroll_reductions_threshold`,
+    8 in torch 2.11-2.14), whose arithmetic its consumers then inline; 8 where the option is
+    missing."""
+    from torch._inductor import config
+
+    return int(getattr(config, "unroll_reductions_threshold", 8))
+
+
 def fake_mode_of(values: Any) -> Any:
     """The fake-tensor mode of the fake tensors among `values` (a graph node's `val`s), or None."""
     detect = getattr(importlib.import_module("torch._guards"), "detect_fake_mode", None)

@@ -19,6 +19,16 @@ and each loop body and branch inside them). It rewrites `aten.mm`, `aten.addmm` 
 - with static sizes whose product `batch * M * K * N` is at most `MAX_MULTIPLY_ADDS`
   (2^18, where the fused loop stopped winning in the same measurement).
 
+- summing more than Inductor's `unroll_reductions_threshold` (8) terms (`K`), or else used
+  only by pointwise ops of its own shape and transposes up to the graph's output (a recurrent
+  step's weight gradient `hᵀ g`, summed over a batch of 4, added to its carry). Inductor turns a sum of at
+  most 8 terms into pointwise code, which each consumer of the product inlines through its
+  views; through a flipped, strided scatter (the backward of a reversed `associative_scan` of
+  2x2 matrices) torch 2.11-2.13 printed that index arithmetic with C's `%`, which is negative
+  for a negative operand: the backward read outside its buffers and returned garbage
+  gradients (found by a correctness hunt, session 19; tests/test_small_matmul.py). A larger
+  sum stays a reduction, which Inductor writes to its own buffer, as it does ATen's result.
+
 Anything else is left to ATen. The result is the same matrix product with another summation
 order: float32 results differ from the extern kernel's by rounding only (the tests compare
 both with the float64 eager result).
@@ -82,7 +92,36 @@ def _operands(node: torch.fx.Node) -> tuple[Any, Any] | None:
     work = sa[-2] * sa[-1] * sb[-1] * (sa[0] if len(sa) == 3 else 1)
     if work == 0 or work > MAX_MULTIPLY_ADDS:
         return None
+    if sa[-1] <= _compat.inductor_unrolled_reduction_size() and not _elementwise_to_output(node, tuple(node.meta["val"].shape)):
+        return None  # see the module's docstring
     return a, b
+
+
+#: Views that only reorder dimensions: indexing through them needs no division or remainder.
+_PERMUTATIONS = (_aten.permute.default, _aten.t.default, _aten.transpose.int)
+
+
+def _elementwise_to_output(node: torch.fx.Node, shape: tuple[int, ...]) -> bool:
+    """Whether every path from `node` to the graph's output runs through pointwise ops of its
+    shape and dimension permutations only (so Inductor, inlining the product into them,
+    indexes it with no division or remainder)."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        val = _val(user)
+        if user.op != "call_function" or not isinstance(val, torch.Tensor):
+            return False
+        if user.target in _PERMUTATIONS:
+            if not _elementwise_to_output(user, tuple(val.shape)):
+                return False
+            continue
+        if (
+            torch.Tag.pointwise not in getattr(user.target, "tags", ())
+            or tuple(val.shape) != shape
+            or not _elementwise_to_output(user, shape)
+        ):
+            return False
+    return True
 
 
 class _Builder:
