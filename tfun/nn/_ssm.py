@@ -1,9 +1,10 @@
 """Diagonal linear-recurrent layers: `S4D`, `S5`, `LRU`, `MinGRU`.
 
-Each runs its recurrence in parallel over time (`linear_recurrence`: `tfun.lax.linear_scan`
-for real recurrences where available, else `tfun.lax.associative_scan`; complex
-recurrences use `associative_scan` with the S5 operator) and has a `step` mode for
-inference that computes the same function one position at a time.
+Each runs its recurrence in parallel over time and has a `step` mode for inference that
+computes the same function one position at a time. MinGRU's real recurrence is
+`tfun.lax.linear_scan` (`linear_recurrence`); the complex diagonal ones of S4D (scan mode), S5
+and LRU are `_diagonal_scan.diagonal_scan`, on real/imaginary pairs, with real projections
+around it.
 """
 
 
@@ -14,30 +15,24 @@ import torch
 from jaxtyping import Complex, Float
 from torch import Tensor, nn
 
-from .. import lax
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, linear_recurrence
+from ._diagonal_scan import diagonal_scan
 
 
 def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
 
 
-def s5_operator(x: tuple[Tensor, Tensor], y: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """The S5 binary operator `(a_i, b_i) • (a_j, b_j) = (a_j a_i, a_j b_i + b_j)` (Smith et al. 2023)."""
-    a_i, bu_i = x
-    a_j, bu_j = y
-    return a_j * a_i, a_j * bu_i + bu_j
-
-
-def _complex_scan(a: Tensor, bu: Tensor, h0: Tensor | None) -> Tensor:
-    """All states of `h_t = a * h_{t-1} + bu_t` along axis 1 (complex), via associative_scan."""
-    if h0 is not None:
-        bu = torch.cat([bu[:, :1] + a * h0.unsqueeze(1), bu[:, 1:]], dim=1)
-    if bu.shape[1] == 0:
-        return bu
-    _, h = lax.associative_scan(s5_operator, (a.expand_as(bu), bu), axis=1)
-    return h
+def _zoh(a_re: Tensor, a_im: Tensor, dt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Zero-order hold of the complex diagonal `A` with step `dt`, in real arithmetic:
+    `z = ΔA` (so `Ā = exp(z)`) and `f = (exp(ΔA) - 1) / A` (so `B̄ = f B`), as real and
+    imaginary parts. `exp(ΔA) - 1` is formed with `expm1`, accurate for small steps."""
+    zr, zi = a_re * dt, a_im * dt
+    e_re = torch.expm1(zr) * torch.cos(zi) - 2 * torch.sin(0.5 * zi) ** 2  # Re exp(z) - 1
+    e_im = torch.exp(zr) * torch.sin(zi)
+    den = a_re * a_re + a_im * a_im
+    return zr, zi, (e_re * a_re + e_im * a_im) / den, (e_im * a_re - e_re * a_im) / den
 
 
 class _SSMBase(nn.Module):
@@ -65,8 +60,34 @@ class _ComplexDiagonalSSM(_SSMBase):
 
     _readout_scale = 1.0
 
-    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """`(zr, zi, B_re, B_im, C_re, C_im)`: `λ = exp(zr + i zi)` `(d_state,)`, the input
+        matrix `(d_state, d_model)` and the readout `(d_model, d_state)`, in real parts."""
         raise NotImplementedError
+
+    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
+        """`(λ, B, C)` as complex tensors (the step mode's form of `_discrete_parts`)."""
+        zr, zi, b_re, b_im, c_re, c_im = self._discrete_parts()
+        return torch.exp(torch.complex(zr, zi)), torch.complex(b_re, b_im), torch.complex(c_re, c_im)
+
+    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
+        """Parallel mode.
+
+        **Arguments:**
+
+        - `x`: `(batch, length, d_model)`.
+
+        **Returns:** `(batch, length, d_model)`.
+        """
+        x = self._check_x(x)
+        zr, zi, b_re, b_im, c_re, c_im = self._discrete_parts()
+        n = zr.shape[0]
+        # B u in real and imaginary parts: one real product (x is real)
+        bu = x.to(b_re.dtype) @ torch.cat([b_re, b_im], dim=0).t()  # (b, l, 2n)
+        hr, hi = diagonal_scan(zr, zi, bu[..., :n], bu[..., n:])
+        # Re(h Cᵀ) = h_re C_reᵀ - h_im C_imᵀ: one real product
+        y = torch.cat([hr, hi], dim=-1) @ torch.cat([c_re, -c_im], dim=1).t()
+        return self._readout_scale * y + self.D * x
 
     def init_state(self, batch_size: int, device: Any = None, dtype: Any = None) -> Complex[Tensor, "batch d_state"]:
         """Zero state `(batch, d_state)`, complex.
@@ -142,26 +163,11 @@ class LRU(_ComplexDiagonalSSM):
         self.C_im = nn.Parameter(torch.randn(d_model, d_state, **f) / math.sqrt(d_state))
         self.D = nn.Parameter(torch.randn(d_model, **f))
 
-    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
-        lam = torch.exp(torch.complex(-torch.exp(self.nu_log), torch.exp(self.theta_log)))
-        B = torch.complex(self.B_re, self.B_im) * torch.exp(self.gamma_log).unsqueeze(-1)
-        C = torch.complex(self.C_re, self.C_im)
-        return lam, B, C
+    def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        gamma = torch.exp(self.gamma_log).unsqueeze(-1)
+        return (-torch.exp(self.nu_log), torch.exp(self.theta_log), self.B_re * gamma, self.B_im * gamma,
+                self.C_re, self.C_im)
 
-    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
-        """Parallel mode.
-
-        **Arguments:**
-
-        - `x`: `(batch, length, d_model)`.
-
-        **Returns:** `(batch, length, d_model)`.
-        """
-        x = self._check_x(x)
-        lam, B, C = self._discrete()
-        bu = x.to(B.dtype) @ B.t()  # (b, l, n)
-        h = _complex_scan(lam, bu, None)
-        return (h @ C.t()).real + self.D * x
 
 class S4D(_SSMBase):
     """S4D: the diagonal S4 of Gu, Gupta, Goel & Ré, "On the Parameterization and Initialization of Diagonal State Space Models" (NeurIPS 2022).
@@ -182,7 +188,7 @@ class S4D(_SSMBase):
       a causal convolution by FFT (`rfft` of length 2L, product, `irfft`), `O(L log L)` per
       channel. The kernel keeps `O(d_model · (L + d_state · (64 + L / 64)))` numbers for the
       backward, not `O(d_model · d_state · L)`.
-    - `mode="scan"`: the recurrence through `associative_scan`.
+    - `mode="scan"`: the recurrence, scanned in parallel over time.
 
     `step` runs the recurrence one position at a time (inference); it agrees with both.
 
@@ -216,13 +222,13 @@ class S4D(_SSMBase):
         self.A_imag = nn.Parameter(math.pi * torch.arange(n, **f).repeat(d_model, 1))
         self.D = nn.Parameter(torch.randn(d_model, **f))
 
+    def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`(zr, zi, f_re, f_im)`, each `(d_model, d_state // 2)`: `Ā = exp(z)`, `B̄ = f`."""
+        return _zoh(-torch.exp(self.log_A_real), self.A_imag, torch.exp(self.log_dt).unsqueeze(-1))
+
     def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
-        dt = torch.exp(self.log_dt).unsqueeze(-1)
-        A = torch.complex(-torch.exp(self.log_A_real), self.A_imag)
-        dtA = A * dt
-        A_bar = torch.exp(dtA)
-        B_bar = (A_bar - 1) / A
-        return A_bar, B_bar, torch.view_as_complex(self.C)
+        zr, zi, f_re, f_im = self._discrete_parts()
+        return torch.exp(torch.complex(zr, zi)), torch.complex(f_re, f_im), torch.view_as_complex(self.C)
 
     def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
         """Parallel mode.
@@ -236,10 +242,14 @@ class S4D(_SSMBase):
         x = self._check_x(x)
         if self._check_mode() == "conv":
             return _causal_conv(x, self.kernel(x.shape[1])) + self.D * x
-        A_bar, B_bar, C = self._discrete()
-        bu = B_bar * x.unsqueeze(-1).to(B_bar.dtype)  # (b, l, h, n)
-        h = _complex_scan(A_bar, bu, None)
-        return 2 * (h * C).sum(-1).real + self.D * x
+        zr, zi, f_re, f_im = self._discrete_parts()
+        b, length, h, n = *x.shape, zr.shape[-1]
+        xc = x.to(zr.dtype).unsqueeze(-1)  # B̄ u, (b, l, h, n), scanned as h * n channels
+        hr, hi = diagonal_scan(zr.reshape(-1), zi.reshape(-1), (f_re * xc).reshape(b, length, h * n),
+                               (f_im * xc).reshape(b, length, h * n))
+        c_re, c_im = self.C[..., 0], self.C[..., 1]
+        y = (hr.reshape(b, length, h, n) * c_re - hi.reshape(b, length, h, n) * c_im).sum(-1)  # Re(C h)
+        return 2 * y + self.D * x
 
     def _check_mode(self) -> str:
         if self.mode not in ("conv", "scan"):
@@ -267,22 +277,16 @@ class S4D(_SSMBase):
 
         **Returns:** the real kernel (without the skip term `D`).
         """
-        dt = torch.exp(self.log_dt).unsqueeze(-1)  # (h, 1)
-        a_re = -torch.exp(self.log_A_real)  # Re A, (h, n)
-        a_im = self.A_imag
-        # B̄ = (exp(ΔA) - 1) / A, and the weight W = C B̄, in real and imaginary parts
-        e = torch.exp(a_re * dt)
-        ex_re, ex_im = e * torch.cos(a_im * dt) - 1, e * torch.sin(a_im * dt)
-        den = a_re * a_re + a_im * a_im
-        b_re, b_im = (ex_re * a_re + ex_im * a_im) / den, (ex_im * a_re - ex_re * a_im) / den
+        # ΔA and B̄ = (exp(ΔA) - 1) / A, and the weight W = C B̄, in real and imaginary parts
+        da_re, da_im, b_re, b_im = self._discrete_parts()  # (h, n) each
         c_re, c_im = self.C[..., 0], self.C[..., 1]
         w_re, w_im = c_re * b_re - c_im * b_im, c_re * b_im + c_im * b_re
         # M is a constant, not ⌈√length⌉: under tfun.jit's dynamic shapes `length` is symbolic
         block = _KERNEL_BLOCK
         blocks = -(-length // block)
-        da_re, da_im = (a_re * dt).unsqueeze(-1), (a_im * dt).unsqueeze(-1)  # ΔA, (h, n, 1)
-        r = torch.arange(block, dtype=dt.dtype, device=dt.device)
-        q = torch.arange(blocks, dtype=dt.dtype, device=dt.device) * block
+        da_re, da_im = da_re.unsqueeze(-1), da_im.unsqueeze(-1)  # ΔA, (h, n, 1)
+        r = torch.arange(block, dtype=da_re.dtype, device=da_re.device)
+        q = torch.arange(blocks, dtype=da_re.dtype, device=da_re.device) * block
         # W Ā^r, (h, n, M)
         mag_r, ang_r = torch.exp(da_re * r), da_im * r
         cos_r, sin_r = torch.cos(ang_r), torch.sin(ang_r)
@@ -365,7 +369,8 @@ class S5(_ComplexDiagonalSSM):
     eigenvalues with positive imaginary part of HiPPO-N of size `2 d_state` (real part
     -½), `B̃ = V⁻¹B`, `C̃ = CV` with `V` its eigenvectors, `B` LeCun-normal, `C` complex
     normal, `D ~ N(0, 1)`, `Δ = exp(log_step)` log-uniform in `[dt_min, dt_max]`. The
-    recurrence is `tfun.lax.associative_scan` with the S5 binary operator on complex tensors.
+    recurrence runs in parallel over time (the paper's associative scan; a chunked form when
+    traced), in real arithmetic around it.
 
     **Arguments:**
 
@@ -401,29 +406,12 @@ class S5(_ComplexDiagonalSSM):
         self.D = nn.Parameter(torch.randn(d_model, **f))
         self.log_step = nn.Parameter(torch.rand(d_state, **f) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
 
-    def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
-        lam = torch.complex(self.Lambda_re, self.Lambda_im)
-        step = torch.exp(self.log_step)
-        lam_bar = torch.exp(lam * step)
-        B_bar = ((lam_bar - 1) / lam).unsqueeze(-1) * torch.view_as_complex(self.B)
-        return lam_bar, B_bar, torch.view_as_complex(self.C)
+    def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        zr, zi, f_re, f_im = _zoh(self.Lambda_re, self.Lambda_im, torch.exp(self.log_step))
+        f_re, f_im = f_re.unsqueeze(-1), f_im.unsqueeze(-1)
+        b_re, b_im = self.B[..., 0], self.B[..., 1]
+        return zr, zi, f_re * b_re - f_im * b_im, f_re * b_im + f_im * b_re, self.C[..., 0], self.C[..., 1]
 
-    def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
-        """Parallel mode.
-
-        **Arguments:**
-
-        - `x`: `(batch, length, d_model)`.
-
-        **Returns:** `(batch, length, d_model)`.
-        """
-        x = self._check_x(x)
-        lam_bar, B_bar, C = self._discrete()
-        bu = x.to(B_bar.dtype) @ B_bar.t()  # (b, l, p)
-        if bu.shape[1] == 0:
-            return x.clone()
-        _, h = lax.associative_scan(s5_operator, (lam_bar.expand_as(bu), bu), axis=1)
-        return 2 * (h @ C.t()).real + self.D * x
 
 class MinGRU(_SSMBase):
     """minGRU of Feng, Tung, Ahmed, Bengio & Hajimirsadeghi, "Were RNNs All We Needed?" (2024).

@@ -1,0 +1,84 @@
+"""The complex diagonal recurrence under S4D/S5/LRU (tfun/nn/_diagonal_scan.py): both of its
+algorithms, values and the gradients of all four inputs, against the float64 recurrence run
+one step at a time; the traced path under tfun.jit (aot_eager and Inductor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfun
+from tfun.nn import _diagonal_scan as ds
+
+ALGORITHMS = {"log_depth": ds._log_depth, "chunked": ds._chunked}
+
+
+def reference(zr, zi, ur, ui):
+    """`h_t = exp(z) h_{t-1} + u_t`, one step at a time, in complex128."""
+    lam = torch.exp(torch.complex(zr, zi).to(torch.complex128))
+    u = torch.complex(ur, ui).to(torch.complex128)
+    h = torch.zeros(u.shape[0], u.shape[2], dtype=u.dtype)
+    hs = []
+    for t in range(u.shape[1]):
+        h = lam * h + u[:, t]
+        hs.append(h)
+    out = torch.stack(hs, 1) if hs else u
+    return out.real, out.imag
+
+
+def inputs(batch, length, n, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    zr = -torch.rand(n, generator=g, dtype=dtype) * 0.5 - 1e-3  # |λ| in (0.6, 1)
+    zi = (torch.rand(n, generator=g, dtype=dtype) - 0.5) * 6.0
+    ur = torch.randn(batch, length, n, generator=g, dtype=dtype)
+    ui = torch.randn(batch, length, n, generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (zr, zi, ur, ui)]
+
+
+def values_and_grads(f, args):
+    hr, hi = f(*args)
+    g = torch.Generator().manual_seed(1)
+    # the same weights whatever the dtype (drawn in float64)
+    wr, wi = (torch.randn(hr.shape, generator=g, dtype=torch.float64).to(hr.dtype) for _ in range(2))
+    loss = (hr * wr + hi * wi).sum()
+    grads = torch.autograd.grad(loss, args, allow_unused=True)
+    return (hr, hi), [torch.zeros_like(a) if gr is None else gr for a, gr in zip(args, grads)]
+
+
+def check(f, args, rtol, atol):
+    (hr, hi), grads = values_and_grads(f, args)
+    ref64 = [a.detach().double().requires_grad_() for a in args]
+    (rr, ri), rgrads = values_and_grads(reference, ref64)
+    torch.testing.assert_close(hr.double(), rr, rtol=rtol, atol=atol)
+    torch.testing.assert_close(hi.double(), ri, rtol=rtol, atol=atol)
+    for name, got, want in zip(("zr", "zi", "ur", "ui"), grads, rgrads):
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"d/d{name}: {m}")
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), length=st.sampled_from([0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 100]),
+       n=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_algorithm_matches_the_recurrence_values_and_gradients(algorithm, batch, length, n, seed):
+    check(ALGORITHMS[algorithm], inputs(batch, length, n, seed), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("length", [513, 1000])
+def test_long_float32_against_float64(algorithm, length):
+    args = inputs(2, length, 3, seed=length, dtype=torch.float32)
+    check(ALGORITHMS[algorithm], args, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_traced_runs_the_chunked_real_algorithm_with_the_recurrences_values_and_gradients(backend, monkeypatch):
+    called = []
+    chunked = ds._chunked
+    monkeypatch.setattr(ds, "_log_depth", lambda *a: pytest.fail("traced call ran the complex log-depth scan"))
+    monkeypatch.setattr(ds, "_chunked", lambda *a: called.append(1) or chunked(*a))
+    f = tfun.jit(ds.diagonal_scan, backend=backend)
+    for length in (19, 8, 67):  # 3 chunks; 1; 9 chunks (a second level)
+        check(f, inputs(2, length, 3, seed=length), rtol=1e-9, atol=1e-9)
+    assert called
