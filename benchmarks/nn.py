@@ -137,8 +137,8 @@ def bench_gru(repeats: int) -> list[str]:
     return rows
 
 
-def bench_ssm(repeats: int) -> list[str]:
-    B, L, D = 8, 256, 64
+def bench_ssm(repeats: int, length: int = 256) -> list[str]:
+    B, L, D = 8, length, 64
     rows = [f"SSM layers, batch {B}, length {L}, d_model {D}, float32; real recurrences via {linear_scan_backend()}.", "",
             "| layer | config | eager fwd+bwd ms | tfun.jit fwd+bwd ms (first call s) |", "|---|---|---:|---:|"]
     torch.manual_seed(0)
@@ -239,6 +239,7 @@ def main() -> None:
     p.add_argument("--only", choices=["lstm", "ssm", "ce"], help="run one section")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the ce section is CPU-only: it reads the RSS)")
+    p.add_argument("--ssm-length", type=int, default=256, help="sequence length of the ssm section")
     args = p.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -248,7 +249,7 @@ def main() -> None:
     sections = {
         "lstm": lambda: ["### LSTM forward+backward (float32, 1 layer)", "", *bench_lstm(repeats), "",
                          "### GRU forward+backward (float32, 1 layer)", "", *bench_gru(repeats), ""],
-        "ssm": lambda: ["### SSM layers forward+backward", "", *bench_ssm(repeats), ""],
+        "ssm": lambda: ["### SSM layers forward+backward", "", *bench_ssm(repeats, args.ssm_length), ""],
         "ce": lambda: ["### chunked_cross_entropy memory", "", *bench_ce(), ""],
     }
     out = ["## tfun.nn (benchmarks/nn.py)", "", f"Machine: {machine()}.", ""]
