@@ -965,17 +965,24 @@ def same_treedef(a: Any, b: Any) -> bool:
     (see `_dynamo_compares_by_dunder_eq`), so a pytree carry checked in a HOP body under
     `tfun.jit` failed to compile. Where that is so, the fields are compared here one by one,
     the function by identity (which is what `==` on a function is), the children recursively:
-    the same answer as `==`. Elsewhere (eager code, non-strict export's outer code, torch
-    2.13 and later) this is `a == b`.
+    the same answer as `==`. Every release's stand-in also keeps a dict's keys in their
+    insertion order in its fields, which optree's `==` ignores (it flattens a dict in sorted
+    key order): a `combine` returning `{"b": ..., "a": ...}` for `elems` built as
+    `{"a": ..., "b": ...}` ran eagerly and was refused under `tfun.jit`. So under Dynamo the
+    fields are always compared here, a dict's keys as optree compares them. Elsewhere (eager
+    code, non-strict export's outer code) this is `a == b`.
     """
-    if (
-        torch.compiler.is_dynamo_compiling()
-        and hasattr(a, "_unflatten_func")
-        and hasattr(b, "_unflatten_func")
-        and _dynamo_compares_by_dunder_eq()
-    ):
+    if torch.compiler.is_dynamo_compiling() and hasattr(a, "_unflatten_func") and hasattr(b, "_unflatten_func"):
         return _spec_fields_equal(a, b)
     return bool(a == b)
+
+
+def _metadata_equal(a: Any, b: Any) -> bool:
+    """The node metadata of two stand-in treedefs of the same type, equal as optree's `==`
+    finds them: a dict's keys as a sorted sequence (its `_entries`), not in insertion order."""
+    if a._type is dict:
+        return bool(a._entries == b._entries)
+    return bool(a._metadata == b._metadata)
 
 
 def _spec_fields_equal(a: Any, b: Any) -> bool:
@@ -991,7 +998,7 @@ def _spec_fields_equal(a: Any, b: Any) -> bool:
         or a.none_is_leaf != b.none_is_leaf
         or a.namespace != b.namespace
         or a._entries != b._entries
-        or a._metadata != b._metadata
+        or not _metadata_equal(a, b)
         or a._unflatten_func is not b._unflatten_func
     ):
         return False

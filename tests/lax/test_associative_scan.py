@@ -353,6 +353,45 @@ def test_second_order_along_a_negative_axis():
     torch.testing.assert_close(tfun.jit(hess, backend="aot_eager")(a, b), hess(a, b))
 
 
+@pytest.mark.parametrize("order", ["same", "reversed"])
+def test_combine_returning_a_dict_in_another_key_order_under_jit(order):
+    """A dict is one pytree whatever its keys' insertion order (optree flattens it by sorted
+    key): eagerly a `combine` returning the keys in another order was accepted, and under
+    `tfun.jit` refused with an empty list of differences (Dynamo's stand-in treedef kept the
+    insertion order; found by a correctness hunt, session 19). Values and gradients."""
+    import tfun
+
+    def combine(l, r):
+        a, b = l["a"] * r["a"], r["a"] * l["b"] + r["b"]
+        return {"b": b, "a": a} if order == "reversed" else {"a": a, "b": b}
+
+    def f(a, b):
+        return lax.associative_scan(combine, {"a": a, "b": b})["b"].pow(2).sum()
+
+    g = torch.Generator().manual_seed(6)
+    a = 0.5 + 0.5 * torch.rand(9, 3, dtype=torch.float64, generator=g)
+    b = torch.randn(9, 3, dtype=torch.float64, generator=g)
+    want = tfun.value_and_grad(f, argnums=(0, 1))(a, b)
+    torch._dynamo.reset()
+    assert_tree_allclose(tfun.jit(tfun.value_and_grad(f, argnums=(0, 1)), backend="aot_eager")(a, b), want)
+
+
+def test_combine_returning_other_dict_keys_is_refused_alike_eagerly_and_under_jit():
+    import tfun
+
+    def f(a, b):
+        return lax.associative_scan(lambda l, r: {"a": l["a"] * r["a"], "c": r["b"]}, {"a": a, "b": b})
+
+    a, b = torch.rand(5, 2), torch.rand(5, 2)
+    with pytest.raises(TypeError) as eager:
+        f(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(TypeError) as jitted:
+        tfun.jit(f, backend="aot_eager")(a, b)
+    assert type(jitted.value) is type(eager.value)
+    assert "c" in str(jitted.value) and "b" in str(jitted.value)
+
+
 @pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex:UserWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("length", [2, 4, 37])
