@@ -101,24 +101,26 @@ def _operands(node: torch.fx.Node) -> tuple[Any, Any] | None:
 _PERMUTATIONS = (_aten.permute.default, _aten.t.default, _aten.transpose.int)
 
 
-def _elementwise_to_output(node: torch.fx.Node, shape: tuple[int, ...]) -> bool:
+def _elementwise_to_output(node: torch.fx.Node, shape: tuple[int, ...], seen: set[torch.fx.Node] | None = None) -> bool:
     """Whether every path from `node` to the graph's output runs through pointwise ops of its
     shape and dimension permutations only (so Inductor, inlining the product into them,
-    indexes it with no division or remainder)."""
+    indexes it with no division or remainder). Each node is visited once."""
+    seen = set() if seen is None else seen
     for user in node.users:
-        if user.op == "output":
+        if user.op == "output" or user in seen:
             continue
+        seen.add(user)
         val = _val(user)
         if user.op != "call_function" or not isinstance(val, torch.Tensor):
             return False
         if user.target in _PERMUTATIONS:
-            if not _elementwise_to_output(user, tuple(val.shape)):
+            if not _elementwise_to_output(user, tuple(val.shape), seen):
                 return False
             continue
         if (
             torch.Tag.pointwise not in getattr(user.target, "tags", ())
             or tuple(val.shape) != shape
-            or not _elementwise_to_output(user, shape)
+            or not _elementwise_to_output(user, shape, seen)
         ):
             return False
     return True
