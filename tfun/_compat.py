@@ -979,9 +979,13 @@ def same_treedef(a: Any, b: Any) -> bool:
 
 def _metadata_equal(a: Any, b: Any) -> bool:
     """The node metadata of two stand-in treedefs of the same type, equal as optree's `==`
-    finds them: a dict's keys as a sorted sequence (its `_entries`), not in insertion order."""
+    finds them: the keys of a dict or a `defaultdict` as a sorted sequence (its `_entries`),
+    not in insertion order, and a `defaultdict`'s `default_factory` (the first item of its
+    metadata). An `OrderedDict`'s keys stay ordered, as optree compares them."""
     if a._type is dict:
         return bool(a._entries == b._entries)
+    if a._type is collections.defaultdict:
+        return bool(a._entries == b._entries and a._metadata[0] == b._metadata[0])
     return bool(a._metadata == b._metadata)
 
 

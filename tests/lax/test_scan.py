@@ -285,3 +285,45 @@ def test_scan_traced_length_is_an_argument_type_error():
         f(torch.tensor(3), torch.tensor(1.0))
     g = tfun.jit(lambda n, x: lax.scan(lambda c, z: (c, z), x, None, n)[0], static_argnums=0, backend="aot_eager")
     assert g(3, torch.tensor(1.0)).item() == 1.0
+
+
+@pytest.mark.parametrize("kind", ["dict", "defaultdict"])
+def test_carry_rebuilt_in_another_key_order_under_jit(kind):
+    """A dict or a `defaultdict` is one pytree whatever its keys' insertion order (optree
+    flattens and compares it by sorted key): a body rebuilding the carry in another order ran
+    eagerly, and a `defaultdict` one was refused under `tfun.jit` with an empty list of
+    differences (Dynamo's stand-in treedef keeps the insertion order; found by a correctness
+    hunt, session 20). Values and gradients, against eager."""
+    import collections
+
+    make = (lambda d: dict(d)) if kind == "dict" else (lambda d: collections.defaultdict(list, d))
+
+    def f(t):
+        body = lambda c, _: (make({"b": c["b"] + c["a"], "a": c["a"] * 2}), None)
+        out = lax.scan(body, make({"a": t, "b": t.sin()}), None, length=3)[0]
+        return (out["a"] * out["b"]).sum()
+
+    t = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    want = tfun.value_and_grad(f)(t)
+    torch._dynamo.reset()
+    assert_tree_allclose(tfun.jit(tfun.value_and_grad(f), backend="aot_eager")(t), want)
+
+
+def test_ordered_dict_carry_in_another_key_order_is_refused_alike_eagerly_and_under_jit():
+    """An `OrderedDict`'s key order is part of its structure (optree compares it in order): a
+    body that reorders it is refused, with the same error class eagerly and under `tfun.jit`."""
+    import collections
+
+    from tfun.errors import TfunError
+
+    def f(t):
+        body = lambda c, _: (collections.OrderedDict(b=c["b"], a=c["a"]), None)
+        return lax.scan(body, collections.OrderedDict(a=t, b=t), None, length=2)[0]
+
+    t = torch.ones(2)
+    with pytest.raises(TfunError) as eager:
+        f(t)
+    torch._dynamo.reset()
+    with pytest.raises(TfunError) as jitted:
+        tfun.jit(f, backend="aot_eager")(t)
+    assert type(jitted.value) is type(eager.value)
