@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Complex, Float
 from torch import Tensor, nn
 
+from .. import _compat
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, linear_recurrence
 from ._diagonal_scan import diagonal_scan
@@ -27,9 +28,10 @@ def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
 def _zoh(a_re: Tensor, a_im: Tensor, dt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Zero-order hold of the complex diagonal `A` with step `dt`, in real arithmetic:
     `z = ΔA` (so `Ā = exp(z)`) and `f = (exp(ΔA) - 1) / A` (so `B̄ = f B`), as real and
-    imaginary parts. `exp(ΔA) - 1` is formed with `expm1`, accurate for small steps."""
+    imaginary parts. `exp(ΔA) - 1` is formed with `_compat.expm1`, accurate for small steps
+    (under `tfun.jit` too)."""
     zr, zi = a_re * dt, a_im * dt
-    e_re = torch.expm1(zr) * torch.cos(zi) - 2 * torch.sin(0.5 * zi) ** 2  # Re exp(z) - 1
+    e_re = _compat.expm1(zr) * torch.cos(zi) - 2 * torch.sin(0.5 * zi) ** 2  # Re exp(z) - 1
     e_im = torch.exp(zr) * torch.sin(zi)
     den = a_re * a_re + a_im * a_im
     return zr, zi, (e_re * a_re + e_im * a_im) / den, (e_im * a_re - e_re * a_im) / den
