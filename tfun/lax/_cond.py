@@ -436,7 +436,7 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
         leaves = _hop.unalias(leaves, flat)
-        return _hop.pack(td, leaves)
+        return _hop.pack(key, td, leaves)
 
     return branch
 
@@ -490,7 +490,7 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     shapes = False
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes)
-    return _forward(key, _hop.unpack(_hop.torch_cond()(pred, t, f, tuple(flat))), flat)
+    return _forward(key, _hop.unpack(key, _hop.torch_cond()(pred, t, f, tuple(flat))), flat)
 
 
 def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
@@ -517,8 +517,8 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
         return node
 
     if len(wrapped) == 1:
-        return _hop.unpack(wrapped[0](*flat))
-    return _forward(key, _hop.unpack(build(0, len(wrapped))(*flat)), flat)
+        return _hop.unpack(key, wrapped[0](*flat))
+    return _forward(key, _hop.unpack(key, build(0, len(wrapped))(*flat)), flat)
 
 
 __all__ = ["cond", "switch", "select"]

@@ -902,27 +902,115 @@ def check_result(
 # Passing an output of unknown structure through a HOP
 # ----------------------------------------------------------------------------------------
 
-#: `None` inside HOP outputs travels as `{_NONE_KEY: ()}`: torch's scan treats a `None`
-#: there as a leaf, and Dynamo accepts only tensors and builtin containers in HOP outputs.
-_NONE_KEY = "__tfun_none__"
+# A body's output of arbitrary pytree structure (a `cond` branch's, a `map` function's, a
+# `scan` body's `y`) crosses the HOP as the flat list of its leaves: torch's HOPs return only
+# tensors in builtin containers, which they flatten with torch's own pytree, so a node
+# registered with tfun (a `register_dataclass` class, a custom node) was refused under
+# `tfun.jit`, and a dict returned by two branches in two key insertion orders was two
+# structures to `torch.cond` (both run eagerly). The structure goes around the HOP instead,
+# through an escape hatch: the body records it (`pack`), the code after the HOP rebuilds the
+# tree from it (`unpack`).
+
+#: key -> the recorded structure of a HOP call's body output (a real treedef where the body
+#: ran as plain Python, else `_skeleton_of`'s constants). Bounded.
+_OUT_TREES: collections.OrderedDict[int, Any] = collections.OrderedDict()
+_OUT_TREES_MAX = 256
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+_NONE_TYPE = type(None)
+#: The `(unflatten function, metadata)` of each recorded node that is not a dict is an
+#: attribute of this module, `_tfun_node_<id>`, which traced code reads by its name (a
+#: constant): Dynamo cannot take a class or a function out of an escape hatch's result, and a
+#: dict of them would be read as Dynamo first saw it in a trace (one with two HOPs records the
+#: second one's nodes after reading it). Attributes are never replaced, so a guard on one
+#: stays true.
+_NODE_IDS = itertools.count(1)
+_THIS = sys.modules[__name__]
+_NONE, _DICT, _ORDERED, _DEFAULT, _OTHER = range(5)
 
 
-def _is_nothing(x: Any) -> bool:
-    return type(x) is dict and len(x) == 1 and _NONE_KEY in x
+def _skeleton_of(td: Any) -> Any:
+    """`td` (Dynamo's stand-in treedef) as constants: None for a leaf, else `(type, metadata,
+    entries, children)`. A dict-like node's keys are its `entries` (in its children's order);
+    its metadata is only a `defaultdict`'s `default_factory`."""
+    if td.is_leaf():
+        return None
+    typ = td.type
+    if typ in _DICTS:
+        meta = td._metadata[0] if typ is collections.defaultdict else None
+    else:
+        meta = td._metadata
+    return (typ, meta, tuple(td.entries()), tuple(_skeleton_of(c) for c in td.children()))
 
 
-def pack(td: Any, leaves: list[Any]) -> Any:
-    """The tree `td` with `leaves`, its `None` nodes replaced by `{_NONE_KEY: ()}` markers."""
-    tree = tree_unflatten(td, leaves)
-    parts, td_n = tree_flatten(tree, none_is_leaf=True)
-    return tree_unflatten(td_n, [{_NONE_KEY: ()} if x is None else x for x in parts])
+@assume_constant
+def _escape_out_tree(key: int, tree: Any) -> int:
+    """Record the structure of call `key`'s body output: a real treedef as it is, else the
+    skeleton as `(kind, node id, entries, children)` constants (see `_NODE_IDS`)."""
+    _OUT_TREES[key] = tree if not isinstance(tree, tuple) else _encode(tree)
+    _OUT_TREES.move_to_end(key)
+    while len(_OUT_TREES) > _OUT_TREES_MAX:
+        _OUT_TREES.popitem(last=False)
+    return 0
 
 
-def unpack(tree: Any) -> Any:
-    """Inverse of `pack`."""
-    parts, td = tree_flatten(tree, is_leaf=_is_nothing, none_is_leaf=True)
-    return tree_unflatten(td, [None if _is_nothing(x) else x for x in parts])
+def _encode(skel: Any) -> Any:
+    if skel is None:
+        return None
+    typ, meta, entries, children = skel
+    kids = tuple(_encode(c) for c in children)
+    if typ is _NONE_TYPE:
+        return (_NONE, 0, (), kids)
+    if typ is dict:
+        return (_DICT, 0, entries, kids)
+    if typ is collections.OrderedDict:
+        return (_ORDERED, 0, entries, kids)
+    node = next(_NODE_IDS)
+    if typ is collections.defaultdict:
+        setattr(_THIS, f"_tfun_node_{node}", (None, meta))
+        return (_DEFAULT, node, entries, kids)
+    import optree
 
+    from .._tree import NAMESPACE
+
+    setattr(_THIS, f"_tfun_node_{node}", (optree.register_pytree_node.get(typ, namespace=NAMESPACE).unflatten_func, meta))
+    return (_OTHER, node, entries, kids)
+
+
+@assume_constant
+def _escape_out_tree_of(key: int) -> Any:
+    return _OUT_TREES[key]
+
+
+def _rebuild(skel: Any, leaves: Any) -> Any:
+    if skel is None:
+        return next(leaves)
+    kind, node, entries, children = skel
+    kids = [_rebuild(c, leaves) for c in children]
+    if kind == _NONE:
+        return None
+    if kind == _DICT:
+        return dict(zip(entries, kids))
+    if kind == _ORDERED:
+        return collections.OrderedDict(zip(entries, kids))
+    fn, meta = getattr(_THIS, f"_tfun_node_{node}")
+    if kind == _DEFAULT:
+        return collections.defaultdict(meta, zip(entries, kids))
+    return fn(meta, kids)
+
+
+def pack(key: int, td: Any, leaves: list[Any]) -> list[Any]:
+    """In a HOP body: record `td` for HOP call `key` and return the flat `leaves` (what the
+    body returns to torch's HOP in place of the tree)."""
+    _escape_out_tree(key, _skeleton_of(td) if torch.compiler.is_dynamo_compiling() else td)
+    return list(leaves)
+
+
+def unpack(key: int, flat: Sequence[Any]) -> Any:
+    """After the HOP: the tree recorded for call `key`, with the HOP's flat outputs."""
+    tree = _escape_out_tree_of(key)
+    if tree is not None and not isinstance(tree, tuple):  # a real treedef: the body ran as plain Python
+        return tree_unflatten(tree, list(flat))
+    return _rebuild(tree, iter(flat))
 
 
 # ----------------------------------------------------------------------------------------

@@ -162,9 +162,10 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
-        return _hop.pack(y_td, y_leaves)
+        return _hop.pack(key, y_td, y_leaves)
 
-    return _hop.unpack(_hop.torch_map()(body, _hop.distinct(x_leaves)))  # e.g. xs=(x, x)
+    key = _hop.escape_new_key()
+    return _hop.unpack(key, _hop.torch_map()(body, _hop.distinct(x_leaves)))  # e.g. xs=(x, x)
 
 
 __all__ = ["map"]

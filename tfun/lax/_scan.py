@@ -451,6 +451,7 @@ def _lower_scan(
 
     c_carrier, x_carrier = _hop.carrier(c_td, c_leaves), _hop.carrier(x_td, x_leaves)
     n_x = len(x_leaves)
+    key = _hop.escape_new_key()  # the ys' structure goes around the HOP (`_hop.pack`)
     # Workarounds for inductor compiling torch 2.13's scan backward (not needed by export):
     # 1. torch's scan autograd saves per-step intermediates next to the body's outputs; when
     #    one of them *is* an output (tanh's result is both the new carry and what tanh's
@@ -500,7 +501,7 @@ def _lower_scan(
             ys_out = [_mark(t, d) for t, d in zip(ys_out, y_dtypes)]
         # torch's scan needs at least one y: stack a dummy 0-d tensor when y has no leaves
         extra = [] if y_leaves else [torch.zeros((), device=raw_ins[0].device)]
-        return list(outs[:k]), (_hop.pack(y_td, ys_out), extra)
+        return list(outs[:k]), (_hop.pack(key, y_td, ys_out), extra)
 
     if length == 0:
         return _scan_empty(f, init, xs, x_leaves, x_td)
@@ -515,7 +516,7 @@ def _lower_scan(
     carry_flat = list(carry_flat)[:n_c]
     if encode:
         carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat, c_dtypes)]
-    ys = _hop.unpack(ys)
+    ys = _hop.unpack(key, ys)
     if encode:
         ys = _unmark(ys)
     if for_inductor:
