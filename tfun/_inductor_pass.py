@@ -4,9 +4,11 @@ Inductor has one slot for a custom pass that runs on every graph it compiles (th
 the backward, and each loop body and branch inside them): `post_grad_custom_pre_pass`.
 `PostGradPass` fills it with tfun's rewrites, in order:
 
-1. `tfun._view_copies.rewrite`: copying views that Inductor would run as ATen calls (the
+1. `tfun._hoist_constants.rewrite`: tensor constants inside a loop body or a branch become
+   operands of their HOP (torch 2.11 and 2.13 fail at run time on a constant in a body).
+2. `tfun._view_copies.rewrite`: copying views that Inductor would run as ATen calls (the
    `select_copy`s of a differentiated loop body) become a view and a clone it fuses.
-2. `tfun._small_matmul.rewrite`: small CPU matrix products become a broadcast multiply and a
+3. `tfun._small_matmul.rewrite`: small CPU matrix products become a broadcast multiply and a
    sum it fuses with the step's pointwise work.
 
 Each leaves a graph it does not apply to as it was. `tfun._jit_options` adds the pass when
@@ -23,12 +25,12 @@ from typing import Any
 
 import torch
 
-from . import _compat, _small_matmul, _view_copies
+from . import _compat, _hoist_constants, _small_matmul, _view_copies
 
 __all__ = ["PostGradPass"]
 
 # Part of the pass's cache key (`uuid`): bump it when a rewrite changes.
-_VERSION = 2
+_VERSION = 3
 
 
 class PostGradPass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type]
@@ -37,6 +39,7 @@ class PostGradPass(_compat.CustomGraphPass):  # type: ignore[misc, valid-type]
     without it, or with another tfun."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _hoist_constants.rewrite(graph)
         _view_copies.rewrite(graph)
         _small_matmul.rewrite(graph)
 
