@@ -82,3 +82,23 @@ def test_traced_runs_the_chunked_real_algorithm_with_the_recurrences_values_and_
     for length in (19, 8, 67):  # 3 chunks; 1; 9 chunks (a second level)
         check(f, inputs(2, length, 3, seed=length), rtol=1e-9, atol=1e-9)
     assert called
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_precision_scans_in_float32_eagerly_and_traced(dtype):
+    """Half-precision states come from a float32 scan on both paths (found by a correctness
+    hunt, session 20: eagerly, bfloat16 raised torch's "Expected both inputs to be Half, Float
+    or Double tensors" and float16 "exp_vml_cpu not implemented for 'ComplexHalf'", while the
+    traced real path ran): the float32 scan of the same inputs, rounded once."""
+    args = [a.detach().to(dtype).requires_grad_() for a in inputs(2, 40, 3, seed=11, dtype=torch.float32)]
+    want32 = ds.diagonal_scan(*[a.detach().float() for a in args])
+    eager = ds.diagonal_scan(*args)
+    torch._dynamo.reset()
+    traced = tfun.jit(ds.diagonal_scan, backend="aot_eager")(*args)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    for got, rtol in ((eager, 0.0), (traced, ulp)):  # traced: the chunked algorithm's float32 rounding, then one
+        assert got[0].dtype == dtype and got[1].dtype == dtype
+        for g, w in zip(got, want32):
+            torch.testing.assert_close(g.float(), w.to(dtype).float(), rtol=rtol, atol=rtol * 1e-2)
+    (eager[0].float().sum() + eager[1].float().sum()).backward()
+    assert all(a.grad is not None and a.grad.dtype == dtype and a.grad.isfinite().all() for a in args)

@@ -48,9 +48,17 @@ def diagonal_scan(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tenso
     - `ur`, `ui`: `(batch, length, n)`, the real and imaginary parts of `u`.
 
     **Returns:** `(hr, hi)`, each `(batch, length, n)`.
+
+    Half-precision inputs (bfloat16, float16) are scanned in float32 on both paths and the
+    states returned in their dtype: torch has no complex bfloat16 for the eager algorithm (nor
+    complex float16 kernels on the CPU), and a long recurrence in 8 bits of mantissa loses
+    what the float32 one keeps.
     """
     if ur.shape[1] < 2:
         return ur, ui
+    if ur.dtype not in (torch.float32, torch.float64):
+        hr, hi = diagonal_scan(zr.float(), zi.float(), ur.float(), ui.float())
+        return hr.to(ur.dtype), hi.to(ui.dtype)
     if _context.is_tracing():
         return _chunked(zr, zi, ur, ui)
     return _log_depth(zr, zi, ur, ui)
