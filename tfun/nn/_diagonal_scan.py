@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _context
+from .. import _compat, _context
+from ..lax import scan
 
 #: Steps per chunk of the traced algorithm (unrolled in the graph: `_CHUNK` multiply-adds per
 #: level of `ceil(log_CHUNK(T))` levels). 8 and 16 ran alike at T=256 and T=4096 on the CPU;
@@ -60,6 +61,8 @@ def diagonal_scan(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tenso
         hr, hi = diagonal_scan(zr.float(), zi.float(), ur.float(), ui.float())
         return hr.to(ur.dtype), hi.to(ui.dtype)
     if _context.is_tracing():
+        if _compat.is_exporting() and not isinstance(ur.shape[1], int):
+            return _loop(zr, zi, ur, ui)
         return _chunked(zr, zi, ur, ui)
     return _log_depth(zr, zi, ur, ui)
 
@@ -90,6 +93,22 @@ def _log_depth(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tensor, 
 
     h = level(torch.complex(ur, ui), 0)
     return h.real, h.imag
+
+
+def _loop(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tensor, Tensor]:
+    """One step at a time, in real arithmetic, as one `tfun.lax.scan`: what `torch.export`
+    takes for a length that is a symbol (`Dim`). The other two algorithms' graphs depend on
+    the length (`_chunked` nests one level per factor of `_CHUNK`), so export would have to
+    specialize it and refuses the `Dim`."""
+    pr, pi = _power(zr, zi, 1.0)
+
+    def step(h: tuple[Tensor, Tensor], u: tuple[Tensor, Tensor]) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        hr, hi = pr * h[0] - pi * h[1] + u[0], pr * h[1] + pi * h[0] + u[1]
+        return (hr, hi), (hr, hi)
+
+    zero = ur.new_zeros(ur.shape[0], ur.shape[2])
+    _, (hr, hi) = scan(step, (zero, zero.clone()), (ur.transpose(0, 1), ui.transpose(0, 1)))
+    return hr.transpose(0, 1), hi.transpose(0, 1)
 
 
 def _chunked(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tensor, Tensor]:
