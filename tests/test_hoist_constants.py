@@ -66,9 +66,8 @@ def test_constants_in_bodies_under_inductor(name):
     x = torch.randn(5, 3, dtype=DT, generator=g)
     w = torch.tensor(0.8, dtype=DT)
     want = tfun.value_and_grad(f, argnums=(0, 1))(x, w)
-    if name != "nested":  # (a differentiated scan inside a cond branch is refused under tfun.jit)
-        torch._dynamo.reset()
-        assert_tree_allclose(tfun.jit(tfun.value_and_grad(f, argnums=(0, 1)))(x, w), want)
+    torch._dynamo.reset()
+    assert_tree_allclose(tfun.jit(tfun.value_and_grad(f, argnums=(0, 1)))(x, w), want)
     torch._dynamo.reset()
     assert_tree_allclose(tfun.jit(f)(x, w), want[0])
 

@@ -327,3 +327,39 @@ def test_ordered_dict_carry_in_another_key_order_is_refused_alike_eagerly_and_un
     with pytest.raises(TfunError) as jitted:
         tfun.jit(f, backend="aot_eager")(t)
     assert type(jitted.value) is type(eager.value)
+
+
+def _scan_in_cond(x, w):
+    def branch(u):
+        c, ys = lax.scan(lambda c, xt: (torch.tanh(c * w + xt), c), torch.zeros(3, dtype=x.dtype), u)
+        return ys.sum() + c.pow(2).sum()
+
+    return lax.cond(x.sum() > -100, branch, lambda u: u.sum() * w, x)
+
+
+def _scan_in_map(x, w):
+    def row(u):
+        c, ys = lax.scan(lambda c, xt: (torch.tanh(c * w + xt), c), torch.zeros(3, dtype=x.dtype), u)
+        return ys.sum() + c.pow(2).sum()
+
+    return lax.map(row, x.reshape(2, -1, 3)).sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("program", [_scan_in_cond, _scan_in_map], ids=["cond", "map"])
+def test_differentiated_scan_inside_a_branch_or_map_body_under_jit(program, backend):
+    """A scan in a cond branch or a map body, differentiated under `tfun.jit`: its lowering
+    registered a gradient hook inside the other op's body, where autograd is off, and the
+    compile failed ("cannot register a hook on a tensor that doesn't require gradient";
+    found while fixing a correctness hunt's findings, session 20). Values and gradients
+    against eager, with `tfun.grad` inside and `.backward()` after."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=g)
+    w = torch.tensor(0.8, dtype=torch.float64)
+    want = tfun.value_and_grad(program, argnums=(0, 1))(x, w)
+    torch._dynamo.reset()
+    assert_tree_allclose(tfun.jit(tfun.value_and_grad(program, argnums=(0, 1)), backend=backend)(x, w), want)
+    torch._dynamo.reset()
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    tfun.jit(program, backend=backend)(xx, ww).backward()
+    assert_tree_allclose((xx.grad, ww.grad), want[1])

@@ -699,7 +699,7 @@ def _make_contiguous(g: torch.Tensor) -> torch.Tensor:
 
 def _contiguous_grad(t: Any) -> Any:
     """`t`, whose gradient is made dense (contiguous) before it reaches scan's backward."""
-    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled() and not _compat.scan_backward_dense():
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled() and not _compat.scan_backward_dense() and not _hop.in_body():
         t = t.view_as(t)
         t.register_hook(_make_contiguous)
     return t
