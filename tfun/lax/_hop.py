@@ -925,7 +925,7 @@ _NONE_TYPE = type(None)
 #: stays true.
 _NODE_IDS = itertools.count(1)
 _THIS = sys.modules[__name__]
-_NONE, _DICT, _ORDERED, _DEFAULT, _OTHER = range(5)
+_NONE, _TUPLE, _LIST, _DICT, _ORDERED, _DEFAULT, _OTHER = range(7)
 
 
 def _skeleton_of(td: Any) -> Any:
@@ -960,6 +960,10 @@ def _encode(skel: Any) -> Any:
     kids = tuple(_encode(c) for c in children)
     if typ is _NONE_TYPE:
         return (_NONE, 0, (), kids)
+    if typ is tuple:
+        return (_TUPLE, 0, (), kids)
+    if typ is list:
+        return (_LIST, 0, (), kids)
     if typ is dict:
         return (_DICT, 0, entries, kids)
     if typ is collections.OrderedDict:
@@ -988,6 +992,10 @@ def _rebuild(skel: Any, leaves: Any) -> Any:
     kids = [_rebuild(c, leaves) for c in children]
     if kind == _NONE:
         return None
+    if kind == _TUPLE:
+        return tuple(kids)
+    if kind == _LIST:
+        return kids
     if kind == _DICT:
         return dict(zip(entries, kids))
     if kind == _ORDERED:
