@@ -29,7 +29,11 @@ def _zoh(a_re: Tensor, a_im: Tensor, dt: Tensor) -> tuple[Tensor, Tensor, Tensor
     """Zero-order hold of the complex diagonal `A` with step `dt`, in real arithmetic:
     `z = ΔA` (so `Ā = exp(z)`) and `f = (exp(ΔA) - 1) / A` (so `B̄ = f B`), as real and
     imaginary parts. `exp(ΔA) - 1` is formed with `_compat.expm1`, accurate for small steps
-    (under `tfun.jit` too)."""
+    (under `tfun.jit` too). Half-precision parameters are discretized in float32 and the parts
+    returned in their dtype (`f`'s gradient in `A` cancels terms of size `Δ` to size `Δ²`)."""
+    if a_re.dtype in (torch.bfloat16, torch.float16):
+        parts = _zoh(a_re.float(), a_im.float(), dt.float())
+        return tuple(p.to(a_re.dtype) for p in parts)  # type: ignore[return-value]
     zr, zi = a_re * dt, a_im * dt
     e_re = _compat.expm1(zr) * torch.cos(zi) - 2 * torch.sin(0.5 * zi) ** 2  # Re exp(z) - 1
     e_im = torch.exp(zr) * torch.sin(zi)
