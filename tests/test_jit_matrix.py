@@ -36,6 +36,9 @@ pytestmark = [
     # "error" filter: not ours to fix
     pytest.mark.filterwarnings("ignore:.*should not be instantiated.*:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning"),
+    # torch's vmap inside a traced graph falls back to a loop for aten::select_copy (`x[0]`)
+    # and says so (torch's warning, not tfun's)
+    pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule"),
 ]
 
 # ----------------------------------------------------------------------------------------
@@ -128,13 +131,23 @@ for _op in ("cond", "switch", "while_loop"):
             rf"^tfun\.lax\.{_op}: under tfun\.jit, this op is inside a gradient that is differentiated again",
         )
 
-# tfun.vmap (torch.func.vmap) around a control-flow HOP inside torch.compile: torch 2.13
-# cannot run the HOP on batched fake tensors. (associative_scan lowers to an unrolled tree
-# on the CPU, no HOP, and works.)
+# tfun.vmap (torch.func.vmap) around a control-flow op inside torch.compile. Compiled and
+# compared in every mode: associative_scan (an unrolled tree on the CPU, no HOP), scan (tfun
+# batches the carry as JAX does, and lays out a batched init for torch's scan autograd) and map
+# (a scan without carry). Refused by torch 2.13: fori_loop here at the second shape (its carry
+# is x: symbolic sizes under vmap, the JitError says dynamic=False), cond and switch with a
+# batched predicate (torch.cond on batched fake tensors), and while_loop (no vmap rule: tfun's
+# own JitError).
+_VMAP_COMPILES = {(op, m) for op in ("associative_scan", "map", "scan") for m in MODES_ALL}
 for _op in OPS:
-    if _op != "associative_scan":
-        for _mode in MODES_ALL:
-            REFUSED[(_op, "vmap", _mode)] = (JitError, r"^tfun\.jit: could not compile `<lambda> at tests/test_jit_matrix\.py:\d+` as one graph")
+    for _mode in MODES_ALL:
+        if (_op, _mode) in _VMAP_COMPILES:
+            continue
+        REFUSED[(_op, "vmap", _mode)] = (
+            (JitError, r"^tfun\.lax\.while_loop: under tfun\.jit, this loop is inside a torch\.func transform")
+            if _op == "while_loop"
+            else (JitError, r"^tfun\.jit: could not compile `<lambda> at tests/test_jit_matrix\.py:\d+` as one graph")
+        )
 
 
 def _inputs(context, T, seed):

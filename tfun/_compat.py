@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -438,6 +438,79 @@ def subgraph_input_asserts_off() -> None:
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
 subgraph_input_asserts_off._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_SCAN_VMAP_PATCHED = False
+
+
+def scan_vmap_fixes() -> None:
+    """Let torch's scan autograd run under `vmap` (`tfun.jit(tfun.vmap(f))` whose inputs
+    require grad, or a `.backward()` through it). Idempotent.
+
+    torch's vmap rule for scan (torch 2.11 - 2.15 at least) moves each batched operand's batch
+    dimension last (a view), and scan's autograd then compares that `init` with the body's new
+    carry, a contiguous tensor, stride for stride: "Expected init and carry to have same
+    metadata ... differ in 'stride'". Here the rule is wrapped so that, where the scan below it
+    is differentiated (grad mode, an operand that requires grad), each `init` batched at its
+    level enters with its batch dimension innermost in memory: the rule's view of it is then
+    contiguous too. (Without autograd the carry is the rule's own view, laid out as `init` is.) Values are unchanged (a copy). Installed wherever scan has a vmap rule in its
+    `functorch_table`, as it is where that table exists (feature-detected, not by version)."""
+    global _SCAN_VMAP_PATCHED
+    if _SCAN_VMAP_PATCHED:
+        return
+    _SCAN_VMAP_PATCHED = True
+    try:
+        scan_mod = importlib.import_module("torch._higher_order_ops.scan")
+    except ImportError:  # pragma: no cover - a torch whose scan moved: nothing to patch
+        return
+    op = getattr(scan_mod, "scan_op", None)
+    table = getattr(op, "functorch_table", None)
+    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
+    unwrap = getattr(_FUNCTORCH_C, "_unwrap_batched", None)
+    add = getattr(_FUNCTORCH_C, "_add_batch_dim", None)
+    if not isinstance(table, dict) or vmap_key not in table or unwrap is None or add is None:
+        return
+    rule = table[vmap_key]
+    if getattr(rule, "_tfun_batch_innermost", False):
+        return
+
+    def batch_innermost(t: Any, level: int) -> Any:
+        if not (isinstance(t, torch.Tensor) and is_batchedtensor is not None and is_batchedtensor(t)):
+            return t
+        if maybe_get_level is None or maybe_get_level(t) != level:
+            return t
+        physical, bdim = unwrap(t, level)
+        if bdim is None:
+            return t
+        physical = physical.movedim(bdim, -1).contiguous().movedim(-1, bdim)
+        return add(physical, bdim, level)
+
+    def differentiated(operands: list[Any], level: int) -> bool:
+        # whether the scan below this vmap level runs torch's scan autograd (which compares
+        # against a contiguous carry); without it, the carry is the rule's own view, laid out as
+        # `init` is, and is left alone
+        if not torch.is_grad_enabled():
+            return False
+        for t in operands:
+            if isinstance(t, torch.Tensor):
+                if is_batchedtensor is not None and is_batchedtensor(t) and maybe_get_level is not None and maybe_get_level(t) == level:
+                    t = unwrap(t, level)[0]
+                if t.requires_grad:
+                    return True
+        return False
+
+    @functools.wraps(rule)
+    def scan_batch_rule(interpreter: Any, combine_fn: Any, init: Any, xs: Any, additional_inputs: Any) -> Any:
+        level = interpreter.level()
+        if differentiated([*init, *xs, *additional_inputs], level):
+            init = type(init)(batch_innermost(t, level) for t in init)
+        return rule(interpreter, combine_fn, init, xs, additional_inputs)
+
+    scan_batch_rule._tfun_batch_innermost = True  # type: ignore[attr-defined]
+    table[vmap_key] = scan_batch_rule
+
+
+scan_vmap_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _SCAN_BACKWARD_DENSE = False

@@ -962,6 +962,15 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "compute it inside the body from a tensor it receives (`x.shape[0] // 4`, or `chunk`), or "
             "pass dynamic=False to tfun.jit to compile each shape on its own."
         )
+    if "Batching rule not implemented for aten::sym_size" in str(e):
+        # tfun.vmap inside tfun.jit with symbolic sizes (a second call with another shape): torch
+        # cannot trace a loop op (scan) on batched tensors whose sizes are symbols
+        revise = (
+            "A tfun.vmap inside tfun.jit maps a loop (scan, fori_loop, map) over tensors whose sizes are "
+            f"symbolic (tfun.jit makes a size symbolic once it has seen it change), which torch "
+            f"{torch.__version__} cannot trace. Pass dynamic=False to tfun.jit to compile each shape on its "
+            "own, or apply tfun.vmap outside tfun.jit."
+        )
     if "does not support RNG ops in recompute regions" in str(e):
         # torch.utils.checkpoint (tfun.checkpoint when traced) whose backward is computed in
         # the same graph (tfun.grad inside tfun.jit): torch cannot replay its random draws

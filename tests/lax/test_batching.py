@@ -202,3 +202,163 @@ def test_grad_vmap_cond_shared_closed_over_parameter():
     w = torch.tensor(3.0, dtype=torch.float64)
     torch.testing.assert_close(loss(w), (w * xs[xs > 0]).sum() + (w**2 * xs[xs <= 0]).sum())
     torch.testing.assert_close(tfun.grad(loss)(w), xs[xs > 0].sum() + (2 * w * xs[xs <= 0]).sum())
+
+
+# ----------------------------------------------------------------------------------------
+# tfun.vmap inside tfun.jit: loops whose body batches the carry (JAX's carry fixpoint)
+# ----------------------------------------------------------------------------------------
+
+import tfun  # noqa: E402
+from tfun.errors import JitError  # noqa: E402
+
+_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)]
+# torch's vmap falls back to a loop for aten::select_copy (a scan step's slice) and says so
+_SLOW_BATCHING = pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented")
+
+
+def _vmap_jit_cases():
+    w = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)
+
+    def scan_zeros_init(x):  # init unbatched, the body batches it through x
+        c, ys = lax.scan(lambda c, xt: (torch.tanh(c * w.to(c) + xt), c.sum()), torch.zeros(3, dtype=x.dtype), x)
+        return c, ys
+
+    def scan_pytree_reverse(x):  # an int counter (stays unbatched), a float carry, reverse
+        def step(c, xt):
+            i, h = c
+            return (i + 1, torch.sin(h) + xt * (i + 1).to(xt)), {"h": h, "i": i}
+
+        return lax.scan(step, (torch.tensor(0), torch.ones(3, dtype=x.dtype)), x, reverse=True)
+
+    def scan_unrolled(x):
+        return lax.scan(lambda c, xt: (c * 0.5 + xt, c), torch.zeros(3, dtype=x.dtype), x, unroll=2)
+
+    def scan_carry_reset(x):  # init batched, the body returns an unbatched constant for it
+        return lax.scan(lambda c, xt: (torch.ones(3, dtype=xt.dtype), c + xt), x[0], x)
+
+    def scan_no_xs(x):  # length only; the carry is batched through a closure
+        return lax.scan(lambda c, _: (torch.cos(c) + x.sum(0), c), torch.zeros(3, dtype=x.dtype), None, length=4)
+
+    def fori_closure(x):
+        return lax.fori_loop(0, 3, lambda i, c: torch.tanh(c * 1.5 + x.mean(0)), torch.zeros(3, dtype=x.dtype))
+
+    def map_rows(x):
+        return lax.map(lambda r: torch.sin(r) * w.to(r), x)
+
+    return {f.__name__: f for f in (scan_zeros_init, scan_pytree_reverse, scan_unrolled, scan_carry_reset,
+                                    scan_no_xs, fori_closure, map_rows)}
+
+
+_CASES = _vmap_jit_cases()
+
+
+@_SLOW_BATCHING
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_vmap_of_loops_under_jit_equals_eager_float64(name, backend):
+    f = _CASES[name]
+    torch._dynamo.reset()
+    xs = torch.randn(3, 5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = tfun.vmap(f)(xs)
+    got = tfun.jit(tfun.vmap(f), backend=backend)(xs.float())
+    for g, e in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(want)):
+        assert g.shape == e.shape and g.dtype == (e.dtype if not e.is_floating_point() else torch.float32)
+        torch.testing.assert_close(g.to(e.dtype), e, rtol=1e-5, atol=1e-5)
+
+
+def _loss(out):
+    return sum((t.double() ** 2).sum() for t in tfun.tree.tree_leaves(out) if t.is_floating_point())
+
+
+@_SLOW_BATCHING
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_gradient_through_vmap_of_loops_under_jit_equals_eager_float64(name, backend):
+    """`.backward()` through a jitted `vmap` of a loop: torch's scan autograd under vmap
+    needed `_compat.scan_vmap_fixes` ("init and carry ... differ in 'stride'")."""
+    f = _CASES[name]
+    torch._dynamo.reset()
+    xs = torch.randn(3, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x64 = xs.clone().requires_grad_()
+    _loss(tfun.vmap(f)(x64)).backward()
+    x32 = xs.float().requires_grad_()
+    _loss(tfun.jit(tfun.vmap(f), backend=backend)(x32)).backward()
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+
+
+@_SLOW_BATCHING
+def test_gradient_of_a_jitted_vmap_in_a_parameter():
+    """A parameter shared by the batch (in_axes None), differentiated through the vmapped
+    scan, with tfun.grad inside tfun.jit and with .backward() outside it."""
+    w = torch.randn(3, dtype=torch.float64)
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+
+    def loss(w, x):
+        c, ys = lax.scan(lambda c, xt: (torch.tanh(c * w + xt), c.sum()), torch.zeros(3, dtype=x.dtype), x)
+        return ys.sum() + c.sum()
+
+    def total(w, xs):
+        return tfun.vmap(loss, in_axes=(None, 0))(w, xs).sum()
+
+    want = tfun.grad(total)(w, xs)
+    torch.testing.assert_close(tfun.jit(tfun.grad(total), backend="aot_eager")(w.float(), xs.float()).double(), want,
+                               rtol=1e-5, atol=1e-5)
+    w32 = w.float().requires_grad_()
+    tfun.jit(total, backend="aot_eager")(w32, xs.float()).backward()
+    torch.testing.assert_close(w32.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@_SLOW_BATCHING
+def test_nested_vmap_of_scan_under_jit():
+    def f(x, y):  # batched over x by the inner vmap, over y by the outer one
+        return lax.scan(lambda c, xt: (torch.tanh(c + xt * y), c.sum()), torch.zeros(3, dtype=x.dtype), x)
+
+    xs = torch.randn(2, 5, 3, dtype=torch.float64)
+    ys = torch.randn(4, 3, dtype=torch.float64)
+    g = tfun.vmap(tfun.vmap(f, in_axes=(0, None)), in_axes=(None, 0))
+    want = g(xs, ys)
+    got = tfun.jit(g, backend="aot_eager")(xs.float(), ys.float())
+    for a, b in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(want)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@_SLOW_BATCHING
+def test_gradient_of_jitted_vmap_of_map():
+    w = torch.randn(3, dtype=torch.float64)
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+
+    def loss(w, x):
+        return lax.map(lambda r: torch.sin(r * w), x).sum()
+
+    want = torch.func.grad(lambda w: tfun.vmap(loss, in_axes=(None, 0))(w, xs).sum())(w)
+    w32 = w.float().requires_grad_()
+    tfun.jit(tfun.vmap(loss, in_axes=(None, 0)), backend="aot_eager")(w32, xs.float()).sum().backward()
+    torch.testing.assert_close(w32.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_of_while_loop_under_jit_is_refused_with_what_to_do():
+    def f(x):
+        return lax.while_loop(lambda c: c.sum() < 10, lambda c: c + x.abs() + 0.1, torch.zeros(3))
+
+    with pytest.raises(JitError, match=r"^tfun\.lax\.while_loop: under tfun\.jit, this loop is inside a torch\.func transform") as info:
+        tfun.jit(tfun.vmap(f), backend="aot_eager")(torch.randn(4, 3))
+    assert "test_batching.py" in str(info.value) and "fori_loop" in str(info.value)
+
+
+@_SLOW_BATCHING
+def test_vmap_of_loops_under_jit_at_a_second_shape():
+    def f(x):  # the carry is the batched input itself
+        return lax.fori_loop(0, 3, lambda i, c: torch.tanh(c * 1.1), x)
+
+    # static shapes: each shape compiled on its own, each right
+    g = tfun.jit(tfun.vmap(f), backend="aot_eager", dynamic=False)
+    for T in (4, 6):
+        x = torch.randn(2, T, 3)
+        torch.testing.assert_close(g(x), tfun.vmap(f)(x))
+    # the default makes the size symbolic at the second shape, which torch 2.13 cannot trace
+    # under vmap here: a JitError that says what to do
+    g = tfun.jit(tfun.vmap(f), backend="aot_eager")
+    x = torch.randn(2, 4, 3)
+    torch.testing.assert_close(g(x), tfun.vmap(f)(x))
+    with pytest.raises(JitError, match="Pass dynamic=False to tfun.jit"):
+        g(torch.randn(2, 6, 3))

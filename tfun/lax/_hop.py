@@ -138,6 +138,7 @@ def torch_scan() -> Callable[..., Any]:
     from torch._higher_order_ops.scan import scan as _scan
 
     _compat.scan_autograd_fixes()  # torch 2.11's scan autograd lacks two fixes of 2.13 (see there)
+    _compat.scan_vmap_fixes()  # scan autograd under vmap: an init whose batch dim is innermost
     _compat.subgraph_input_asserts_off()  # per-step layout checks Inductor made when compiling
     return _scan
 
@@ -644,6 +645,26 @@ def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
     )
 
 
+def refuse_vmapped(op: str, fn: Callable[..., Any]) -> None:
+    """Called by a lowering whose torch op has no rule for torch.func transforms
+    (`while_loop`), when traced inside one (`tfun.jit(tfun.vmap(f))`): a `JitError` that says
+    what works instead."""
+    if not vmap_traced():
+        return
+    raise _errors.JitError(
+        _errors.format_message(
+            f"{op}: under tfun.jit, this loop is inside a torch.func transform (tfun.vmap, tfun.jvp, jacfwd, "
+            f"...), and torch {torch.__version__}'s while_loop op has no rule for one (no vmap, no jvp), so it "
+            "cannot be traced there. Under tfun.vmap, scan, fori_loop with static bounds, map and cond can.",
+            function=_funcinfo.describe(fn),
+            revise="Use tfun.lax.fori_loop with Python-int bounds or tfun.lax.scan when the trip count is known, "
+            "keep the batch as a tensor dimension in the loop's carry instead of vmapping over it, or apply "
+            "tfun.vmap outside tfun.jit (`tfun.vmap(tfun.jit(f))`: right values, but the jitted function then "
+            "runs uncompiled).",
+        )
+    )
+
+
 @assume_constant
 def escape_new_key() -> int:
     return next(_KEYS)
@@ -1084,6 +1105,62 @@ def promote_weak_init(
         op, role, fn, fn_args = rules
         out = _rules.checked_call(op, role, fn, fn_args, call=probe)
     return promote_weak(c_leaves, weak, out)
+
+
+# ----------------------------------------------------------------------------------------
+# vmap inside tfun.jit: carries batched as JAX batches them
+# ----------------------------------------------------------------------------------------
+
+
+def vmap_traced() -> bool:
+    """Whether a traced loop runs inside a `torch.func` transform that Dynamo traces
+    (`tfun.jit(tfun.vmap(f))`): `torch._C._are_functorch_transforms_active`, which Dynamo
+    folds at trace time."""
+    return _context.is_tracing() and _context.functorch_active()
+
+
+def is_batched(t: Any) -> bool:
+    # (`is_batchedtensor` is one of the functorch predicates Dynamo folds; it sees the outermost
+    # wrapper, which is enough for `vmap` inside `tfun.jit`, where no grad wrapper sits between)
+    check = _compat.is_batchedtensor
+    return check is not None and isinstance(t, torch.Tensor) and bool(check(t))
+
+
+def batched_like(t: Any, like: Any) -> Any:
+    """`t`'s values with `like`'s batch dimensions (a `where` on an all-false mask shaped like
+    `like`: exact for every dtype, -0.0 and NaN included). `t` itself where it has the same
+    batching already or is not a tensor of `like`'s shape."""
+    if not (is_batched(like) and isinstance(t, torch.Tensor)) or is_batched(t) or t.shape != like.shape:
+        return t
+    return torch.where(torch.zeros_like(like, dtype=torch.bool), t, t)
+
+
+def batch_carry_like_body(c_leaves: list[Any], new_carry: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Any]:
+    """The flat carry `c_leaves` of a traced loop under `vmap` (`vmap_traced`), with each leaf
+    that the body returns batched made batched too: JAX's batching rule for loops, a fixpoint.
+    torch's own vmap rule for `scan` batches the carry as `init` is batched and fails where
+    the body batches more of it ("Expected init and carry to have same metadata": a carry
+    that starts as `torch.zeros(n)` and takes in a batched `x`).
+
+    `new_carry(leaves, *args)` runs the body once per round (the new carry, or None where
+    the body returns something else: the loop's own checks report it); its ops are dead
+    code, as with `promote_weak_init`. Each round batches at least one more leaf, so at
+    most `len(c_leaves) + 1` rounds run; most loops need two."""
+    if not vmap_traced():
+        return c_leaves
+    c_leaves = list(c_leaves)
+    for _ in range(len(c_leaves) + 1):
+        out = new_carry(c_leaves, *args)
+        if out is None:
+            return c_leaves
+        out_leaves, _ = tree_flatten(out)
+        if len(out_leaves) != len(c_leaves):
+            return c_leaves
+        grown = [batched_like(c, o) for c, o in zip(c_leaves, out_leaves)]
+        if all(g is c for g, c in zip(grown, c_leaves)):
+            return c_leaves
+        c_leaves = grown
+    return c_leaves
 
 
 

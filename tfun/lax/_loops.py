@@ -85,6 +85,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
     val: Any = tree_unflatten(treedef, leaves)
     if _context.is_tracing():
         _hop.refuse_unrolled(op, body_fun)
+        _hop.refuse_vmapped(op, body_fun)
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
         return _lower_while_loop(cond_fun, _hop.remat_body(body_fun), val)

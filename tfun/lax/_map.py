@@ -65,6 +65,9 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
         if _hop.unrolled_steps():
             # inside a traced derivative that is differentiated again: no HOP (see _hop)
             return _unrolled_map(op, f, xs, n)
+        if _hop.vmap_traced():
+            # torch's map has no vmap rule; its scan has one (`_scan.scan`)
+            return scan(lambda c, x: (c, f(x)), (), xs)[1]
         return _lower_map(_hop.remat_body(f), xs)
     rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape[1:], x.device) for x in leaves))
     if n == 0:

@@ -289,6 +289,16 @@ def scan(
             _hop.check_unrolled_length(op, f, n, unroll)
             return _unrolled_in_python(f, init, xs, n, bool(reverse))
         f = _hop.remat_body(f)
+        if n and _hop.vmap_traced():
+            # a carry leaf the body batches enters batched (JAX's fixpoint; torch's rule has none)
+            i0 = n - 1 if reverse else 0
+            x0 = tree_unflatten(x_def, [x[i0] for x in x_leaves])
+
+            def body_carry(leaves: list[Any], x: Any) -> Any:
+                res = f(tree_unflatten(carry_def, leaves), x)
+                return res[0] if isinstance(res, (tuple, list)) and len(res) == 2 else None
+
+            init = tree_unflatten(carry_def, _hop.batch_carry_like_body(tree_flatten(init)[0], body_carry, (x0,)))
         k = unroll_steps(unroll, n)
         if k > 1:
             return _lower_unrolled(f, init, xs, n, bool(reverse), k)
@@ -471,6 +481,7 @@ def _lower_scan(
     check_export_constants(op, f)
     encode = clone_all
     c_dtypes = [t.dtype for t in c_leaves]
+    batching = _hop.vmap_traced()
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
         raw_ins = list(carry_flat) + list(x_flat)
@@ -485,6 +496,8 @@ def _lower_scan(
         _hop.check_state(op, "body function", f, state)
         new_leaves, y = _check_step(op, f, res, c_td_in, carry_flat[:n_c], revise)
         new_leaves = [t.contiguous() for t in new_leaves]
+        if batching:  # a carry that enters batched leaves batched (a body may return a constant)
+            new_leaves = [_hop.batched_like(t, c) for t, c in zip(new_leaves, carry_flat[:n_c])]
         y_leaves, y_td = tree_flatten(y)
         y_leaves = [_hop.as_tensor(t) for t in y_leaves]
         y_dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in y_leaves]
