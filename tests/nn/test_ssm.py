@@ -333,3 +333,38 @@ def test_bfloat16_parameters_are_discretized_in_float32(layer):
         for (n, p), q in zip(m.named_parameters(), m64.parameters()):
             err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
             assert err < 1.5e-2, f"{layer} {path}: gradient of {n}, relative error {err:.2e}"
+
+
+@pytest.mark.heavy
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("layer", ["S4D-conv", "S5", "LRU"])
+def test_half_precision_gradients_under_inductor_at_a_small_step(layer, dtype):
+    """Half-precision parameters, the forward compiled by Inductor and `.backward()` after it
+    (a training step), at a small step (Δ = e^-7): every parameter's gradient against the
+    float64 layer on the same rounded parameters. Regression (hunt, session 21): S4D's
+    `exp(log_dt)` and `-exp(log_A_real)` were rounded to bfloat16 before the zero-order hold,
+    Inductor kept that rounding in some of the backward's consumers and not in others, and
+    the gradients in `log_A_real` / `A_imag` were off by a relative 0.75 / 1.6."""
+    torch.manual_seed(0)
+    if layer == "S4D-conv":
+        m = tfun.nn.S4D(3, 4, mode="conv")
+        with torch.no_grad():
+            m.log_dt.fill_(-7.0)
+    elif layer == "S5":
+        m = tfun.nn.S5(3, 4)
+        with torch.no_grad():
+            m.log_step.fill_(-7.0)
+    else:
+        m = tfun.nn.LRU(3, 4)
+    m = m.to(dtype)
+    m64 = __import__("copy").deepcopy(m).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 3, generator=g).to(dtype)
+    w = torch.randn(2, 7, 3, generator=g)
+    (m64(x.double()) * w.double()).sum().backward()
+    torch._dynamo.reset()
+    (tfun.jit(lambda v: m(v))(x).float() * w).sum().backward()
+    for (n, p), q in zip(m.named_parameters(), m64.parameters()):
+        err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
+        assert err < 3e-2, f"{layer} {dtype}: gradient of {n}, relative error {err:.2e}"

@@ -25,6 +25,19 @@ def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
 
 
+def _f32(t: Tensor) -> Tensor:
+    """A half-precision parameter in float32 (others as they are): the discretizations below
+    form `exp(log Δ)`, `exp(log A)` in float32 and round only their results. Rounded in half
+    precision before `_zoh`, Inductor kept the rounding in some of the backward's consumers
+    and dropped it in others, and the gradient in `A`, which cancels terms of size `Δ` to size
+    `Δ²`, came out wrong (S4D bfloat16: a relative 0.75 at `Δ = e^-7`)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _like(parts: tuple[Tensor, ...], dtype: torch.dtype) -> tuple[Tensor, ...]:
+    return tuple(p.to(dtype) for p in parts)
+
+
 def _zoh(a_re: Tensor, a_im: Tensor, dt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Zero-order hold of the complex diagonal `A` with step `dt`, in real arithmetic:
     `z = ΔA` (so `Ā = exp(z)`) and `f = (exp(ΔA) - 1) / A` (so `B̄ = f B`), as real and
@@ -170,9 +183,10 @@ class LRU(_ComplexDiagonalSSM):
         self.D = nn.Parameter(torch.randn(d_model, **f))
 
     def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        gamma = torch.exp(self.gamma_log).unsqueeze(-1)
-        return (-torch.exp(self.nu_log), torch.exp(self.theta_log), self.B_re * gamma, self.B_im * gamma,
-                self.C_re, self.C_im)
+        gamma = torch.exp(_f32(self.gamma_log)).unsqueeze(-1)
+        parts = (-torch.exp(_f32(self.nu_log)), torch.exp(_f32(self.theta_log)), _f32(self.B_re) * gamma,
+                 _f32(self.B_im) * gamma)
+        return (*_like(parts, self.nu_log.dtype), self.C_re, self.C_im)  # type: ignore[return-value]
 
 
 class S4D(_SSMBase):
@@ -230,7 +244,8 @@ class S4D(_SSMBase):
 
     def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`(zr, zi, f_re, f_im)`, each `(d_model, d_state // 2)`: `Ā = exp(z)`, `B̄ = f`."""
-        return _zoh(-torch.exp(self.log_A_real), self.A_imag, torch.exp(self.log_dt).unsqueeze(-1))
+        parts = _zoh(-torch.exp(_f32(self.log_A_real)), _f32(self.A_imag), torch.exp(_f32(self.log_dt)).unsqueeze(-1))
+        return _like(parts, self.log_A_real.dtype)  # type: ignore[return-value]
 
     def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
         zr, zi, f_re, f_im = self._discrete_parts()
@@ -413,10 +428,11 @@ class S5(_ComplexDiagonalSSM):
         self.log_step = nn.Parameter(torch.rand(d_state, **f) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
 
     def _discrete_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        zr, zi, f_re, f_im = _zoh(self.Lambda_re, self.Lambda_im, torch.exp(self.log_step))
+        zr, zi, f_re, f_im = _zoh(_f32(self.Lambda_re), _f32(self.Lambda_im), torch.exp(_f32(self.log_step)))
         f_re, f_im = f_re.unsqueeze(-1), f_im.unsqueeze(-1)
-        b_re, b_im = self.B[..., 0], self.B[..., 1]
-        return zr, zi, f_re * b_re - f_im * b_im, f_re * b_im + f_im * b_re, self.C[..., 0], self.C[..., 1]
+        b_re, b_im = _f32(self.B[..., 0]), _f32(self.B[..., 1])
+        parts = _like((zr, zi, f_re * b_re - f_im * b_im, f_re * b_im + f_im * b_re), self.Lambda_re.dtype)
+        return (*parts, self.C[..., 0], self.C[..., 1])  # type: ignore[return-value]
 
 
 class MinGRU(_SSMBase):
