@@ -640,3 +640,24 @@ def test_output_nodes_come_back_as_their_own_types_under_jit():
     assert type(out) is _NT and type(out.p) is _Pair and out.p.tag == "first" and type(out.q["k"]) is _Box
     assert out.q["k"].b is None
     assert tfun.tree.tree_structure(out) == tfun.tree.tree_structure(f(t))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_dict_outputs_keep_their_key_order_under_jit(backend):
+    """A dict output of cond / map / scan `ys` built in a non-sorted key order comes back in
+    that order, as eager optree gives it (regression, hunt session 21: under tfun.jit the
+    keys came back sorted, so `torch.stack(list(out.values()))` gave other numbers)."""
+
+    def f(t):
+        c = lax.cond(t.sum() > 0, lambda u: {"b": u, "a": u * 2}, lambda u: {"b": u * 3, "a": u}, t)
+        m = lax.map(lambda u: {"z": u, "y": {"q": u * 2, "p": u}}, t)
+        s = lax.scan(lambda c, u: (c, {"b": u, "a": u * 2}), t[0], t)[1]
+        return c, m, s, torch.stack(list(c.values()))
+
+    t = torch.tensor([1.0, 2.0])
+    want = f(t)
+    torch._dynamo.reset()
+    got = tfun.jit(f, backend=backend)(t)
+    assert [list(o) for o in got[:3]] == [list(o) for o in want[:3]] == [["b", "a"], ["z", "y"], ["b", "a"]]
+    assert list(got[1]["y"]) == ["q", "p"]
+    assert_tree_allclose(got, want)

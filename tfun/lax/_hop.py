@@ -956,11 +956,24 @@ def _skeleton_of(td: Any) -> Any:
     if td.is_leaf():
         return None
     typ = td.type
-    if typ in _DICTS:
-        meta = td._metadata[0] if typ is collections.defaultdict else None
+    if typ is dict:
+        meta = _insertion_order(td._metadata)
+    elif typ is collections.defaultdict:
+        meta = td._metadata[0]
+    elif typ in _DICTS:
+        meta = None
     else:
         meta = td._metadata
     return (typ, meta, tuple(td.entries()), tuple(_skeleton_of(c) for c in td.children()))
+
+
+def _insertion_order(meta: Any) -> tuple[Any, ...] | None:
+    """A dict node's keys in insertion order, where Dynamo's flatten of a dict records them
+    (its metadata `(original_keys, sorted_keys)`; optree's own Python flatten keeps only the
+    sorted keys): eager optree gives a dict back in that order."""
+    if isinstance(meta, tuple) and len(meta) == 2 and all(isinstance(m, (list, tuple)) for m in meta):
+        return tuple(meta[0])
+    return None
 
 
 @assume_constant
@@ -986,7 +999,7 @@ def _encode(skel: Any) -> Any:
     if typ is list:
         return (_LIST, 0, (), kids)
     if typ is dict:
-        return (_DICT, 0, entries, kids)
+        return (_DICT, meta, entries, kids)  # (meta: the keys in insertion order, or None)
     if typ is collections.OrderedDict:
         return (_ORDERED, 0, entries, kids)
     node = next(_NODE_IDS)
@@ -1018,13 +1031,17 @@ def _rebuild(skel: Any, leaves: Any) -> Any:
     if kind == _LIST:
         return kids
     if kind == _DICT:
-        return dict(zip(entries, kids))
+        if node is None:
+            return dict(zip(entries, kids))
+        out = dict.fromkeys(node)  # the insertion order, as eager optree gives it back
+        out.update(zip(entries, kids))
+        return out
     if kind == _ORDERED:
         return collections.OrderedDict(zip(entries, kids))
     fn, meta = getattr(_THIS, f"_tfun_node_{node}")
     if kind == _DEFAULT:
         return collections.defaultdict(meta, zip(entries, kids))
-    return fn(meta, kids)
+    return fn(meta, tuple(kids))  # (a tuple of children, as optree passes them)
 
 
 def pack(key: int, td: Any, leaves: list[Any]) -> list[Any]:
