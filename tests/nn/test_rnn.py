@@ -448,3 +448,25 @@ def test_fused_flag_repr_and_pickle():
     assert pickle.loads(pickle.dumps(m)).fused is False
     del m.__dict__["fused"]  # a layer pickled before the flag existed
     assert pickle.loads(pickle.dumps(m)).fused is True
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("layer", "dtype"), [("RNN", torch.bfloat16), ("RNN", torch.float16), ("LSTM", torch.float16),
+                                              ("LSTM", torch.bfloat16), ("GRU", torch.bfloat16)])
+def test_half_precision_training_under_inductor(layer, dtype):
+    """A half-precision layer's training step under tfun.jit (Inductor): forward, then
+    `.backward()`, against the float64 layer on the same rounded parameters. Regression (hunt,
+    session 21): RNN (bfloat16, float16) and LSTM (float16) failed to compile with Inductor's
+    C++ error "conflicting declaration ... tmp_acc0_vec" (the two biases' identical gradient
+    reductions); the scan path now adds them once."""
+    torch.manual_seed(0)
+    m = getattr(tfun.nn, layer)(4, 5, batch_first=True).to(dtype)
+    m64 = __import__("copy").deepcopy(m).double()
+    x = torch.randn(2, 9, 4).to(dtype)
+    (m64(x.double())[0] ** 2).sum().backward()
+    torch._dynamo.reset()
+    out = tfun.jit(lambda v: (m(v)[0].float() ** 2).sum())(x)
+    out.backward()
+    for (n, p), q in zip(m.named_parameters(), m64.parameters()):
+        err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
+        assert err < 5e-2, f"{layer} {dtype}: gradient of {n}, relative error {err:.2e}"

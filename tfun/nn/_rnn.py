@@ -60,7 +60,15 @@ def _scan_direction(
     reverse: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer, one direction. `x`: (T, B, F). Returns (outputs (T, B, H_out), h_T, c_T)."""
-    xp = F.linear(x, w_ih, b_ih)  # (T, B, gates * H), all steps at once
+    if mode != "GRU" and b_ih is not None and b_hh is not None:
+        # one bias: b_ih + b_hh enter the same sum (outside GRU's reset gate). Two, each added to
+        # the projection, make two identical reductions of its gradient, which Inductor's CPU
+        # code for half precision declares twice ("conflicting declaration ... tmp_acc0_vec":
+        # torch 2.11 - 2.14, bfloat16 / float16 training under tfun.jit)
+        xp = F.linear(x, w_ih, b_ih + b_hh)  # (T, B, gates * H), all steps at once
+        b_hh = None
+    else:
+        xp = F.linear(x, w_ih, b_ih)
     w_hh_t = w_hh.t()
     if mode == "GRU":
 
