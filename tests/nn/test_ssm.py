@@ -368,3 +368,32 @@ def test_half_precision_gradients_under_inductor_at_a_small_step(layer, dtype):
     for (n, p), q in zip(m.named_parameters(), m64.parameters()):
         err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
         assert err < 3e-2, f"{layer} {dtype}: gradient of {n}, relative error {err:.2e}"
+
+
+# (Dynamo reads `.grad` of the traced state while it checks it: torch's warning, not tfun's)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("layer", ["S4D", "S5", "LRU"])
+def test_step_mode_in_half_precision(layer, dtype):
+    """The step mode of a half-precision layer: a complex64 state from `init_state`, `y_t` in
+    the layer's dtype, two steps against the float64 layer, eagerly and under tfun.jit.
+    Regression (hunt, session 21): eagerly torch raised ("Expected both inputs to be Half,
+    Float or Double tensors"), and under tfun.jit the state's dtype disagreed with `init_state`."""
+    torch.manual_seed(0)
+    m = getattr(tfun.nn, layer)(3, 4).to(dtype)
+    m64 = __import__("copy").deepcopy(m).double()
+    xs = torch.randn(2, 2, 3).to(dtype)
+    s64 = m64.init_state(2)
+    want = []
+    for x in xs:
+        y, s64 = m64.step(x.double(), s64)
+        want.append(y)
+    torch._dynamo.reset()
+    for path, step in (("eager", m.step), ("tfun.jit", tfun.jit(m.step, backend="aot_eager"))):
+        s = m.init_state(2)
+        assert s.dtype == torch.complex64
+        for x, w in zip(xs, want):
+            y, s = step(x, s)
+            assert y.dtype == dtype and s.dtype == torch.complex64
+            err = ((y.double() - w).abs().max() / w.abs().max()).item()
+            assert err < 3e-2, f"{layer} {path}: relative error {err:.2e}"

@@ -86,7 +86,7 @@ class _ComplexDiagonalSSM(_SSMBase):
 
     def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
         """`(λ, B, C)` as complex tensors (the step mode's form of `_discrete_parts`)."""
-        zr, zi, b_re, b_im, c_re, c_im = self._discrete_parts()
+        zr, zi, b_re, b_im, c_re, c_im = (_f32(p) for p in self._discrete_parts())  # (half: in complex64)
         return torch.exp(torch.complex(zr, zi)), torch.complex(b_re, b_im), torch.complex(c_re, c_im)
 
     def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
@@ -135,7 +135,7 @@ class _ComplexDiagonalSSM(_SSMBase):
         lam, B, C = self._discrete()
         h = self._check_state(state, (x_t.shape[0], self.d_state), lam.dtype)
         h = lam * h + x_t.to(B.dtype) @ B.t()
-        return self._readout_scale * (h @ C.t()).real + self.D * x_t, h
+        return (self._readout_scale * (h @ C.t()).real).to(x_t.dtype) + self.D * x_t, h
 
 
 class LRU(_ComplexDiagonalSSM):
@@ -248,8 +248,8 @@ class S4D(_SSMBase):
         return _like(parts, self.log_A_real.dtype)  # type: ignore[return-value]
 
     def _discrete(self) -> tuple[Tensor, Tensor, Tensor]:
-        zr, zi, f_re, f_im = self._discrete_parts()
-        return torch.exp(torch.complex(zr, zi)), torch.complex(f_re, f_im), torch.view_as_complex(self.C)
+        zr, zi, f_re, f_im = (_f32(p) for p in self._discrete_parts())  # (half: in complex64)
+        return torch.exp(torch.complex(zr, zi)), torch.complex(f_re, f_im), torch.view_as_complex(_f32(self.C))
 
     def forward(self, x: Float[Tensor, "batch length d_model"]) -> Float[Tensor, "batch length d_model"]:
         """Parallel mode.
@@ -347,7 +347,7 @@ class S4D(_SSMBase):
         A_bar, B_bar, C = self._discrete()
         h = self._check_state(state, (x_t.shape[0], self.d_model, self.d_state // 2), A_bar.dtype)
         h = A_bar * h + B_bar * x_t.unsqueeze(-1).to(B_bar.dtype)
-        return 2 * (h * C).sum(-1).real + self.D * x_t, h
+        return (2 * (h * C).sum(-1).real).to(x_t.dtype) + self.D * x_t, h
 
 
 #: Block size M of `S4D.kernel`'s Vandermonde product (`l = qM + r`).
