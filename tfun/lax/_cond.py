@@ -13,6 +13,7 @@ from .._closures import ClosureCells, Rebound
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_map, tree_structure, tree_unflatten
 from . import _batching, _hop
+from ._scan import _mark, _to_floating, _unmark
 
 T = TypeVar("T")
 
@@ -416,7 +417,12 @@ def select(pred: Any, on_true: T, on_false: T) -> T:
 # ----------------------------------------------------------------------------------------
 
 
-def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool) -> Callable[..., Any]:
+def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool, encode: bool = False) -> Callable[..., Any]:
+    """Branch `fn` as a `torch.cond` branch. `encode` (grad mode): integer and bool outputs
+    leave as the bits of int64 in float64 tensors, as a scan's do (`_scan._lower_scan`,
+    workaround 3: torch's cond autograd asks a tangent of every output but differentiates only
+    the floating ones, "outs_to_grad length (1) != tangents length (2)"); `_unmark` after the
+    HOP gives them back."""
     def branch(*flat: Any) -> Any:
         operands = tree_unflatten(tree_structure(op_carrier), list(flat))
         state = _hop.torch_state()
@@ -436,6 +442,8 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
         leaves = _hop.unalias(leaves, flat)
+        if encode and any(not (x.is_floating_point() or x.is_complex()) for x in leaves):
+            leaves, td = tree_flatten(tree_unflatten(td, [_mark(_to_floating(x), x.dtype) for x in leaves]))
         return _hop.pack(key, td, leaves)
 
     return branch
@@ -488,9 +496,10 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     # a symbolic size from a concrete one (Dynamo answers `type(s) is int` for both).
     # Ranks are compared; differing sizes of equal rank are left to torch.cond's own check.
     shapes = False
-    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes)
-    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes)
-    return _forward(key, _hop.unpack(key, _hop.torch_cond()(pred, t, f, tuple(flat))), flat)
+    encode = torch.is_grad_enabled() and not _hop.is_exporting()
+    t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes, encode)
+    f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes, encode)
+    return _forward(key, _unmark(_hop.unpack(key, _hop.torch_cond()(pred, t, f, tuple(flat)))), flat)
 
 
 def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
@@ -499,8 +508,9 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _hop.escape_new_key()
+    encode = torch.is_grad_enabled() and not _hop.is_exporting()
     wrapped = [
-        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _hop.carrier(op_td, flat), False)  # sizes: see cond
+        _branch("tfun.lax.switch", b, key, f"branches[{i}]", _hop.carrier(op_td, flat), False, encode)  # sizes: see cond
         for i, b in enumerate(branches)
     ]
     cond_ = _hop.torch_cond()
@@ -517,8 +527,8 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
         return node
 
     if len(wrapped) == 1:
-        return _hop.unpack(key, wrapped[0](*flat))
-    return _forward(key, _hop.unpack(key, build(0, len(wrapped))(*flat)), flat)
+        return _unmark(_hop.unpack(key, wrapped[0](*flat)))
+    return _forward(key, _unmark(_hop.unpack(key, build(0, len(wrapped))(*flat))), flat)
 
 
 __all__ = ["cond", "switch", "select"]
