@@ -22,6 +22,8 @@ Programs (each written once per framework, the same arithmetic, float32):
   (T=4096, C=256), fwd and fwd+bwd.
 - `lstm_step`: an LSTM (H=128, B=16, T=256) written as a `scan` over its cell, the gradient of a
   loss w.r.t. all its parameters (a training step without the optimizer).
+- `vmap_rnn`: the tanh RNN written for one sequence (H=32, T=256) and batched by `vmap` over 16
+  sequences with W shared: `jit(vmap(f))` of a scan, fwd and the gradient w.r.t. W (`fwd+bwd`).
 
 Timings are the median of `--repeat` calls after two warm-up calls; on CUDA each call is
 synchronized. JAX results are blocked on (`block_until_ready`); tfun's forward programs run
@@ -169,6 +171,31 @@ def lstm(B: int, H: int, T: int):
     return tfun.grad(t_loss), (params, xs), jax.grad(j_loss), (params, xs)
 
 
+def vmap_rnn(B: int, H: int, T: int, backward: bool):
+    """The tanh RNN written for one sequence (a vector state) and batched by `vmap` over B
+    independent sequences, W shared (`in_axes=None`): `jit(vmap(f))` of a scan."""
+    W, xs = _data(5, (H, H), (B, T, H))
+    W = W / H**0.5
+
+    def t_seq(W, x):
+        _, ys = lax.scan(lambda h, xt: (lambda n: (n, n))(torch.tanh(h @ W + xt)), torch.zeros_like(x[0]), x, unroll=UNROLL)
+        return ys
+
+    def j_seq(W, x):
+        _, ys = jax.lax.scan(lambda h, xt: (lambda n: (n, n))(jnp.tanh(h @ W + xt)), jnp.zeros_like(x[0]), x, unroll=UNROLL)
+        return ys
+
+    def t_loss(W, xs):
+        return tfun.vmap(t_seq, in_axes=(None, 0))(W, xs).sum()
+
+    def j_loss(W, xs):
+        return jax.vmap(j_seq, in_axes=(None, 0))(W, xs).sum()
+
+    if backward:
+        return tfun.grad(t_loss), (W, xs), jax.grad(j_loss), (W, xs)
+    return t_loss, (W, xs), j_loss, (W, xs)
+
+
 PROGRAMS: dict[str, Callable[[bool], tuple]] = {
     "rnn_small fwd": lambda q: rnn(4, 32, 1024, False),
     "rnn_small fwd+bwd": lambda q: rnn(4, 32, 1024, True),
@@ -179,6 +206,8 @@ PROGRAMS: dict[str, Callable[[bool], tuple]] = {
     "associative_scan fwd": lambda q: assoc(4096, 256, False),
     "associative_scan fwd+bwd": lambda q: assoc(4096, 256, True),
     "lstm_step fwd+bwd": lambda q: lstm(16, 128, 256),
+    "vmap_rnn fwd": lambda q: vmap_rnn(16, 32, 256, False),
+    "vmap_rnn fwd+bwd": lambda q: vmap_rnn(16, 32, 256, True),
 }
 
 
