@@ -375,9 +375,8 @@ def scan_autograd_fixes() -> None:
     if _SCAN_AUTOGRAD_PATCHED:
         return
     _SCAN_AUTOGRAD_PATCHED = True
-    try:
-        scan_mod = importlib.import_module("torch._higher_order_ops.scan")
-    except ImportError:  # pragma: no cover - a torch whose scan moved: nothing to patch
+    scan_mod = _scan_module()
+    if scan_mod is None:  # pragma: no cover - a torch whose scan moved: nothing to patch
         return
     impl = getattr(scan_mod, "ScanAutogradImpl", None)
     if (
@@ -443,6 +442,14 @@ subgraph_input_asserts_off._dynamo_marked_constant = True  # type: ignore[attr-d
 _SCAN_VMAP_PATCHED = False
 
 
+def _scan_module() -> Any:
+    """`torch._higher_order_ops.scan`, or None for a torch whose scan moved (nothing to patch)."""
+    try:
+        return importlib.import_module("torch._higher_order_ops.scan")
+    except ImportError:  # pragma: no cover
+        return None
+
+
 def scan_vmap_fixes() -> None:
     """Let torch's scan autograd run under `vmap` (`tfun.jit(tfun.vmap(f))` whose inputs
     require grad, or a `.backward()` through it). Idempotent.
@@ -453,17 +460,14 @@ def scan_vmap_fixes() -> None:
     metadata ... differ in 'stride'". Here the rule is wrapped so that, where the scan below it
     is differentiated (grad mode, an operand that requires grad), each `init` batched at its
     level enters with its batch dimension innermost in memory: the rule's view of it is then
-    contiguous too. (Without autograd the carry is the rule's own view, laid out as `init` is.) Values are unchanged (a copy). Installed wherever scan has a vmap rule in its
+    contiguous too. (Without autograd the carry is the rule's own view, laid out as `init` is.)
+    Values are unchanged (a copy). Installed wherever scan has a vmap rule in its
     `functorch_table`, as it is where that table exists (feature-detected, not by version)."""
     global _SCAN_VMAP_PATCHED
     if _SCAN_VMAP_PATCHED:
         return
     _SCAN_VMAP_PATCHED = True
-    try:
-        scan_mod = importlib.import_module("torch._higher_order_ops.scan")
-    except ImportError:  # pragma: no cover - a torch whose scan moved: nothing to patch
-        return
-    op = getattr(scan_mod, "scan_op", None)
+    op = getattr(_scan_module(), "scan_op", None)
     table = getattr(op, "functorch_table", None)
     vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
     unwrap = getattr(_FUNCTORCH_C, "_unwrap_batched", None)
