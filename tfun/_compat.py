@@ -478,10 +478,17 @@ def scan_vmap_fixes() -> None:
     if getattr(rule, "_tfun_batch_innermost", False):
         return
 
+    def at_level(t: Any, level: int) -> bool:  # a tensor batched at this vmap level
+        return (
+            isinstance(t, torch.Tensor)
+            and is_batchedtensor is not None
+            and is_batchedtensor(t)
+            and maybe_get_level is not None
+            and maybe_get_level(t) == level
+        )
+
     def batch_innermost(t: Any, level: int) -> Any:
-        if not (isinstance(t, torch.Tensor) and is_batchedtensor is not None and is_batchedtensor(t)):
-            return t
-        if maybe_get_level is None or maybe_get_level(t) != level:
+        if not at_level(t, level):
             return t
         physical, bdim = unwrap(t, level)
         if bdim is None:
@@ -497,7 +504,7 @@ def scan_vmap_fixes() -> None:
             return False
         for t in operands:
             if isinstance(t, torch.Tensor):
-                if is_batchedtensor is not None and is_batchedtensor(t) and maybe_get_level is not None and maybe_get_level(t) == level:
+                if at_level(t, level):
                     t = unwrap(t, level)[0]
                 if t.requires_grad:
                     return True

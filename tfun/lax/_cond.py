@@ -13,7 +13,7 @@ from .._closures import ClosureCells, Rebound
 from .._errors import ArgumentTypeError, ArgumentValueError, format_message
 from .._tree import tree_flatten, tree_map, tree_structure, tree_unflatten
 from . import _batching, _hop
-from ._scan import _mark, _to_floating, _unmark
+from ._scan import _encodes_bits, _mark_bits, _unmark
 
 T = TypeVar("T")
 
@@ -442,8 +442,8 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
         leaves = _hop.unalias(leaves, flat)
-        if encode and any(not (x.is_floating_point() or x.is_complex()) for x in leaves):
-            leaves, td = tree_flatten(tree_unflatten(td, [_mark(_to_floating(x), x.dtype) for x in leaves]))
+        if encode:
+            leaves, td = _mark_bits(leaves, td)
         return _hop.pack(key, td, leaves)
 
     return branch
@@ -496,7 +496,7 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     # a symbolic size from a concrete one (Dynamo answers `type(s) is int` for both).
     # Ranks are compared; differing sizes of equal rank are left to torch.cond's own check.
     shapes = False
-    encode = torch.is_grad_enabled() and not _hop.is_exporting()
+    encode = _encodes_bits()
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes, encode)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes, encode)
     return _forward(key, _unmark(_hop.unpack(key, _hop.torch_cond()(pred, t, f, tuple(flat)))), flat)
@@ -508,7 +508,7 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
     key = _hop.escape_new_key()
-    encode = torch.is_grad_enabled() and not _hop.is_exporting()
+    encode = _encodes_bits()
     wrapped = [
         _branch("tfun.lax.switch", b, key, f"branches[{i}]", _hop.carrier(op_td, flat), False, encode)  # sizes: see cond
         for i, b in enumerate(branches)

@@ -1136,7 +1136,9 @@ def vmap_traced() -> bool:
     return _context.is_tracing() and _context.functorch_active()
 
 
-def is_batched(t: Any) -> bool:
+def outer_batched(t: Any) -> bool:
+    """Whether `t` is batched by its outermost functorch wrapper (safe in traced code; see
+    `_batching.is_batched` for every level, eagerly)."""
     # (`is_batchedtensor` is one of the functorch predicates Dynamo folds; it sees the outermost
     # wrapper, which is enough for `vmap` inside `tfun.jit`, where no grad wrapper sits between)
     check = _compat.is_batchedtensor
@@ -1147,7 +1149,7 @@ def batched_like(t: Any, like: Any) -> Any:
     """`t`'s values with `like`'s batch dimensions (a `where` on an all-false mask shaped like
     `like`: exact for every dtype, -0.0 and NaN included). `t` itself where it has the same
     batching already or is not a tensor of `like`'s shape."""
-    if not (is_batched(like) and isinstance(t, torch.Tensor)) or is_batched(t) or t.shape != like.shape:
+    if not (outer_batched(like) and isinstance(t, torch.Tensor)) or outer_batched(t) or t.shape != like.shape:
         return t
     return torch.where(torch.zeros_like(like, dtype=torch.bool), t, t)
 

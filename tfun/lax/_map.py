@@ -10,7 +10,7 @@ import torch
 from .. import _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import _mark, _to_floating, _unmark, scan, stack_outputs, xs_leaves, zero_length_outputs
+from ._scan import _encodes_bits, _mark_bits, _unmark, scan, stack_outputs, xs_leaves, zero_length_outputs
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -165,14 +165,12 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
         y_leaves, y_td = tree_flatten(y)
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
-        if encode and any(not (t.is_floating_point() or t.is_complex()) for t in y_leaves):
-            # integer and bool outputs as int64 bits in float64 under grad mode, as a cond's
-            # (see `_cond._branch`: torch's autograd asks a tangent of every output)
-            y_leaves, y_td = tree_flatten(tree_unflatten(y_td, [_mark(_to_floating(t), t.dtype) for t in y_leaves]))
+        if encode:  # integer and bool outputs as int64 bits, as a cond's (`_scan._mark_bits`)
+            y_leaves, y_td = _mark_bits(y_leaves, y_td)
         return _hop.pack(key, y_td, y_leaves)
 
     key = _hop.escape_new_key()
-    encode = torch.is_grad_enabled() and not _hop.is_exporting()
+    encode = _encodes_bits()
     return _unmark(_hop.unpack(key, _hop.torch_map()(body, _hop.distinct(x_leaves))))  # e.g. xs=(x, x)
 
 

@@ -690,6 +690,20 @@ def _mark(t: Any, dtype: Any) -> Any:
     return {_BITS_KEY + str(dtype).replace("torch.", ""): t}
 
 
+def _encodes_bits() -> bool:
+    """Whether a HOP's integer and bool outputs cross it as int64 bits in float64: under grad
+    mode (torch's autograd of cond/map/scan asks a tangent of every output), not in export."""
+    return torch.is_grad_enabled() and not _hop.is_exporting()
+
+
+def _mark_bits(leaves: list[Any], td: Any) -> tuple[list[Any], Any]:
+    """The flat outputs `leaves` of treedef `td` with each integer or bool leaf encoded
+    (`_to_floating`) in a marker dict (`_mark`): the new flat leaves and their treedef."""
+    if all(x.is_floating_point() or x.is_complex() for x in leaves):
+        return leaves, td
+    return tree_flatten(tree_unflatten(td, [_mark(_to_floating(x), x.dtype) for x in leaves]))
+
+
 def _is_marked(x: Any) -> bool:
     return type(x) is dict and len(x) == 1 and next(iter(x)).startswith(_BITS_KEY)
 
