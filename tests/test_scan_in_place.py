@@ -458,6 +458,32 @@ def test_vmap_inside_jit_rewritten_scan_matches_float64():
     assert tree_allclose(_f64(out), f(*_f64((W, xs, h0))), rtol=1e-5, atol=1e-5)
 
 
+@scan_rewrite
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_vmap_of_a_scan_with_a_cond_in_its_step_matches_float64():
+    """Under a traced vmap the step of a scan can be traced on a contiguous slice while the
+    batched `xs` is laid out batch-last; a `cond` inside the step reads its operands in the
+    strides it was traced with, so the rewritten loop, which passes `xs[i]` as it lies, gave
+    transposed values (max error 3 before the fix). Such a loop is left to torch; a step
+    whose slices agree with its subgraph (the same program without vmap) is still rewritten."""
+
+    def f(x):
+        def step(c, xt):
+            i, h = c
+            h = lax.cond(i % 2 == 0, lambda h: h + xt, lambda h: h * 0.5 - xt, h)
+            return (i + 1, h), h.sum()
+
+        return lax.scan(step, (torch.tensor(0), torch.zeros(3, dtype=x.dtype)), x)
+
+    x = torch.randn(4, 6, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, _ = _rewrites(tfun.vmap(f), x)
+        assert tree_allclose(_f64(out), tfun.vmap(f)(x.double()), rtol=1e-5, atol=1e-5)
+        out, n = _rewrites(f, x[0])
+    assert n == 1
+    assert tree_allclose(_f64(out), f(x[0].double()), rtol=1e-5, atol=1e-5)
+
+
 def test_symbolic_sizes_torch_cannot_rebuild_are_left_to_torch():
     """Under `dynamic=True`, `ys` of shape (T, A, B, C) has a stride `A*B*C`: torch 2.13 rebuilds
     such a product in the graph as an n-ary node Inductor cannot run, so that loop keeps torch's

@@ -93,7 +93,7 @@ __all__ = ["REWRITES", "ScanInPlacePass", "rewrite"]
 REWRITES: collections.Counter = collections.Counter()
 
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
-_VERSION = 3
+_VERSION = 4
 
 
 def _sized(x: Any) -> bool:
@@ -170,7 +170,44 @@ def _parts(node: torch.fx.Node) -> tuple[Any, list[Any], list[Any], list[Any]] |
         return None
     if not _closed_over([_val(n) for n in additional]):  # type: ignore[union-attr]
         return None
+    if not _layouts_agree(node, step, [_val(n) for n in init], [_val(n) for n in xs]):  # type: ignore[misc]
+        return None
     return step, list(init), list(xs), list(additional)  # type: ignore[arg-type]
+
+
+def _layouts_agree(node: torch.fx.Node, step_node: Any, init: list[Any], xs: list[Any]) -> bool:
+    """Whether the rewritten loop may call the step subgraph of `node`: where the step holds
+    a control-flow op of its own (a `cond` in a scan body), it takes each carry in `init`'s
+    strides and each slice of `xs` in the strides of `xs[0]`, what the loop passes it.
+
+    The step's own ops are traced again on what the loop passes, but a control-flow op inside
+    it reads its operands in the strides its subgraphs were traced with. Under a traced `vmap`
+    (whose rule moves batch dimensions last) a step can be traced on a contiguous slice of a
+    batch-last `xs`; read in other strides, the `cond`'s values came out transposed (wrong
+    numbers, no error). Such a loop is left to torch."""
+    gm = node.graph.owning_module
+    step = getattr(gm, step_node.target, None) if isinstance(step_node, torch.fx.Node) else None
+    if not isinstance(step, torch.fx.GraphModule):
+        return False
+    nested = any(
+        n.op == "get_attr" and isinstance(getattr(step, str(n.target), None), torch.fx.GraphModule)
+        for n in step.graph.nodes
+    )
+    if not nested:
+        return True
+    if not all(x.dim() and x.shape[0] != 0 for x in xs):
+        return False
+    passed = [*init, *(x[0] for x in xs)]
+    phs = [n for n in step.graph.nodes if n.op == "placeholder"]
+    if len(phs) < len(passed):
+        return False
+    for ph, v in zip(phs, passed):
+        want = ph.meta.get("val")
+        if not isinstance(want, torch.Tensor) or tuple(want.shape) != tuple(v.shape):
+            return False
+        if v.dim() and tuple(want.stride()) != tuple(v.stride()):
+            return False
+    return True
 
 
 def _op(name: str) -> Any:
