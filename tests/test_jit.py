@@ -377,15 +377,18 @@ def test_torch_func_transforms_around_a_gradient_compile(name, backend):
 
 
 def test_torch_func_transforms_around_a_gradient_of_control_flow_say_to_move_them_out():
-    """With a loop inside, torch cannot trace the transform around it: a JitError that names
-    tfun's transforms and the fix, and the fix gives eager's values."""
+    """With a loop inside, torch cannot trace a torch.func transform around its gradient: a
+    JitError that names tfun's transforms and the fix, and the fix gives eager's values.
+    (`tfun.vmap` of `tfun.grad` alone compiles: `_vmap._per_example_gradients`; a nested
+    vmap around it is still such a transform.)"""
     loss = lambda z: lax.scan(lambda c, _: (torch.tanh(c @ _W3), None), z, None, length=4)[0].pow(2).sum()
     xs = torch.stack([_U3, _U3 * 2])
     with pytest.raises(JitError, match="tfun.vmap, tfun.jvp, tfun.jacfwd, tfun.jacrev and tfun.hessian") as e:
-        tfun.jit(lambda x: tfun.vmap(tfun.grad(loss))(x), backend="aot_eager")(xs)
+        tfun.jit(lambda x: tfun.vmap(tfun.vmap(tfun.grad(loss)))(x), backend="aot_eager")(xs[None])
     assert "tfun.vmap(tfun.jit(tfun.grad(loss)))" in str(e.value)
     want = torch.stack([tfun.grad(loss)(x) for x in xs])
     torch.testing.assert_close(tfun.vmap(tfun.jit(tfun.grad(loss), backend="aot_eager"))(xs), want)
+    torch.testing.assert_close(tfun.jit(lambda x: tfun.vmap(tfun.grad(loss))(x), backend="aot_eager")(xs), want)
     torch.testing.assert_close(tfun.hessian(tfun.jit(loss, backend="aot_eager"))(_U3), tfun.hessian(loss)(_U3))
 
 

@@ -233,3 +233,131 @@ def test_bad_out_axes_prefix_same_error_under_jit():
     with pytest.raises(StructureMismatchError) as jitted:
         tfun.jit(f, backend="aot_eager")(x)
     assert str(jitted.value) == str(eager.value)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-example gradients under tfun.jit: `vmap(grad(f))` is traced as the gradient of the
+# summed, vmapped loss (`tfun._vmap._per_example_gradients`), so loops inside compile. Every
+# cell is compared with a per-example Python loop of eager float64 `tfun.grad`.
+# ----------------------------------------------------------------------------------------
+
+
+def _rnn_loss(p, x, scale=1.0):
+    """A scan RNN over one example's sequence `x` (T, 4), with aux outputs."""
+
+    def step(h, xt):
+        h = torch.tanh(h @ p["W"] + xt + p["b"])
+        return h, h.sum()
+
+    h, ys = tfun.lax.scan(step, torch.zeros(4, dtype=x.dtype), x)
+    return (h * h).sum() * scale + ys.sum(), {"last": h, "ys": ys}
+
+
+_P = {"W": t(4, 4, seed=3) * 0.3, "b": t(4, seed=4)}
+_XS = t(3, 5, 4, seed=5)  # 3 examples, T=5
+
+
+def _per_example_cells():
+    loss = lambda p, x: _rnn_loss(p, x)[0]
+    xs_t = _XS.transpose(0, 1).contiguous()  # mapped over axis 1
+    loop = lambda g, args, n=3, axes=(None, 0): loop_ref(g, args, axes, n)
+    return {
+        "grad": (tfun.vmap(tfun.grad(loss), in_axes=(None, 0)), (_P, _XS), lambda: loop(tfun.grad(loss), (_P, _XS))),
+        "grad_has_aux": (
+            tfun.vmap(tfun.grad(_rnn_loss, has_aux=True), in_axes=(None, 0)),
+            (_P, _XS),
+            lambda: loop(tfun.grad(_rnn_loss, has_aux=True), (_P, _XS)),
+        ),
+        "value_and_grad_has_aux": (
+            tfun.vmap(tfun.value_and_grad(_rnn_loss, has_aux=True), in_axes=(None, 0)),
+            (_P, _XS),
+            lambda: loop(tfun.value_and_grad(_rnn_loss, has_aux=True), (_P, _XS)),
+        ),
+        "argnums_both_in_axes_1": (
+            tfun.vmap(tfun.grad(loss, argnums=(0, 1)), in_axes=(None, 1)),
+            (_P, xs_t),
+            lambda: loop(tfun.grad(loss, argnums=(0, 1)), (_P, xs_t), axes=(None, 1)),
+        ),
+        "out_axes_1": (
+            tfun.vmap(tfun.grad(loss, argnums=(0, 1)), in_axes=(None, 0), out_axes=1),
+            (_P, _XS),
+            lambda: tfun.tree.tree_map(lambda a: a.movedim(0, 1), loop(tfun.grad(loss, argnums=(0, 1)), (_P, _XS))),
+        ),
+        "mapped_parameter": (
+            tfun.vmap(tfun.grad(loss), in_axes=({"W": 0, "b": None}, 0)),
+            ({"W": _P["W"] * torch.arange(1, 4, dtype=D)[:, None, None], "b": _P["b"]}, _XS),
+            lambda: loop(
+                tfun.grad(loss),
+                ({"W": _P["W"] * torch.arange(1, 4, dtype=D)[:, None, None], "b": _P["b"]}, _XS),
+                axes=({"W": 0, "b": None}, 0),
+            ),
+        ),
+        "python_float_argument": (
+            tfun.vmap(tfun.grad(lambda s, x: _rnn_loss(_P, x, s)[0]), in_axes=(None, 0)),
+            (2.0, _XS),
+            lambda: torch.stack([tfun.grad(lambda s, x: _rnn_loss(_P, x, s)[0])(2.0, x) for x in _XS]),
+        ),
+        "allow_int": (
+            tfun.vmap(tfun.grad(lambda a, x: a[0] * x.sum() * a[1], allow_int=True), in_axes=(None, 0)),
+            ((torch.tensor(2.0, dtype=D), torch.tensor(3)), _XS),
+            lambda: loop(
+                tfun.grad(lambda a, x: a[0] * x.sum() * a[1], allow_int=True), ((torch.tensor(2.0, dtype=D), torch.tensor(3)), _XS)
+            ),
+        ),
+        "weighted_outputs_reverse_pytree_carry": (
+            tfun.vmap(tfun.grad(_weighted_scan_loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0)),
+            (t(3, 2, 2, seed=6) * 0.5, t(3, 4, 2, seed=7), t(3, 2, seed=8)),
+            lambda: loop(
+                tfun.grad(_weighted_scan_loss, argnums=(0, 1, 2)), (t(3, 2, 2, seed=6) * 0.5, t(3, 4, 2, seed=7), t(3, 2, seed=8)), axes=(0, 0, 0)
+            ),
+        ),
+    }
+
+
+def _weighted_scan_loss(W, xs, h0):
+    """A reversed scan with a weighted final carry (the carry's gradient reaches the backward
+    scan in the vmap rule's batch-last layout)."""
+
+    def step(h, x):
+        h = torch.tanh(h @ W + x)
+        return h, h * x
+
+    h, ys = tfun.lax.scan(step, h0, xs, reverse=True)
+    w = torch.tensor([0.5, -2.0], dtype=h.dtype)
+    return (h * w).sum() + (ys * w).sum()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)]
+)
+@pytest.mark.parametrize("name", sorted(_per_example_cells()))
+def test_per_example_gradients_under_jit_equal_eager_float64(name, backend):
+    torch._dynamo.reset()
+    fn, args, want = _per_example_cells()[name]
+    got = tfun.jit(fn, backend=backend)(*args)
+    assert_tree_allclose(got, want())
+    assert_tree_allclose(fn(*args), want())  # (eager: torch.func's vmap of grad)
+
+
+def test_per_example_gradients_under_jit_check_each_loss_is_a_scalar():
+    """The per-example scalar check runs under jit too, with eager's message: a summed batched
+    loss must not hide a non-scalar one."""
+    g = tfun.vmap(tfun.grad(lambda W, x: x @ W), in_axes=(None, 0))
+    with pytest.raises(ArgumentTypeError, match=r"must return a scalar") as eager:
+        g(_P["W"], _XS)
+    with pytest.raises(ArgumentTypeError, match=r"must return a scalar") as traced:
+        tfun.jit(g, backend="aot_eager")(_P["W"], _XS)
+    assert str(traced.value).split("The function is")[0] == str(eager.value).split("The function is")[0]
+
+
+def test_per_example_gradients_of_parameters_that_require_grad_stay_differentiable():
+    """Arguments that require grad (a module's parameters): the per-example gradients keep
+    their graph, as torch.func's do eagerly, so a loss on them differentiates back (here
+    without a loop: with one, a second derivative through a loop is refused under jit)."""
+    W = _P["W"].clone().requires_grad_()
+    g = tfun.vmap(tfun.grad(lambda W, x: torch.tanh(x @ W).sum()), in_axes=(None, 0))
+    penalty = lambda W, xs: (g(W, xs) ** 2).sum()
+    want = torch.autograd.grad(penalty(W, _XS), W)[0]
+    got = torch.autograd.grad(tfun.jit(penalty, backend="aot_eager")(W, _XS), W)[0]
+    torch.testing.assert_close(got, want)

@@ -392,6 +392,8 @@ def scan_autograd_fixes() -> None:
         _densify_scan_backward(scan_mod)
     if impl is not None and hasattr(impl, "_optimize_forward_intermediates"):
         _add_invariant_rematerialization(impl)
+    if not _SCAN_BACKWARD_DENSE:
+        _contiguous_scan_backward(scan_mod)
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
@@ -557,6 +559,33 @@ def _densify_scan_backward(scan_mod: Any) -> None:
         return
     fn.backward = staticmethod(_dense_grads(backward))
     _SCAN_BACKWARD_DENSE = True
+
+
+def _contiguous_scan_backward(scan_mod: Any) -> None:
+    """`ScanAutogradOp.backward` with each incoming gradient that is not contiguous made so
+    (where `_densify_scan_backward` did not already clone them all).
+
+    The backward is a scan whose `init` is the gradient of the final carry, and scan's
+    autograd compares that `init` with the backward step's (contiguous) carry, stride for
+    stride. Under a traced `vmap` the gradient reaches it in a layout of the vmap rule's
+    making (the batch dimension moved last: strides `(1, C)` for a `(C, B)` carry), and
+    tfun's gradient hook on the scan's outputs (`_scan`) sees only the per-example tensor:
+    "Expected init and carry to have same metadata ... stride" (per-example gradients of a
+    scan whose final carry is weighted, `tfun.jit(tfun.vmap(tfun.grad(loss)))`, torch 2.13).
+    A contiguous gradient is passed as it is."""
+    fn = getattr(scan_mod, "ScanAutogradOp", None)
+    backward = getattr(fn, "backward", None)
+    if backward is None or getattr(backward, "_tfun_contiguous", False):  # pragma: no cover
+        return
+
+    def contiguous_backward(ctx: Any, *grads: Any) -> Any:
+        grads = tuple(
+            g.contiguous() if isinstance(g, torch.Tensor) and not g.is_contiguous() else g for g in grads
+        )
+        return backward(ctx, *grads)
+
+    contiguous_backward._tfun_contiguous = True  # type: ignore[attr-defined]
+    fn.backward = staticmethod(contiguous_backward)
 
 
 def _add_break_bw_aliasing(impl: Any) -> None:

@@ -305,6 +305,7 @@ class _DiffArgs:
             all_leaves.append(_as_diff_leaf(op, fun, path, leaf))
             zeros.append(None)
             dyn.append(k)
+        self.dyn = tuple(dyn)
         self.paths = [paths[k] for k in dyn]
         self.leaves = [all_leaves[k] for k in dyn]
         self.part = Partition(treedef, tuple(all_leaves), tuple(dyn))
@@ -594,6 +595,36 @@ def _refuse_second_order(op: str, fun: Callable[..., Any]) -> None:
     )
 
 
+class GradSpec:
+    """What `tfun.grad` / `tfun.value_and_grad` made a function from, kept on it as
+    `_tfun_grad_spec` so that `tfun.vmap` of it can compute per-example gradients under
+    `tfun.jit` (`_vmap._per_example_gradients`). `wrapper` is the gradient function itself:
+    `functools.wraps` copies the attribute onto any wrapper of it, which must not be taken
+    for it."""
+
+    __slots__ = ("op", "fun", "argnums", "single", "has_aux", "holomorphic", "allow_int", "wrapper")
+
+    def __init__(
+        self,
+        op: str,
+        fun: Callable[..., Any],
+        argnums: tuple[int, ...],
+        single: bool,
+        has_aux: bool,
+        holomorphic: bool,
+        allow_int: bool,
+        wrapper: Callable[..., Any],
+    ):
+        self.op, self.fun, self.argnums, self.single = op, fun, argnums, single
+        self.has_aux, self.holomorphic, self.allow_int, self.wrapper = has_aux, holomorphic, allow_int, wrapper
+
+
+def grad_spec(fun: Any) -> GradSpec | None:
+    """The `GradSpec` of a function `tfun.grad` or `tfun.value_and_grad` returned, else None."""
+    spec = getattr(fun, "_tfun_grad_spec", None)
+    return spec if isinstance(spec, GradSpec) and spec.wrapper is fun else None
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -627,6 +658,9 @@ def value_and_grad(
         value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return ((value, aux), g) if has_aux else (value, g)
 
+    value_and_grad_fun._tfun_grad_spec = GradSpec(  # type: ignore[attr-defined]
+        op, fun, nums, single, has_aux, holomorphic, allow_int, value_and_grad_fun
+    )
     return value_and_grad_fun
 
 
@@ -675,6 +709,7 @@ def grad(
         _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return (g, aux) if has_aux else g
 
+    grad_fun._tfun_grad_spec = GradSpec(op, fun, nums, single, has_aux, holomorphic, allow_int, grad_fun)  # type: ignore[attr-defined]
     return grad_fun
 
 

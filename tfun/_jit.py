@@ -753,7 +753,8 @@ def _failed_tracing_control_flow(e: BaseException) -> bool:
 # what a transform applied around a jitted function does to it (said in two messages)
 _UNCOMPILED_OUTSIDE = (
     "the jitted function then runs uncompiled inside the transform, since Dynamo cannot be entered inside "
-    "one; for compiled per-example gradients call `tfun.jit(tfun.grad(loss))` on each example"
+    "one; compiled per-example gradients are `tfun.jit(tfun.vmap(tfun.grad(loss)))`, with that vmap directly "
+    "around the gradient and inside no other transform"
 )
 
 # the last line of a Python traceback: "ValueError: ...", "triton.compiler.errors.CompilationError: ..."

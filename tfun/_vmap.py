@@ -12,8 +12,26 @@ import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, format_message
 from ._funcinfo import describe
-from ._grad import PrefixMismatch, _is_node, _one_level, broadcast_prefix, describe_value
+from . import _context
+from ._compat import grad_leaf
+from ._grad import (
+    GradSpec,
+    PrefixMismatch,
+    _check_scalar_output,
+    _DiffArgs,
+    _is_node,
+    _one_level,
+    _refuse_custom_second_order,
+    _refuse_second_order,
+    _split_aux,
+    broadcast_prefix,
+    conj_ct,
+    describe_value,
+    grad_spec,
+    resolve_argnums,
+)
 from ._tree import Partition, keystr, tree_flatten_with_path, tree_map, tree_structure, tree_unflatten
+from .lax import _hop
 
 __all__ = ["vmap"]
 
@@ -178,6 +196,11 @@ def vmap(
             mapped_vals.append(torch.empty(axis_size, 0))  # a stand-in that carries axis_size
             in_dims.append(0)
 
+        spec = grad_spec(fun)
+        if spec is not None and _rewrites_per_example(spec, out_axes):
+            size = next(iter(distinct)) if distinct else axis_size
+            return _per_example_gradients(spec, in_axes, out_axes, axis_size, size, args, kwargs)
+
         # the mapped leaves cross torch.func.vmap; the rest is held here
         called = Partition(
             tree_structure((tuple(args), kwargs) if kwargs else tuple(args)),
@@ -246,7 +269,106 @@ def vmap(
             ) from None
         return tree_unflatten(box["out_td"], out_leaves)
 
+    vmapped.__dict__.pop("_tfun_grad_spec", None)  # (copied from `fun` by functools.wraps)
     return vmapped
+
+
+def _rewrites_per_example(spec: GradSpec, out_axes: Any) -> bool:
+    """Whether `vmap(grad(f))` is computed as the gradient of `sum(vmap(f))`
+    (`_per_example_gradients`): in traced code (`tfun.jit`, `torch.export`) outside any other
+    torch.func transform and outside a loop body, where torch.func's grad cannot be traced
+    around tfun's control flow, but autograd around a traced vmap can. With an int
+    `out_axes` and a real output (`holomorphic=False`)."""
+    return (
+        not spec.holomorphic
+        and isinstance(out_axes, int)
+        and not isinstance(out_axes, bool)
+        and _context.is_tracing()
+        and not _context.functorch_active()
+        and not _hop.in_body()
+    )
+
+
+def _per_example_gradients(
+    spec: GradSpec,
+    in_axes: Any,
+    out_axes: int,
+    axis_size: int | None,
+    size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """`vmap(grad(f), in_axes, out_axes)(*args)` as reverse-mode autograd of one batched loss.
+
+    Every leaf of a differentiated argument gets a batch dimension of its own in front (an
+    unmapped one is expanded to `size` copies, a mapped one has its axis moved there), the
+    differentiated ones as fresh leaves; `f` runs under `vmap` with those arguments mapped over
+    axis 0, and the sum of the per-example losses is differentiated with respect to them.
+    Example `b`'s loss reads only slice `b` of each copy, so the gradient's slice `b` is example
+    `b`'s gradient, exactly: what `jax.vmap(jax.grad(f))` computes. torch.compile traces this
+    where it cannot trace torch.func's grad around a control-flow op. The arguments are checked
+    as the eager path checks them (`_DiffArgs`, the per-example scalar check)."""
+    op, fun = spec.op, spec.fun
+    argnums = resolve_argnums(op, fun, spec.argnums, len(args))
+    fl = _DiffArgs(op, fun, args, argnums, spec.allow_int)
+    axes_of = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+    axes = [ax for i in argnums for _, ax, _ in broadcast_prefix(axes_of[i], args[i], _is_axis, f"args[{i}]")]
+    dyn = set(fl.dyn)
+
+    def batch_first(x: torch.Tensor, ax: int | None) -> torch.Tensor:
+        # (a moved axis is laid out first, as a batch of contiguous examples: torch's scan
+        # autograd under vmap compares a carry made from it with the body's contiguous one)
+        return x.unsqueeze(0).expand(size, *x.shape) if ax is None else x.movedim(ax % x.ndim, 0).contiguous()
+
+    def per_example(*a: Any, **k: Any) -> Any:
+        out = fun(*a, **k)
+        aux = None
+        if spec.has_aux:
+            out, aux = _split_aux(op, fun, out)
+        return _check_scalar_output(op, fun, out), aux
+
+    # as `tfun.grad`'s traced path: where grad mode is on and a differentiated argument
+    # requires grad, the gradient stays differentiable (its loops unrolled), else fresh leaves
+    outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
+    with torch.enable_grad():
+        leaves, batched = [], []
+        for k, (x, ax) in enumerate(zip(fl.part.leaves, axes)):
+            if k not in dyn:  # an integer leaf (`allow_int`), not differentiated
+                leaves.append(batch_first(torch.as_tensor(x), ax))
+                continue
+            keep = outer and x.requires_grad
+            b = batch_first(x.view_as(x) if keep else x.detach(), ax)
+            b = b if keep else grad_leaf(b)
+            leaves.append(b)
+            batched.append(b)
+        new_args = list(args)
+        for i, tree in zip(argnums, Partition(fl.part.treedef, tuple(leaves), ()).combine(())):
+            new_args[i] = tree
+        new_axes = tuple(0 if i in argnums else ax for i, ax in enumerate(axes_of))
+        lowered, customs = _hop.lowerings(), _hop.custom_rules()
+        with _hop.unroll_scope(outer):
+            values, aux = vmap(per_example, in_axes=new_axes, axis_size=axis_size)(*new_args, **kwargs)
+        if outer and _hop.lowerings() != lowered:
+            _refuse_second_order(op, fun)
+        if outer and _hop.custom_rules() != customs:
+            _refuse_custom_second_order(op, fun)
+        found: Any = (None,) * len(batched)
+        if values.requires_grad:
+            found = torch.autograd.grad(values.sum(), batched, allow_unused=True, create_graph=outer)
+    grads = iter(conj_ct(torch.zeros(b.shape, dtype=b.dtype, device=b.device) if g is None else g) for b, g in zip(batched, found))
+    # an integer leaf's gradient: zeros of its dtype and its per-example shape, per example
+    flat = [next(grads) if k in dyn else torch.zeros(x.shape, dtype=x.dtype, device=x.device) for k, x in enumerate(leaves)]
+    split = list(Partition(fl.part.treedef, tuple(flat), ()).combine(()))
+    if not outer:
+        values = values.detach()
+        aux = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+    g = split[0] if spec.single else tuple(split)
+    if spec.op == "tfun.value_and_grad":
+        out: Any = ((values, aux), g) if spec.has_aux else (values, g)
+    else:
+        out = (g, aux) if spec.has_aux else g
+    # every output has its batch dimension first; `out_axes` places it
+    return tree_map(lambda t: t.movedim(0, out_axes % t.ndim) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _skeleton(tree: Any) -> Any:

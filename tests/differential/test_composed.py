@@ -149,12 +149,10 @@ REFUSED_LAX_VMAP_JIT: dict[tuple[str, str], str] = {
     ("while_loop", "aot_eager+vmap"): "torch's while_loop has no vmap rule (tfun's JitError)",
     ("cond", "aot_eager+vmap"): "torch.cond of two outputs with a batched predicate (treespec.unflatten)",
 }
-for _name in CASES:
-    # vmap of a gradient through control flow: torch.func transforms around a HOP cannot be
-    # traced ("Expected FakeTensor"); without one it compiles and is compared (select;
-    # linear_scan's op; associative_scan inside a torch.func transform runs its tensor algorithm)
-    if _name not in ("select", "linear_scan", "associative_scan"):
-        REFUSED_LAX_VMAP_JIT[(_name, "aot_eager+vmap+grad")] = "torch.compile of vmap(grad) around a HOP"
+# vmap of a gradient through control flow compiles as the gradient of the summed, vmapped
+# loss (`tfun._vmap._per_example_gradients`); the loops refused under a traced vmap stay refused
+for _name in ("fori_loop", "while_loop", "cond"):
+    REFUSED_LAX_VMAP_JIT[(_name, "aot_eager+vmap+grad")] = REFUSED_LAX_VMAP_JIT[(_name, "aot_eager+vmap")]
 
 
 # torch's vmap falls back to a loop for aten::select_copy (map's slices) and says so with a
