@@ -1570,3 +1570,45 @@ def test_control_flow_inside_the_rule_under_jit(backend):
     # the rules differ from the derivatives: the rule's gradient is what came out
     plain = tfun.grad(lambda z: (_rnn_scan(z) ** 2).sum())(x)
     assert not torch.allclose(tfun.grad(lambda z: (_scan_rnn(z) ** 2).sum())(x), plain)
+
+
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(kind, backend):
+    """A custom function in a scan body whose carry starts as `torch.zeros`: traced, the carry
+    does not require grad, so the rule was left out and torch's scan autograd differentiated
+    the primal (the true derivative, silently; hunt 22). The scan now lowers again with its
+    carry requiring grad: the rule (here half the true derivative) is used, as eagerly."""
+    if kind == "custom_vjp":
+
+        @tfun.custom_vjp
+        def half(x):
+            return torch.sin(x)
+
+        half.defvjp(lambda x: (torch.sin(x), x), lambda x, g: (g * torch.cos(x) * 0.5,))
+    else:
+
+        @tfun.custom_jvp
+        def half(x):
+            return torch.sin(x)
+
+        half.defjvp(lambda primals, tangents: (torch.sin(primals[0]), torch.cos(primals[0]) * 0.5 * tangents[0]))
+
+    def loss(x):
+        c, ys = tfun.lax.scan(lambda c, xt: (half(c) + xt, c), torch.zeros(3, dtype=x.dtype), x)
+        return (c**2).sum() + (ys**2).sum()
+
+    x = torch.randn(6, 3, dtype=D, generator=torch.Generator().manual_seed(0))
+    want = tfun.grad(loss)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(tfun.jit(tfun.grad(loss), backend=backend)(x), want)
+    torch._dynamo.reset()
+    xg = x.clone().requires_grad_()
+    tfun.jit(loss, backend=backend)(xg).backward()
+    torch.testing.assert_close(xg.grad, want)
+    # and the same without the rule would differ: the test can tell the two apart
+    def plain(x):
+        c, ys = tfun.lax.scan(lambda c, xt: (torch.sin(c) + xt, c), torch.zeros(3, dtype=x.dtype), x)
+        return (c**2).sum() + (ys**2).sum()
+
+    assert not torch.allclose(tfun.grad(plain)(x), want, rtol=1e-3, atol=1e-3)

@@ -672,3 +672,34 @@ def test_custom_vjp_defined_inside_jit(backend):
     x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     torch.testing.assert_close(tfun.jit(g, backend=backend)(x), torch.sin(x).sum())
     torch.testing.assert_close(tfun.jit(tfun.grad(g), backend=backend)(x), 2 * torch.cos(x))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_refusals_of_torch_name_the_cause_and_the_fix():
+    """Programs torch cannot compile, each a JitError that says why and what to write instead
+    (before, Dynamo's message came with the generic advice about Python control flow)."""
+    x = torch.randn(4, 3, dtype=_D, generator=torch.Generator().manual_seed(5))
+
+    def complex_carry(p):  # a differentiated scan with a complex carry
+        lam = torch.complex(p[0], p[1])
+        c, _ = lax.scan(lambda c, xt: (c * lam + xt, c.real), torch.zeros(2, dtype=torch.complex128), x[:, :2])
+        return c.abs().sum()
+
+    p = torch.tensor([[0.5, 0.2], [0.1, -0.3]], dtype=_D)
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match="carries a complex tensor") as info:
+        tfun.jit(tfun.grad(complex_carry), backend="aot_eager")(p)
+    assert "torch.view_as_real" in str(info.value)
+
+    def one_branch_reads_x(x, i):  # the operand is unbatched, one branch closes over batched x
+        return lax.cond(i > 0, lambda h: h * 0.5, lambda h: h + x, torch.zeros(3, dtype=x.dtype))
+
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match="Make the operands batched"):
+        tfun.jit(tfun.vmap(one_branch_reads_x, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(0))
+    # what the message says to write compiles, with eager's values
+    fixed = lambda x, i: lax.cond(i > 0, lambda h: h * 0.5, lambda h: h + x, torch.zeros_like(x))
+    torch._dynamo.reset()
+    for i in (0, 1):
+        got = tfun.jit(tfun.vmap(fixed, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(i))
+        torch.testing.assert_close(got, tfun.vmap(one_branch_reads_x, in_axes=(0, None))(x, torch.tensor(i)))

@@ -309,3 +309,32 @@ def test_saved_intermediates_that_alias(f):
         return
     for a, b in zip(got, ref):
         _close(a, b)
+
+
+@pytest.mark.parametrize("op", ["cond", "map"])
+def test_a_derivative_in_a_body_inside_a_scan_whose_init_needs_no_grad_is_refused(op):
+    """The cond (or map) sits in a scan body whose carry starts as `torch.zeros`: traced, the
+    carry does not require grad, though the scan's autograd differentiates it from the second
+    step on. The refusal used to be skipped there and the gradient was wrong (off by 3e4,
+    hunt 22); the scan now lowers again with its carry requiring grad, and the refusal holds."""
+    inner = lambda z: (z**3).sum()
+
+    def f(x):
+        def step(c, xt):
+            if op == "cond":
+                c2 = lax.cond(c.sum() > -100, lambda c: c + tfun.grad(inner)(c), lambda c: c * 1.0, c)
+            else:
+                c2 = lax.map(lambda r: r + tfun.grad(inner)(r), c[None])[0]
+            return c2 * 0.5 + xt, c2.sum()
+
+        return lax.scan(step, torch.zeros(3, dtype=x.dtype), x)
+
+    x = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(0)) * 0.1
+    with pytest.raises(JitError, match="reverse-mode derivative"):
+        out = tfun.jit(f, backend="aot_eager")(x.clone().requires_grad_())
+    # forward only (nothing requires grad), it compiles and equals eager
+    torch._dynamo.reset()
+    got = tfun.jit(f, backend="aot_eager")(x)
+    want = f(x)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

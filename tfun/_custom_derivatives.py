@@ -130,7 +130,16 @@ def _needs_rule(tensors: Sequence[torch.Tensor]) -> bool:
 
     if _forward_level_open() and any(fwAD.unpack_dual(t).tangent is not None for t in tensors):
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    if any(t.requires_grad for t in tensors):
+        return True
+    # In the body of a loop lowered under grad mode, an input's `requires_grad` at trace time
+    # may not be the truth (a carry traced from an `init` that does not require grad is
+    # differentiated by the loop's autograd from the second step on): the loop lowers again
+    # with such carries requiring grad if its results turn out differentiable (`_hop.grad_unknowns`)
+    _hop.note_grad_unknown(tensors)
+    return False
 
 
 @_hop.assume_constant

@@ -1002,6 +1002,37 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "`torch.index_select(xs, 0, i.reshape(1))[0]`, or scan over `xs` instead. Otherwise keep the "
             "value a tensor (tfun.lax ops instead of Python control flow on it, no .item())."
         )
+    elif "do not support aliasing" in str(e) or "might be aliasing the input or the output" in str(e):
+        # torch's HOPs refuse inputs that share memory: tfun clones aliased operands, but a
+        # tensor a body or branch closes over is lifted by Dynamo unseen (`x[1]` read in a
+        # branch whose operand is `x[0]`, two views of one input)
+        revise = (
+            "Two inputs of a tfun.lax op share memory: views of one tensor (such as `x[0]` as an operand or "
+            "`init` and `x[1]` read inside the branch or body), which torch's control-flow ops refuse under "
+            f"tfun.jit (torch {torch.__version__}). Pass a copy for one of them (`x[0].clone()`), or pass the "
+            "whole tensor as an operand and index it inside the function."
+        )
+    elif "does not support automatic differentiation for outputs with complex dtype" in str(e):
+        # torch's scan autograd traces the body's backward, which conjugates a complex carry
+        revise = (
+            "A differentiated tfun.lax loop (scan, fori_loop, map) carries a complex tensor, which torch's "
+            f"loop autograd cannot differentiate under tfun.jit (torch {torch.__version__}). Carry the real and "
+            "imaginary parts as two real tensors (or `torch.view_as_real(c)`, rebuilt with "
+            "`torch.complex(re, im)` inside the body), or compute the gradient outside tfun.jit."
+        )
+    elif "Expected at least one Tensor to vmap over" in str(e) or (
+        "sorted order of strides of the two branches" in str(e) and "BatchedTensor(" in str(e)
+    ):
+        # torch.cond's vmap rule with an unbatched predicate vmaps each branch over the branch's
+        # own inputs: a branch that reads only unbatched ones has nothing to vmap over (switch),
+        # or returns an unbatched output that the rule expands (stride 0) beside a batched one (cond)
+        revise = (
+            "A tfun.lax.cond or switch under a tfun.vmap inside tfun.jit has a branch that reads only "
+            "unbatched tensors while another reads a batched one, which torch's batching of `torch.cond` "
+            f"cannot compile (torch {torch.__version__}). Make the operands batched, so that every branch "
+            "returns batched values (e.g. `torch.zeros_like(x)` rather than `torch.zeros(n)` for a value one "
+            "branch adds the batched `x` to), or apply tfun.vmap outside tfun.jit."
+        )
     elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
         revise = (

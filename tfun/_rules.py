@@ -26,6 +26,7 @@ import os
 import sysconfig
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -1453,7 +1454,11 @@ def abstract_eval(
             check_static_side_effects(op or "tfun", role or "function", fn)
             snap = Snapshot(roots_of(fn))
         state = _torch_state()
-        with _eager_stance(), mode:
+        with _eager_stance(), mode, warnings.catch_warnings():
+            # a closed-over real tensor that is not a leaf and requires grad (a slice of a
+            # differentiated input) is made fake on first use, and the conversion reads its
+            # `.grad`, which torch warns about: the read is the fake mode's, not the user's
+            warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning)
             out = fn(*tree_unflatten(treedef, fake_leaves))
         out_leaves, out_def = tree_flatten(out)
         if snap is not None:

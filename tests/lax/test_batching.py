@@ -245,8 +245,18 @@ def _vmap_jit_cases():
     def map_rows(x):
         return lax.map(lambda r: torch.sin(r) * w.to(r), x)
 
+    def scan_accumulator(x):  # a 0-d accumulator beside the state, both returned (was refused
+        # with gradients: torch's backward compared the batch-last cotangent with its carry)
+        def step(c, xt):
+            h, acc = c
+            h = torch.tanh(h * w.to(h) + xt)
+            return (h, acc + h.sum()), None
+
+        (h, acc), _ = lax.scan(step, (x[0], torch.zeros((), dtype=x.dtype)), x)
+        return h, acc
+
     return {f.__name__: f for f in (scan_zeros_init, scan_pytree_reverse, scan_unrolled, scan_carry_reset,
-                                    scan_no_xs, fori_closure, map_rows)}
+                                    scan_no_xs, fori_closure, map_rows, scan_accumulator)}
 
 
 _CASES = _vmap_jit_cases()
@@ -343,6 +353,76 @@ def test_vmap_of_while_loop_under_jit_is_refused_with_what_to_do():
     with pytest.raises(JitError, match=r"^tfun\.lax\.while_loop: under tfun\.jit, this loop is inside a torch\.func transform") as info:
         tfun.jit(tfun.vmap(f), backend="aot_eager")(torch.randn(4, 3))
     assert "test_batching.py" in str(info.value) and "fori_loop" in str(info.value)
+
+
+@_SLOW_BATCHING
+@pytest.mark.parametrize("op", ["cond", "switch"])
+def test_cond_in_a_vmapped_loop_body_under_jit_is_refused_in_grad_mode_and_right_without(op):
+    """torch's batched `torch.cond` inside a loop body compiles under Inductor with wrong
+    gradients (off by up to 5 on torch 2.13 and 2.14.1; hunt 22): refused in grad mode with a
+    JitError naming the user's line and the ways out; under `torch.no_grad()` it compiles and
+    equals eager float64, and the `torch.where` the message suggests has right gradients."""
+
+    def f(x):
+        def step(c, xt):
+            i, h = c
+            if op == "cond":
+                h = lax.cond(i % 2 == 0, lambda h: h + xt, lambda h: h * 0.5 - xt, h)
+            else:
+                h = lax.switch(i % 2, [lambda h: h + xt, lambda h: h * 0.5 - xt], h)
+            return (i + 1, h), h.sum()
+
+        return lax.scan(step, (torch.tensor(0), torch.zeros(3, dtype=x.dtype)), x)
+
+    x = torch.randn(4, 6, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(JitError, match=rf"^tfun\.lax\.{op} inside a loop body under a traced tfun\.vmap") as info:
+        tfun.jit(tfun.vmap(f), backend="aot_eager")(x.requires_grad_())
+    assert "test_batching.py" in str(info.value) and "torch.no_grad()" in str(info.value)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = tfun.jit(tfun.vmap(f), backend="aot_eager")(x)
+    (i, h), ys = tfun.vmap(f)(x.detach().double())
+    torch.testing.assert_close(got[0][1].double(), h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1].double(), ys, rtol=1e-5, atol=1e-5)
+
+    def g(x):  # the suggested form: a select of both branches' values
+        def step(c, xt):
+            i, h = c
+            h = torch.where(i % 2 == 0, h + xt, h * 0.5 - xt)
+            return (i + 1, h), h.sum()
+
+        return lax.scan(step, (torch.tensor(0), torch.zeros(3, dtype=x.dtype)), x)[0][1]
+
+    torch._dynamo.reset()
+    xg = x.detach().clone().requires_grad_()
+    (tfun.jit(tfun.vmap(g))(xg) ** 2).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (tfun.vmap(f)(x64)[0][1] ** 2).sum().backward()
+    torch.testing.assert_close(xg.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+
+
+@_SLOW_BATCHING
+def test_gradient_of_a_jitted_vmap_with_a_0d_accumulator_carry():
+    """A pytree carry with a 0-d accumulator, every argument batched: the carry's cotangent
+    reached torch's backward scan in the vmap rule's batch-last layout ("scan might be aliasing
+    the input or the output!" before `_compat._contiguous_scan_backward`)."""
+
+    def loss(W, xs, h0):
+        def step(carry, x):
+            h = torch.tanh(carry["h"] @ W + x)
+            return {"h": h, "acc": carry["acc"] + h.sum()}, h
+
+        c, ys = lax.scan(step, {"h": h0, "acc": torch.zeros((), dtype=h0.dtype)}, xs)
+        return c["h"].sum() + c["acc"] + ys.sum()
+
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(3, 2, 2, generator=g) * 0.5, torch.randn(3, 4, 2, generator=g), torch.randn(3, 2, generator=g))
+    ins = [a.clone().requires_grad_() for a in args]
+    got = torch.autograd.grad(tfun.jit(tfun.vmap(loss), backend="aot_eager")(*ins).sum(), ins)
+    ins64 = [a.double().requires_grad_() for a in args]
+    want = torch.autograd.grad(tfun.vmap(loss)(*ins64).sum(), ins64)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
 
 
 @_SLOW_BATCHING

@@ -485,3 +485,36 @@ def test_integer_outputs_next_to_differentiated_ones_under_jit(op, backend):
     torch.testing.assert_close(xx.grad, want_g)
     for a, b in zip(aux, want_aux):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_branch_closing_over_a_non_leaf_that_requires_grad_warns_nothing():
+    """The branch not taken is checked on fake tensors; a closed-over slice of a differentiated
+    input (a non-leaf that requires grad) is made fake on first use, and torch's conversion
+    reads its `.grad`, which warned ("The .grad attribute of a Tensor that is not a leaf"), an
+    error under this suite's warnings-as-errors (hunt 22). The values and gradient are eager's."""
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    xt = x[1]
+    out = lax.cond(torch.tensor(True), lambda h: h + xt, lambda h: h * 0.5 - xt, torch.zeros(4, dtype=torch.float64))
+    (g,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, xt.detach())
+    torch.testing.assert_close(g, torch.zeros_like(x).index_fill(0, torch.tensor([1]), 1.0))
+
+
+@pytest.mark.parametrize("op", ["cond", "switch"])
+def test_operands_that_are_views_of_one_tensor_compile(op):
+    """`cond(p, f, g, x[0], x[1])` under tfun.jit: torch's cond refuses operands that share
+    memory ("Higher order ops do not support aliasing"); tfun passes a copy of the later one,
+    as the loops do (hunt 22). A branch that closes over a view of an operand's tensor is
+    still refused, by a JitError that says what to pass instead."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    if op == "cond":
+        f = lambda x: lax.cond(x.sum() > 0, lambda a, b: a * b, lambda a, b: a - b, x[0], x[1])
+    else:
+        f = lambda x: lax.switch((x.sum() > 0).to(torch.int64), [lambda a, b: a - b, lambda a, b: a * b], x[0], x[1])
+    torch._dynamo.reset()
+    torch.testing.assert_close(tfun.jit(f, backend="aot_eager")(x), f(x))
+    closes = lambda x: lax.cond(x.sum() > 0, lambda c: c * x[1], lambda c: c - x[1], x[0])
+    torch._dynamo.reset()
+    with pytest.raises(tfun.errors.JitError, match=r"share memory: views of one tensor") as info:
+        tfun.jit(closes, backend="aot_eager")(x)
+    assert "x[0].clone()" in str(info.value)

@@ -239,6 +239,7 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         _hop.refuse_unrolled(op, true_fun)
         _hop.check_side_effects(op, "true_fun", true_fun)
         _hop.check_side_effects(op, "false_fun", false_fun)
+        _hop.refuse_cond_in_vmapped_grad_body(op, true_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
         return _lower_cond(p, _hop.remat_body(true_fun), _hop.remat_body(false_fun), operands)
@@ -349,6 +350,7 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         _hop.refuse_unrolled(op, branches[0])
         for k, b in enumerate(branches):
             _hop.check_side_effects(op, f"branches[{k}]", b)
+        _hop.refuse_cond_in_vmapped_grad_body(op, branches[0])
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
         # as cond lowers a Python pred: the eager path's caches are not traceable.
         idx = index if isinstance(index, torch.Tensor) else torch.tensor(index)
@@ -490,6 +492,7 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     """`torch.cond` with tfun pytrees, tfun's branch rules and alias-free outputs."""
     _hop.begin_lowering()
     flat, op_td = tree_flatten(tuple(operands))
+    flat = _hop.distinct(flat)  # e.g. cond(p, f, g, x[0], x[1]): views of one tensor
     key = _hop.escape_new_key()
     # Sizes are not exchanged: once Dynamo makes a size symbolic (a second input shape),
     # it cannot be passed to an escape hatch as a constant, and nothing in traced code tells
@@ -507,6 +510,7 @@ def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: 
     _hop.begin_lowering()
     branches = tuple(branches)
     flat, op_td = tree_flatten(tuple(operands))
+    flat = _hop.distinct(flat)  # (see `_lower_cond`)
     key = _hop.escape_new_key()
     encode = _encodes_bits()
     wrapped = [

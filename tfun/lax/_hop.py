@@ -331,7 +331,13 @@ def refuse_func_reverse_if_differentiated(op: str, role: str, fn: Callable[..., 
     `tensors`, the body's inputs and outputs, requires grad), refuse. torch's backward of
     while_loop, cond and map (2.13 through 2.15) differentiates such a body wrongly, without
     an error (tests/lax/test_loops.py, tests/test_jit_grad_in_body.py); scan's is right."""
-    if not (torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)):
+    if not torch.is_grad_enabled():
+        return
+    tensors = [x for x in tensors if isinstance(x, torch.Tensor)]
+    if not any(x.requires_grad for x in tensors):
+        # (in a loop body traced from an `init` that does not require grad, the loop lowers
+        # again with its carries requiring grad if its results turn out differentiable)
+        note_grad_unknown(tensors)
         return
     noun, wrong = _FUNC_REVERSE_WRONG[op]
     raise _errors.JitError(
@@ -533,15 +539,94 @@ def _escape_body(delta: int) -> int:
     return int(_BODY_DEPTH[0])
 
 
+_GRAD_BODY_DEPTH: list[Any] = [0, None]
+
+
+@assume_constant
+def _escape_grad_body(delta: int) -> int:
+    """Add `delta` to the depth of bodies of loops lowered under grad mode in the trace
+    running now; return the depth."""
+    trace = _context.current_trace()
+    if _GRAD_BODY_DEPTH[1] is None or _GRAD_BODY_DEPTH[1]() is not trace:
+        _GRAD_BODY_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
+    _GRAD_BODY_DEPTH[0] = max(_GRAD_BODY_DEPTH[0] + delta, 0)
+    return int(_GRAD_BODY_DEPTH[0])
+
+
 class body_scope:
     """Trace time: the user's function of a HOP body runs inside it (`with body_scope(): out =
-    f(...)`, in every lowering's body wrapper), so that `in_body` answers True there."""
+    f(...)`, in every lowering's body wrapper), so that `in_body` answers True there.
+    `grad=True` for the body of a loop lowered under grad mode (torch's autograd will
+    differentiate it): `in_grad_body` answers True there too."""
+
+    def __init__(self, grad: bool = False) -> None:
+        self.grad = grad
 
     def __enter__(self) -> None:
         _escape_body(1)
+        if self.grad:
+            _escape_grad_body(1)
 
     def __exit__(self, *exc: Any) -> None:
         _escape_body(-1)
+        if self.grad:
+            _escape_grad_body(-1)
+
+
+_GRAD_UNKNOWNS = [0]
+
+
+@assume_constant
+def _escape_grad_unknowns(count: bool) -> int:
+    if count:
+        _GRAD_UNKNOWNS[0] += 1
+    return _GRAD_UNKNOWNS[0]
+
+
+def grad_unknowns() -> int:
+    """A counter of decisions taken in the body of a loop lowered under grad mode from inputs'
+    `requires_grad` alone, found False (`note_grad_unknown`): a custom function's rule left
+    out, a reverse-mode refusal not made. Read before and after a loop's lowering
+    (`_scan.scan`): where it changed and the loop's results require grad, the loop lowers
+    again with its floating carries requiring grad, so that those decisions see the truth."""
+    return _escape_grad_unknowns(False)
+
+
+def note_grad_unknown(tensors: Sequence[Any]) -> None:
+    """Record a `requires_grad`-based decision in a loop body lowered under grad mode, where
+    the body's floating inputs did not require grad (see `grad_unknowns`)."""
+    if in_grad_body() and any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in tensors):
+        _escape_grad_unknowns(True)
+
+
+def in_grad_body() -> bool:
+    """Trace time: whether the code being traced runs inside the body of a loop lowered under
+    grad mode (`body_scope(grad=True)`), which torch's autograd may differentiate."""
+    return _escape_grad_body(0) > 0
+
+
+def refuse_cond_in_vmapped_grad_body(op: str, fn: Callable[..., Any]) -> None:
+    """Refuse a `cond`/`switch` inside a loop body lowered under grad mode under a traced
+    `vmap` (`tfun.jit(tfun.vmap(f))` where `f` loops): torch's vmap rule for `cond` there
+    compiles, and Inductor then computes wrong gradients (torch 2.13 and 2.14.1: a `cond` on
+    the loop index in a vmapped `scan`, gradients off by up to 5 where `aot_eager` is right).
+    Inside the body, whether anything it reads requires grad is not known at trace time, so
+    grad mode decides, as for the scan lowering's own autograd precautions (`_scan`). A
+    JitError with the alternatives instead of wrong numbers; under `torch.no_grad()` it
+    compiles (and is right: `tests/test_scan_in_place.py`)."""
+    if not (vmap_traced() and in_grad_body()):
+        return
+    raise _errors.JitError(
+        _errors.format_message(
+            f"{op} inside a loop body under a traced tfun.vmap (`tfun.jit(tfun.vmap(f))`), with grad mode on, "
+            "is refused: torch's batching of `torch.cond` there gives wrong gradients under Inductor "
+            f"(torch {torch.__version__}).",
+            function=_funcinfo.describe(fn),
+            revise="Call it under `torch.no_grad()` when no gradient is needed; else write the branch as a "
+            "`tfun.lax.select` / `torch.where` of both branches' values (both are computed), or apply "
+            "tfun.vmap outside tfun.jit (`tfun.vmap(tfun.jit(f))`, uncompiled inside the transform).",
+        )
+    )
 
 
 def in_body() -> bool:

@@ -420,6 +420,7 @@ def _lower_while_loop(
         return init_val
 
     carrier = _hop.carrier(td, leaves)
+    grad_body = torch.is_grad_enabled() and not _hop.is_exporting()  # (see `_scan._lower_scan`)
 
     def c(*flat: Any) -> Any:
         state = _hop.torch_state()
@@ -434,7 +435,7 @@ def _lower_while_loop(
         td_in = tree_structure(carrier)
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
-        with _hop.body_scope():
+        with _hop.body_scope(grad=grad_body):
             out = body_fun(tree_unflatten(td_in, list(flat)))
         _hop.check_state(op, "body_fun", body_fun, state)
         if _hop.func_reverse_modes() != reverse:
