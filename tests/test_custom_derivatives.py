@@ -1572,9 +1572,10 @@ def test_control_flow_inside_the_rule_under_jit(backend):
     assert not torch.allclose(tfun.grad(lambda z: (_scan_rnn(z) ** 2).sum())(x), plain)
 
 
+@pytest.mark.parametrize("loop", ["scan", "while_loop"])
 @pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
-def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(kind, backend):
+def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(loop, kind, backend):
     """A custom function in a scan body whose carry starts as `torch.zeros`: traced, the carry
     does not require grad, so the rule was left out and torch's scan autograd differentiated
     the primal (the true derivative, silently; hunt 22). The scan now lowers again with its
@@ -1595,6 +1596,9 @@ def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(ki
         half.defjvp(lambda primals, tangents: (torch.sin(primals[0]), torch.cos(primals[0]) * 0.5 * tangents[0]))
 
     def loss(x):
+        if loop == "while_loop":  # a fori_loop with a tensor bound is a while_loop
+            c = tfun.lax.fori_loop(0, torch.tensor(4), lambda i, c: half(c) + x[1], torch.zeros(3, dtype=x.dtype))
+            return (c**2).sum()
         c, ys = tfun.lax.scan(lambda c, xt: (half(c) + xt, c), torch.zeros(3, dtype=x.dtype), x)
         return (c**2).sum() + (ys**2).sum()
 
@@ -1608,6 +1612,9 @@ def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(ki
     torch.testing.assert_close(xg.grad, want)
     # and the same without the rule would differ: the test can tell the two apart
     def plain(x):
+        if loop == "while_loop":
+            c = tfun.lax.fori_loop(0, torch.tensor(4), lambda i, c: torch.sin(c) + x[1], torch.zeros(3, dtype=x.dtype))
+            return (c**2).sum()
         c, ys = tfun.lax.scan(lambda c, xt: (torch.sin(c) + xt, c), torch.zeros(3, dtype=x.dtype), x)
         return (c**2).sum() + (ys**2).sum()
 
