@@ -24,6 +24,8 @@ Programs (each written once per framework, the same arithmetic, float32):
   loss w.r.t. all its parameters (a training step without the optimizer).
 - `vmap_rnn`: the tanh RNN written for one sequence (H=32, T=256) and batched by `vmap` over 16
   sequences with W shared: `jit(vmap(f))` of a scan, fwd and the gradient w.r.t. W (`fwd+bwd`).
+- `per_example`: the same RNN's loss per sequence, and the gradient w.r.t. W of each of the 16
+  sequences (per-example gradients, `jit(vmap(grad(loss), in_axes=(None, 0)))`).
 
 Timings are the median of `--repeat` calls after two warm-up calls; on CUDA each call is
 synchronized. JAX results are blocked on (`block_until_ready`); tfun's forward programs run
@@ -196,6 +198,23 @@ def vmap_rnn(B: int, H: int, T: int, backward: bool):
     return t_loss, (W, xs), j_loss, (W, xs)
 
 
+def per_example(B: int, H: int, T: int):
+    """Per-example gradients: the gradient w.r.t. the shared W of each sequence's loss,
+    `vmap(grad(loss), in_axes=(None, 0))` (under tfun.jit: `_vmap._per_example_gradients`)."""
+    W, xs = _data(6, (H, H), (B, T, H))
+    W = W / H**0.5
+
+    def t_loss(W, x):
+        _, ys = lax.scan(lambda h, xt: (lambda n: (n, n))(torch.tanh(h @ W + xt)), torch.zeros_like(x[0]), x, unroll=UNROLL)
+        return (ys * ys).sum()
+
+    def j_loss(W, x):
+        _, ys = jax.lax.scan(lambda h, xt: (lambda n: (n, n))(jnp.tanh(h @ W + xt)), jnp.zeros_like(x[0]), x, unroll=UNROLL)
+        return (ys * ys).sum()
+
+    return tfun.vmap(tfun.grad(t_loss), in_axes=(None, 0)), (W, xs), jax.vmap(jax.grad(j_loss), in_axes=(None, 0)), (W, xs)
+
+
 PROGRAMS: dict[str, Callable[[bool], tuple]] = {
     "rnn_small fwd": lambda q: rnn(4, 32, 1024, False),
     "rnn_small fwd+bwd": lambda q: rnn(4, 32, 1024, True),
@@ -208,6 +227,7 @@ PROGRAMS: dict[str, Callable[[bool], tuple]] = {
     "lstm_step fwd+bwd": lambda q: lstm(16, 128, 256),
     "vmap_rnn fwd": lambda q: vmap_rnn(16, 32, 256, False),
     "vmap_rnn fwd+bwd": lambda q: vmap_rnn(16, 32, 256, True),
+    "per_example fwd+bwd": lambda q: per_example(16, 32, 256),
 }
 
 

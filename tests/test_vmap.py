@@ -361,3 +361,15 @@ def test_per_example_gradients_of_parameters_that_require_grad_stay_differentiab
     want = torch.autograd.grad(penalty(W, _XS), W)[0]
     got = torch.autograd.grad(tfun.jit(penalty, backend="aot_eager")(W, _XS), W)[0]
     torch.testing.assert_close(got, want)
+
+
+def test_per_example_gradients_under_jit_check_out_axes_as_eagerly():
+    """An out_axes past a per-example scalar's gradient: the same ArgumentValueError eagerly
+    (torch.func's vmap) and under jit (the rewrite places the batch dimension itself)."""
+    b = torch.tensor(0.5, dtype=D)
+    g = tfun.vmap(tfun.grad(lambda b, x: (torch.tanh(x * b) ** 2).sum()), in_axes=(None, 0), out_axes=1)
+    with pytest.raises(ArgumentValueError, match=r"out_axes 1 is out of range for an output with 1 dimensions") as eager:
+        g(b, _XS)
+    with pytest.raises(ArgumentValueError, match=r"out_axes 1 is out of range for an output with 1 dimensions") as traced:
+        tfun.jit(g, backend="aot_eager")(b, _XS)
+    assert str(traced.value).splitlines()[0] == str(eager.value).splitlines()[0]

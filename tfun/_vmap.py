@@ -367,8 +367,23 @@ def _per_example_gradients(
         out: Any = ((values, aux), g) if spec.has_aux else (values, g)
     else:
         out = (g, aux) if spec.has_aux else g
-    # every output has its batch dimension first; `out_axes` places it
-    return tree_map(lambda t: t.movedim(0, out_axes % t.ndim) if isinstance(t, torch.Tensor) else t, out)
+    # every output has its batch dimension first; `out_axes` places it (checked as eagerly)
+
+    def place(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not -t.ndim <= out_axes < t.ndim:
+            raise ArgumentValueError(
+                format_message(
+                    f"tfun.vmap: out_axes {out_axes} is out of range for an output with {t.ndim} dimensions "
+                    "(including the mapped one).",
+                    [f"a tensor of shape {tuple(t.shape[1:])} per element"],
+                    function=describe(fun),
+                )
+            )
+        return t.movedim(0, out_axes % t.ndim)
+
+    return tree_map(place, out)
 
 
 def _skeleton(tree: Any) -> Any:
