@@ -164,22 +164,32 @@ def torch_associative_scan() -> Callable[..., Any]:
     return _as
 
 
-#: How many control-flow ops have been lowered to HOPs (read by tfun.grad's traced path).
-#: Counted at trace time, in plain Python (Dynamo constants): as a traced global write it
-#: would be a side effect, which HOP bodies (nested control flow) may not have.
-_LOWERINGS = [0]
+#: Counters of trace-time events, read before and after a traced call to learn what it did.
+#: Counted at trace time, in plain Python (Dynamo constants, `_escape_count`): as a traced
+#: global write it would be a side effect, which HOP bodies (nested control flow) may not have.
+#:
+#: - "lowerings": control-flow ops lowered to HOPs (read by tfun.grad's traced path);
+#: - "custom_rules": custom functions (tfun.custom_jvp / custom_vjp) applied in traced code
+#:   with their rules as a traced `autograd.Function`: Dynamo compiles such a Function's
+#:   backward once, and its result is not differentiable again (its gradient would be cut);
+#: - "func_reverse": reverse-mode torch.func transforms (`torch.func.grad`/`vjp`/`jacrev`, as
+#:   `tfun.grad` inside `tfun.vmap`, or `tfun.jacrev`, run them) applied in traced code:
+#:   torch's while_loop backward differentiates a body that runs one wrongly (see
+#:   `refuse_func_reverse_if_differentiated`);
+#: - "grad_unknowns": see `grad_unknowns`.
+_COUNTS: dict[str, int] = {"lowerings": 0, "custom_rules": 0, "func_reverse": 0, "grad_unknowns": 0}
 
 
 def lowerings() -> int:
     """A counter of HOP lowerings: a traced caller compares it before and after a call to
     learn whether the call contained control flow."""
-    return _escape_lowerings(False)
+    return _escape_count("lowerings", False)
 
 
 def begin_lowering() -> None:
     """Called first by every lowering, at trace time: counts it (`lowerings`) and makes
     Inductor's lowering of HOP bodies safe (`_subgraph_inputs_never_donated`)."""
-    _escape_lowerings(True)
+    _escape_count("lowerings", True)
     _escape_prepare_inductor()
 
 
@@ -245,58 +255,39 @@ def assume_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
+
 # key -> {label: description}; entries are small tuples of constants. Bounded.
 _EXCHANGE: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
 _EXCHANGE_MAX = 256
 _KEYS = itertools.count(1)
 
 
-#: How many custom functions (tfun.custom_jvp / custom_vjp) have been applied in traced code,
-#: with their rules as a traced `autograd.Function`: Dynamo compiles such a Function's
-#: backward once, and its result is not differentiable again (its gradient would be cut).
-_CUSTOM_RULES = [0]
-
-
 @assume_constant
-def _escape_custom_rules(count: bool) -> int:
-    if count:
-        _CUSTOM_RULES[0] += 1
-    return _CUSTOM_RULES[0]
+def _escape_count(name: str, add: bool) -> int:
+    if add:
+        _COUNTS[name] += 1
+    return _COUNTS[name]
 
 
 def custom_rules() -> int:
     """A counter of custom functions applied in traced code (see `lowerings`)."""
-    return _escape_custom_rules(False)
+    return _escape_count("custom_rules", False)
 
 
 def note_custom_rule() -> None:
     """Called by a custom function applied in traced code, with its rule."""
-    _escape_custom_rules(True)
-
-
-#: How many reverse-mode torch.func transforms (`torch.func.grad`/`vjp`/`jacrev`, as
-#: `tfun.grad` inside `tfun.vmap`, or `tfun.jacrev`, run them) tfun has applied in traced code.
-#: torch's while_loop backward differentiates a body that runs one wrongly (see
-#: `refuse_func_reverse_if_differentiated`).
-_FUNC_REVERSE = [0]
-
-
-@assume_constant
-def _escape_func_reverse(count: bool) -> int:
-    if count:
-        _FUNC_REVERSE[0] += 1
-    return _FUNC_REVERSE[0]
+    _escape_count("custom_rules", True)
 
 
 def func_reverse_modes() -> int:
     """A counter of reverse-mode torch.func transforms applied in traced code."""
-    return _escape_func_reverse(False)
+    return _escape_count("func_reverse", False)
 
 
 def note_func_reverse() -> None:
     """Called where tfun applies a reverse-mode torch.func transform (traced code only)."""
     if _context.is_tracing():
-        _escape_func_reverse(True)
+        _escape_count("func_reverse", True)
 
 
 #: What torch's backward of each HOP does with a body that runs a reverse-mode torch.func
@@ -352,13 +343,6 @@ def refuse_func_reverse_if_differentiated(op: str, role: str, fn: Callable[..., 
     )
 
 
-@assume_constant
-def _escape_lowerings(count: bool) -> int:
-    if count:
-        _LOWERINGS[0] += 1
-    return _LOWERINGS[0]
-
-
 # ----------------------------------------------------------------------------------------
 # tfun.checkpoint around control flow, traced
 # ----------------------------------------------------------------------------------------
@@ -368,7 +352,7 @@ def _escape_lowerings(count: bool) -> int:
 #: then applied to each body instead), innermost last, each as the key of its policy in
 #: `_POLICIES` (0: no policy), and the trace that stack belongs to (a trace that raises
 #: leaves it behind; the next trace starts empty). Plain Python read and written at trace
-#: time through `_escape_remat` (Dynamo constants), as `_LOWERINGS`.
+#: time through `_escape_remat` (Dynamo constants), as `_COUNTS`.
 _REMAT_STACK: list[Any] = [[], None]
 #: policy key -> policy, for the policies of traced checkpoints around control flow: the
 #: bodies' checkpoints name theirs by key (an int, a constant to Dynamo, in
@@ -526,31 +510,19 @@ def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
 #: and map differentiate the body as a graph), so a traced `tfun.grad` there cannot use
 #: `torch.autograd.grad` on fresh leaves ("element 0 of tensors does not require grad"): it
 #: uses torch.func's transform, which Dynamo traces into the body's graph.
-_BODY_DEPTH: list[Any] = [0, None]
+#: The same for the bodies of loops lowered under grad mode (`in_grad_body`).
+_DEPTHS: dict[str, list[Any]] = {"body": [0, None], "grad": [0, None]}
 
 
 @assume_constant
-def _escape_body(delta: int) -> int:
-    """Add `delta` to the body depth of the trace running now; return the depth."""
+def _escape_depth(which: str, delta: int) -> int:
+    """Add `delta` to the depth `which` ("body", "grad") of the trace running now; return it."""
+    depth = _DEPTHS[which]
     trace = _context.current_trace()
-    if _BODY_DEPTH[1] is None or _BODY_DEPTH[1]() is not trace:
-        _BODY_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
-    _BODY_DEPTH[0] = max(_BODY_DEPTH[0] + delta, 0)
-    return int(_BODY_DEPTH[0])
-
-
-_GRAD_BODY_DEPTH: list[Any] = [0, None]
-
-
-@assume_constant
-def _escape_grad_body(delta: int) -> int:
-    """Add `delta` to the depth of bodies of loops lowered under grad mode in the trace
-    running now; return the depth."""
-    trace = _context.current_trace()
-    if _GRAD_BODY_DEPTH[1] is None or _GRAD_BODY_DEPTH[1]() is not trace:
-        _GRAD_BODY_DEPTH[:] = [0, None if trace is None else weakref.ref(trace)]
-    _GRAD_BODY_DEPTH[0] = max(_GRAD_BODY_DEPTH[0] + delta, 0)
-    return int(_GRAD_BODY_DEPTH[0])
+    if depth[1] is None or depth[1]() is not trace:
+        depth[:] = [0, None if trace is None else weakref.ref(trace)]
+    depth[0] = max(depth[0] + delta, 0)
+    return int(depth[0])
 
 
 class body_scope:
@@ -563,24 +535,14 @@ class body_scope:
         self.grad = grad
 
     def __enter__(self) -> None:
-        _escape_body(1)
+        _escape_depth("body", 1)
         if self.grad:
-            _escape_grad_body(1)
+            _escape_depth("grad", 1)
 
     def __exit__(self, *exc: Any) -> None:
-        _escape_body(-1)
+        _escape_depth("body", -1)
         if self.grad:
-            _escape_grad_body(-1)
-
-
-_GRAD_UNKNOWNS = [0]
-
-
-@assume_constant
-def _escape_grad_unknowns(count: bool) -> int:
-    if count:
-        _GRAD_UNKNOWNS[0] += 1
-    return _GRAD_UNKNOWNS[0]
+            _escape_depth("grad", -1)
 
 
 def grad_unknowns() -> int:
@@ -589,20 +551,20 @@ def grad_unknowns() -> int:
     out, a reverse-mode refusal not made. Read before and after a loop's lowering
     (`_scan.scan`): where it changed and the loop's results require grad, the loop lowers
     again with its floating carries requiring grad, so that those decisions see the truth."""
-    return _escape_grad_unknowns(False)
+    return _escape_count("grad_unknowns", False)
 
 
 def note_grad_unknown(tensors: Sequence[Any]) -> None:
     """Record a `requires_grad`-based decision in a loop body lowered under grad mode, where
     the body's floating inputs did not require grad (see `grad_unknowns`)."""
     if in_grad_body() and any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in tensors):
-        _escape_grad_unknowns(True)
+        _escape_count("grad_unknowns", True)
 
 
 def in_grad_body() -> bool:
     """Trace time: whether the code being traced runs inside the body of a loop lowered under
     grad mode (`body_scope(grad=True)`), which torch's autograd may differentiate."""
-    return _escape_grad_body(0) > 0
+    return _escape_depth("grad", 0) > 0
 
 
 def refuse_cond_in_vmapped_grad_body(op: str, fn: Callable[..., Any]) -> None:
@@ -632,7 +594,7 @@ def refuse_cond_in_vmapped_grad_body(op: str, fn: Callable[..., Any]) -> None:
 def in_body() -> bool:
     """Trace time: whether the code being traced runs inside a HOP body (a lowered loop's or
     branch's function), where autograd is off."""
-    return _escape_body(0) > 0
+    return _escape_depth("body", 0) > 0
 
 
 # ----------------------------------------------------------------------------------------
