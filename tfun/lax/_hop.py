@@ -550,8 +550,46 @@ def grad_unknowns() -> int:
     `requires_grad` alone, found False (`note_grad_unknown`): a custom function's rule left
     out, a reverse-mode refusal not made. Read before and after a loop's lowering
     (`_scan.scan`): where it changed and the loop's results require grad, the loop lowers
-    again with its floating carries requiring grad, so that those decisions see the truth."""
+    again with its floating carries requiring grad, so that those decisions see the truth
+    (`lower_seeing_grad`)."""
     return _escape_count("grad_unknowns", False)
+
+
+def lower_seeing_grad(lower: Callable[[Any], Any], init: Any, final_carry: Callable[[Any], Any]) -> Any:
+    """`lower(init)`, the lowering of a loop whose carry starts as `init`, lowered again with
+    `init`'s floating leaves requiring grad (`requiring_grad_like`) where a decision in its
+    body read `requires_grad` and found False (`grad_unknowns` changed) while the loop's final
+    carry (`final_carry(out)`) comes out requiring grad. Traced, a carry's `requires_grad` is
+    `init`'s, so a body that makes the carry differentiable (`init` is `torch.zeros`, the body
+    adds a parameter) was traced as if nothing in it were differentiated: a custom function's
+    rule left out, a reverse-mode refusal not made. The first lowering is then dead code,
+    which AOTAutograd drops."""
+    unknowns = grad_unknowns()
+    out = lower(init)
+    if grad_unknowns() != unknowns:
+        again = requiring_grad_like(init, final_carry(out))
+        if again is not None:
+            out = lower(again)
+    return out
+
+
+def requiring_grad_like(init: Any, carry: Any) -> Any:
+    """`init` with each floating leaf that does not require grad made a fresh leaf that does
+    (`_compat.grad_leaf`), where `carry` (the lowered loop's final carry) requires grad; None
+    where nothing is to change. The fresh leaves' own gradients are not used: their values are
+    `init`'s, and nothing flowed into them before."""
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(carry)[0]):
+        return None
+    leaves, treedef = tree_flatten(init)
+    marked = [
+        _compat.grad_leaf(t)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.requires_grad
+        else t
+        for t in leaves
+    ]
+    if all(a is b for a, b in zip(marked, leaves)):
+        return None
+    return tree_unflatten(treedef, marked)
 
 
 def note_grad_unknown(tensors: Sequence[Any]) -> None:

@@ -18,7 +18,6 @@ from ._scan import (
     check_carry_traced,
     check_export_constants,
     check_unroll,
-    _requiring_grad_like,
     scan,
 )
 
@@ -90,15 +89,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         _hop.check_side_effects(op, "cond_fun", cond_fun)
         _hop.check_side_effects(op, "body_fun", body_fun)
         body = _hop.remat_body(body_fun)
-        unknowns = _hop.grad_unknowns()
-        out = _lower_while_loop(cond_fun, body, val)
-        if _hop.grad_unknowns() != unknowns:
-            # a decision in the body read `requires_grad` from a carry traced as `init` (see
-            # `_scan.scan`): lowered again with the carry requiring grad where the result does
-            val = _requiring_grad_like(val, out)
-            if val is not None:
-                out = _lower_while_loop(cond_fun, body, val)
-        return out
+        return _hop.lower_seeing_grad(lambda v: _lower_while_loop(cond_fun, body, v), val, lambda out: out)
     sig = _rules.leaf_signature(leaves)
     rules = _rules.first_call(op, (cond_fun, body_fun), treedef, sig)
     # What has been checked for this signature: None, nothing; "cond", cond_fun for real and

@@ -302,13 +302,7 @@ def scan(
         k = unroll_steps(unroll, n)
         if k > 1:
             return _lower_unrolled(f, init, xs, n, bool(reverse), k)
-        unknowns = _hop.grad_unknowns()
-        out = _lower_scan(f, init, xs, n, bool(reverse))
-        if _hop.grad_unknowns() != unknowns:
-            init = _requiring_grad_like(init, out[0])
-            if init is not None:
-                out = _lower_scan(f, init, xs, n, bool(reverse))
-        return out
+        return _hop.lower_seeing_grad(lambda c: _lower_scan(f, c, xs, n, bool(reverse)), init, lambda out: out[0])
     return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
 
@@ -672,26 +666,6 @@ def _refuse_real_constants(op: str, f: Any) -> None:
 
 # Integer and bool leaves cross torch's scan as float64 tensors holding int64 bits (see `_lower_scan`).
 _BITS_KEY = "__tfun_bits__"  # + the dtype's name: the marker dict of such a y leaf
-
-
-def _requiring_grad_like(init: Any, carry: Any) -> Any:
-    """`init` with each floating leaf that does not require grad made a fresh leaf that does
-    (`_compat.grad_leaf`), where the lowered loop's final `carry` requires grad: its body is
-    then traced as torch's loop autograd will differentiate it (a custom function's rule in the
-    body applied, not its primal's derivative). None where nothing is to change. The fresh
-    leaves' own gradients are not used: their values are `init`'s, and nothing flowed into
-    them before."""
-    c_leaves = tree_flatten(carry)[0]
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in c_leaves):
-        return None
-    leaves, td = tree_flatten(init)
-    marked = [
-        _compat.grad_leaf(t) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.requires_grad else t
-        for t in leaves
-    ]
-    if all(a is b for a, b in zip(marked, leaves)):
-        return None
-    return tree_unflatten(td, marked)
 
 
 def _is_bits(dtype: torch.dtype) -> bool:
