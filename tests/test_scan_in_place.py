@@ -517,6 +517,46 @@ def test_a_cond_reading_a_slice_of_non_contiguous_xs_matches_float64(kind):
     torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["map", "scan", "while_loop"])
+def test_a_convolution_in_the_step_leaves_the_loop_to_torch_and_matches_float64(kind):
+    """A per-frame `conv2d` in a map, scan or while_loop step. Inductor lowers a body holding a
+    convolution with its layout optimization, and returned a copy of the loop state in
+    another layout instead of the buffer it wrote in place: the rewritten loop's later steps
+    went into copies, the stacked outputs were uninitialized memory from step 1 on (errors up
+    to 1e37, no error raised; hunt 23), and the gradient of a scan through a padded conv was
+    garbage or NaN. Such loops are left to torch (`_keeps_layouts`): values and gradients
+    equal eager float64, the caller's tensors are unchanged."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(3)
+    k, xs = torch.randn(3, 3, 3, 3, generator=g) * 0.2, torch.randn(6, 3, 2, 3, generator=g)
+
+    def f(k, xs):
+        conv = lambda x: F.conv2d(x[None], k, padding=1)[0]
+        if kind == "map":
+            return lax.map(conv, xs)
+        if kind == "scan":
+            return lax.scan(lambda h, x: (torch.tanh(h + conv(x)), conv(x)), torch.zeros(3, 2, 3, dtype=k.dtype), xs)
+        return lax.fori_loop(0, xs.shape[0], lambda i, h: torch.tanh(h + F.conv2d(h[None], k, padding=1)[0]), xs[0])
+
+    kg, xg = k.clone().requires_grad_(), xs.clone().requires_grad_()
+    k64, x64 = k.double().requires_grad_(), xs.double().requires_grad_()
+    loop = {"map": "map_impl", "scan": "scan", "while_loop": "while_loop"}[kind]
+    out, n = _rewrites(f, kg, xg, kind=loop)
+    want = f(k64, x64)
+    assert tree_allclose(_f64(out), want, rtol=1e-5, atol=1e-5)
+    loss = lambda o: sum((t.double() ** 2).sum() for t in tfun.tree.tree_leaves(o))
+    got_g = torch.autograd.grad(loss(out), (kg, xg))
+    want_g = torch.autograd.grad(loss(want), (k64, x64))
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # forward alone: torch's loop, not a rewritten one
+        out, n = _rewrites(f, k, xs, kind=loop)
+    assert n == 0
+    assert tree_allclose(_f64(out), f(k.double(), xs.double()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(xs, xg.detach())
+
+
 def test_symbolic_sizes_torch_cannot_rebuild_are_left_to_torch():
     """Under `dynamic=True`, `ys` of shape (T, A, B, C) has a stride `A*B*C`: torch 2.13 rebuilds
     such a product in the graph as an n-ary node Inductor cannot run, so that loop keeps torch's

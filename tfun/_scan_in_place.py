@@ -64,7 +64,9 @@ size and stride an int or a symbol backed by an input's size (what tfun.jit's re
 symbolic shapes makes: the length `n` is then a symbol, and so are the sizes of `ys`), never a
 size known only from data (an unbacked symbol), at least one `xs` leaf (the length), no complex
 leaf, and among the closed-over inputs only such tensors and sizes (a body reads its sizes as
-closed-over symbols under `dynamic=True`). Other loops are left to torch, and so are all scans
+closed-over symbols under `dynamic=True`), no convolution in the body (`_keeps_layouts`), and
+a step holding a control-flow op of its own only where it is passed the strides it was traced
+with (`_layouts_agree`). Other loops are left to torch, and so are all scans
 and maps on a torch whose C++ backend can fail to compile a kernel indexed by a loaded value
 (`_compat.cpp_transposes_indirect_index`: torch 2.11, not 2.13). `ScanInPlacePass` runs it as Inductor's
 `post_grad_custom_post_pass`, after Inductor's own graph clean-ups: those remove a `clone`
@@ -93,7 +95,7 @@ __all__ = ["REWRITES", "ScanInPlacePass", "rewrite"]
 REWRITES: collections.Counter = collections.Counter()
 
 # Part of the pass's cache key (`uuid`): bump it when the rewrite changes.
-_VERSION = 4
+_VERSION = 5
 
 
 def _sized(x: Any) -> bool:
@@ -172,7 +174,14 @@ def _parts(node: torch.fx.Node) -> tuple[Any, list[Any], list[Any], list[Any]] |
         return None
     if not _layouts_agree(node, step, [_val(n) for n in init], [_val(n) for n in xs]):  # type: ignore[misc]
         return None
+    if not _keeps_layouts(_subgraph(node, step)):
+        return None
     return step, list(init), list(xs), list(additional)  # type: ignore[arg-type]
+
+
+def _subgraph(node: torch.fx.Node, sub: Any) -> Any:
+    """The subgraph module a loop node's argument `sub` (a `get_attr` node) names, or None."""
+    return getattr(node.graph.owning_module, sub.target, None) if isinstance(sub, torch.fx.Node) else None
 
 
 def _layouts_agree(node: torch.fx.Node, step_node: Any, init: list[Any], xs: list[Any]) -> bool:
@@ -185,8 +194,7 @@ def _layouts_agree(node: torch.fx.Node, step_node: Any, init: list[Any], xs: lis
     (whose rule moves batch dimensions last) a step can be traced on a contiguous slice of a
     batch-last `xs`; read in other strides, the `cond`'s values came out transposed (wrong
     numbers, no error). Such a loop is left to torch."""
-    gm = node.graph.owning_module
-    step = getattr(gm, step_node.target, None) if isinstance(step_node, torch.fx.Node) else None
+    step = _subgraph(node, step_node)
     if not isinstance(step, torch.fx.GraphModule):
         return False
     nested = any(
@@ -210,6 +218,28 @@ def _layouts_agree(node: torch.fx.Node, step_node: Any, init: list[Any], xs: lis
     return True
 
 
+def _keeps_layouts(gm: Any) -> bool:
+    """Whether Inductor lowers a loop body made of `gm` (a step or body subgraph, with the
+    subgraphs nested in it) in the strides the rewrite passes it: False where it holds a
+    convolution. A graph with one gets Inductor's layout optimization
+    (`GraphLowering.decide_layout_opt`, always on the CPU with oneDNN), which may lower the
+    body so that it returns a copy of a loop state in another layout instead of the buffer it
+    wrote in place. Inductor's loop then writes each later step into the previous step's
+    copy, while the code after the loop reads the buffer passed in, which only the first step
+    wrote: a map or scan of a `conv2d` came out uninitialized from step 1 on (wrong values,
+    no error). Such loops are left to torch."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "convolution" in str(n.target):
+            return False
+        if n.op == "get_attr":
+            sub = getattr(gm, str(n.target), None)
+            if isinstance(sub, torch.fx.GraphModule) and not _keeps_layouts(sub):
+                return False
+    return True
+
+
 def _op(name: str) -> Any:
     return getattr(torch.ops.higher_order, name, None)
 
@@ -229,6 +259,8 @@ def _while_parts(node: torch.fx.Node) -> tuple[Any, Any, list[Any], list[Any]] |
     if not all(isinstance(n, torch.fx.Node) for n in nodes):
         return None
     if not _eligible([_val(n) for n in carried] + list(out)) or not _closed_over([_val(n) for n in additional]):
+        return None
+    if not (_keeps_layouts(_subgraph(node, cond)) and _keeps_layouts(_subgraph(node, body))):
         return None
     return cond, body, list(carried), list(additional)
 
