@@ -171,3 +171,18 @@ def test_map_matches_jax(jax, n, batch_size):
     ours = lax.map(make(torch), tree_map(torch.from_numpy, xs), batch_size=batch_size)
     theirs = jax.jit(lambda e: jax.lax.map(make(jnp), e, batch_size=batch_size))(xs)
     assert_matches_jax(ours, theirs)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_strided_xs_whose_slice_the_body_reshapes_compiles_and_matches_eager(backend):
+    """As for scan (tests/lax/test_scan.py): torch's map ran a body traced on a contiguous
+    slice on strided slices, and a reshape traced as a view failed at run time under
+    `aot_eager` (hunt 23)."""
+    import tfun
+
+    base = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(2))
+    f = lambda b: lax.map(lambda x: x.reshape(-1) * 2, b[:, :, ::2].permute(1, 2, 0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = tfun.jit(f, **({} if backend == "inductor" else {"backend": backend}))(base)
+    torch.testing.assert_close(out, f(base))

@@ -363,3 +363,28 @@ def test_differentiated_scan_inside_a_branch_or_map_body_under_jit(program, back
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     tfun.jit(program, backend=backend)(xx, ww).backward()
     assert_tree_allclose((xx.grad, ww.grad), want[1])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_strided_xs_whose_slice_the_body_reshapes_compiles_and_matches_eager(backend, reverse):
+    """`xs` a sliced, permuted view; the body reshapes its slice. torch's scan traces the body
+    on a contiguous slice (the reshape becomes a view) and ran it on the strided slices: under
+    `aot_eager` a raw "view size is not compatible" RuntimeError at run time (hunt 23). The
+    lowering now passes contiguous `xs` leaves; values and gradients equal eager float64."""
+    base = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(2))
+
+    def f(b):
+        xs = b[:, :, ::2].permute(1, 2, 0)  # (5, 2, 3), not contiguous
+        return lax.scan(lambda h, x: (h + x.reshape(-1).sum(), x.reshape(-1) * h), torch.zeros((), dtype=b.dtype), xs, reverse=reverse)
+
+    kw = {} if backend == "inductor" else {"backend": backend}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert_tree_allclose(tfun.jit(f, **kw)(base), f(base), rtol=1e-5, atol=1e-5)
+    bg, b64 = base.clone().requires_grad_(), base.double().requires_grad_()
+    out, want = tfun.jit(f, **kw)(bg), f(b64)
+    assert_tree_allclose(tree_map(lambda t: t.double(), out), want, rtol=1e-5, atol=1e-5)
+    (g,) = torch.autograd.grad(out[1].double().pow(2).sum(), bg)
+    (w,) = torch.autograd.grad(want[1].pow(2).sum(), b64)
+    torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)

@@ -145,6 +145,9 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
     """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
     _hop.begin_lowering()
     x_leaves, x_td = tree_flatten(xs)
+    # torch's map traces the body on a contiguous slice and runs it on `xs[i]`: a strided `xs`
+    # made a `reshape` traced as a view fail at run time (see `_scan._lower_scan`)
+    x_leaves = [x.contiguous() for x in x_leaves]
 
     x_carrier = _hop.carrier(x_td, x_leaves)
     if x_leaves and x_leaves[0].shape[0] == 0:

@@ -456,6 +456,11 @@ def _lower_scan(
     c_leaves, c_td = tree_flatten(init)
     c_leaves = [x.contiguous() for x in c_leaves]
     x_leaves, x_td = tree_flatten(xs)
+    # torch's scan traces the body on a contiguous copy of a slice and runs it on the slices of
+    # `xs` as they are: for a strided `xs` (a transposed or sliced view) a `reshape` in the body,
+    # traced as a view, failed at run time under `aot_eager` ("view size is not compatible with
+    # input tensor's size and stride"); the slices are made to agree (a copy of a strided `xs`)
+    x_leaves = [x.contiguous() for x in x_leaves]
     n_c = len(c_leaves)
     revise = REVISE_CARRY
 
