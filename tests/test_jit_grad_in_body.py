@@ -338,3 +338,31 @@ def test_a_derivative_in_a_body_inside_a_scan_whose_init_needs_no_grad_is_refuse
     want = f(x)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_a_cond_whose_branches_both_read_the_differentiated_tensor_in_a_scan_body():
+    """Both branches of a cond in a scan body read `w`, which tfun.grad differentiates under
+    tfun.jit: torch.cond's tracing names two inputs of a branch graph alike and fails with a
+    SyntaxError (torch 2.13, hunt 23). The JitError says so and what to write instead; the
+    rewrite it suggests (the product computed before the cond) compiles and equals eager
+    float64."""
+    g = torch.Generator().manual_seed(4)
+    W, XS = torch.randn(3, 3, generator=g) * 0.5, torch.randn(4, 3, generator=g)
+
+    def both(w, xs):
+        step = lambda h, x: (tfun.lax.cond(x.sum() > 0, lambda a: torch.sin(a @ w), lambda a: torch.cos(a @ w), h + x), None)
+        return tfun.lax.scan(step, torch.zeros(3, dtype=w.dtype), xs)[0].sum()
+
+    def before(w, xs):
+        step = lambda h, x: (tfun.lax.cond(x.sum() > 0, torch.sin, torch.cos, (h + x) @ w), None)
+        return tfun.lax.scan(step, torch.zeros(3, dtype=w.dtype), xs)[0].sum()
+
+    torch._dynamo.reset()
+    try:
+        got = tfun.jit(tfun.grad(both), backend="aot_eager")(W, XS)
+    except JitError as e:
+        assert "same name" in str(e) and "before the cond" in str(e)
+    else:  # a torch that names them apart: then it must be right
+        torch.testing.assert_close(got.double(), tfun.grad(both)(W.double(), XS.double()), rtol=1e-5, atol=1e-5)
+    got = tfun.jit(tfun.grad(before), backend="aot_eager")(W, XS)
+    torch.testing.assert_close(got.double(), tfun.grad(before)(W.double(), XS.double()), rtol=1e-5, atol=1e-5)

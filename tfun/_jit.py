@@ -902,6 +902,18 @@ def _is_dynamo_error(e: BaseException) -> bool:
     return isinstance(e, TorchDynamoException)
 
 
+def _in_chain(e: BaseException, text: str) -> bool:
+    """Whether `text` is in the message of `e` or of an exception it was raised from."""
+    seen: set[int] = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        if text in str(c):
+            return True
+        seen.add(id(c))
+        c = c.__cause__ or c.__context__
+    return False
+
+
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
     try:
@@ -1032,6 +1044,19 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             f"cannot compile (torch {torch.__version__}). Make the operands batched, so that every branch "
             "returns batched values (e.g. `torch.zeros_like(x)` rather than `torch.zeros(n)` for a value one "
             "branch adds the batched `x` to), or apply tfun.vmap outside tfun.jit."
+        )
+    elif _in_chain(e, "duplicate argument"):
+        # torch.cond's speculation (Dynamo's `_merge_graph_inputs`) gave two inputs of a branch
+        # graph one name: both branches of a cond in a loop body read a tensor that a traced
+        # tfun.grad differentiates (hunt 23)
+        revise = (
+            "torch.cond's tracing gave two inputs of a branch graph the same name (torch "
+            f"{torch.__version__}): both branches of a tfun.lax.cond or switch inside a loop body read a tensor "
+            "that tfun.grad differentiates inside tfun.jit (closed over or passed as an operand). Compute what "
+            "needs that tensor before the cond and pass the result as the operand (`cond(p, torch.sin, "
+            "torch.cos, h @ w)` rather than `cond(p, lambda a: torch.sin(a @ w), lambda a: torch.cos(a @ w), "
+            "h)`), let only one branch read it, or compile the loss alone (`tfun.jit(loss)`) and call "
+            "`.backward()` on its result."
         )
     elif "disjoint backward regions" in str(e):
         # two tfun.grad (or a grad of a grad) inside one tfun.jit over tfun.checkpoint functions
