@@ -31,17 +31,21 @@ def _no_leaked_buffer_hooks():
             del hooks[key]
 
 
+#: CI's second torch phase keeps one cell in `_THIN` of each parametrized test
+_THIN = 3
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks every other cell of each parametrized test `alternate_cell`.
+    """Marks all but one in three cells of each parametrized test `thinned_cell`.
 
-    CI's second torch phase (2.14.1) runs `-m "not heavy and not alternate_cell"`: every test
-    function of every module, and half the cells of a parametrized one. Which half is fixed by
-    the test's name (a CRC of its node id picks whether its first cell is kept), so that across
-    the suite both the first and the second value of a two-way parameter (aot_eager/inductor,
-    forward/reverse) are kept, and the selection is the same on every machine and xdist worker.
-    Cells already marked `heavy` are not counted. The first phase (torch 2.13, the README's
-    command) runs every cell.
+    CI's second torch phase (2.14.1) runs `-m "not heavy and not thinned_cell"`: every test
+    function of every module, and a third of the cells of a parametrized one (at least one).
+    Which third is fixed by the test's name (a CRC of its node id picks the first cell kept,
+    then every third), so that across the suite each value of a two- or three-way parameter
+    (aot_eager/inductor, forward/reverse) is kept, and the selection is the same on every
+    machine and xdist worker. Cells already marked `heavy` are not counted. The first phase
+    (torch 2.13, the README's command) runs every cell.
     """
     cells: defaultdict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
@@ -50,7 +54,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for test, group in cells.items():
         if len(group) < 2:
             continue  # its one cell left in that phase stays
-        offset = zlib.crc32(test.encode()) % 2
+        crc = zlib.crc32(test.encode())
+        kept = {i for i in range(len(group)) if (i + crc) % _THIN == 0} or {crc % len(group)}
         for i, item in enumerate(group):
-            if (i + offset) % 2:
-                item.add_marker(pytest.mark.alternate_cell)
+            if i not in kept:
+                item.add_marker(pytest.mark.thinned_cell)
