@@ -851,15 +851,20 @@ _SIDE_EFFECT_MARKERS = (
 )
 
 
-def _is_side_effect_error(e: BaseException) -> bool:
-    seen = set()
+def _in_chain(e: BaseException, *texts: str) -> bool:
+    """Whether one of `texts` is in the message of `e` or of an exception it was raised from."""
+    seen: set[int] = set()
     c: BaseException | None = e
     while c is not None and id(c) not in seen:
         seen.add(id(c))
-        if any(m in str(c) for m in _SIDE_EFFECT_MARKERS):
+        if any(t in str(c) for t in texts):
             return True
         c = c.__cause__ or c.__context__
     return False
+
+
+def _is_side_effect_error(e: BaseException) -> bool:
+    return _in_chain(e, *_SIDE_EFFECT_MARKERS)
 
 
 def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> BaseException:
@@ -900,18 +905,6 @@ def _is_dynamo_error(e: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(e, TorchDynamoException)
-
-
-def _in_chain(e: BaseException, text: str) -> bool:
-    """Whether `text` is in the message of `e` or of an exception it was raised from."""
-    seen: set[int] = set()
-    c: BaseException | None = e
-    while c is not None and id(c) not in seen:
-        if text in str(c):
-            return True
-        seen.add(id(c))
-        c = c.__cause__ or c.__context__
-    return False
 
 
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
