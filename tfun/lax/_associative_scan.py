@@ -11,7 +11,7 @@ from .. import _compat, _context, _funcinfo, _rules
 from .._errors import ArgumentValueError, format_message
 from .._tree import PyTreeSpec, tree_flatten, tree_leaves, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import xs_leaves
+from ._scan import scan, xs_leaves
 
 T = TypeVar("T")
 
@@ -72,8 +72,10 @@ def associative_scan(fn: Callable[[T, T], T], elems: T, reverse: bool = False, a
                 f"{op}: axis={axis} (axis {ax} of the first leaf) is out of range for "
                 f"elems{p.codify('')}, which is {_rules.describe_leaf(x)}."
             )
-    sizes = {x.shape[a] for a, x in zip(axes, leaves)}
-    if len(sizes) > 1:
+    # (compared pairwise, not through a set: under `torch.export` with a dynamic length the
+    # sizes are SymInts, which do not hash)
+    length = leaves[0].shape[ax]
+    if any(x.shape[a] != length for a, x in zip(axes, leaves)):
         bullets = [f"elems{p.codify('')}: {_rules.describe_leaf(x)} (size {x.shape[a]})" for p, x, a in zip(treedef.accessors(), leaves, axes)]
         raise ArgumentValueError(
             format_message(
@@ -122,6 +124,33 @@ def _assoc_eager(
         return out_leaves
 
     return tree_unflatten(treedef, _log_depth_scan(combine, leaves, axes, reverse))
+
+
+def _sequential_scan(
+    combine: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]],
+    leaves: list[torch.Tensor],
+    axis: int,
+    reverse: bool,
+) -> list[torch.Tensor]:
+    """The inclusive scan of `leaves` along `axis` one element at a time, as one `tfun.lax.scan`
+    (`out[0] = x[0]`, `out[t] = combine(out[t-1], x[t])`, in the flipped order when `reverse`):
+    a graph that does not depend on the length, for a length that is a symbol under
+    `torch.export`. `combine` gets slices that keep the axis, with size 1, as in the log-depth
+    algorithm's calls."""
+    moved = [x.movedim(axis, 0) for x in leaves]
+    if reverse:
+        moved = [x.flip(0) for x in moved]
+    first = [x[:1].movedim(0, axis) for x in moved]
+
+    def step(carry: list[torch.Tensor], x: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        new = combine(carry, [xi.unsqueeze(axis) for xi in x])
+        return new, [y.squeeze(axis) for y in new]
+
+    _, rest = scan(step, first, [x[1:] for x in moved])
+    out = [torch.cat([f.movedim(axis, 0), r], 0) for f, r in zip(first, rest)]
+    if reverse:
+        out = [x.flip(0) for x in out]
+    return [x.movedim(0, axis) for x in out]
 
 
 def _log_depth_scan(
@@ -239,6 +268,13 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             # (inline in the caller's trace, not a HOP body: `td` may be used as it is)
             out_leaves = tree_leaves(fn(tree_unflatten(td, a), tree_unflatten(td, b)))
             return [x if isinstance(x, torch.Tensor) else _hop.as_tensor(x, r) for x, r in zip(out_leaves, a)]
+        out = checked_combine(a, b)
+        checked[0] = True
+        return out
+
+    def checked_combine(a: list[Any], b: list[Any]) -> Any:
+        # the call with the rules checked, which a HOP body may make: it sets nothing outside
+        # and builds its treedef in the trace (`carrier`)
         td_in = tree_structure(carrier)
         state = _hop.torch_state()
         out = fn(tree_unflatten(td_in, list(a)), tree_unflatten(td_in, list(b)))
@@ -260,10 +296,13 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
                 op, what, "elems", names, _hop.describe(td_in, a, False), _hop.describe(out_td, out_leaves, False), fn,
                 _REVISE_COMBINE,
             )
-        checked[0] = True
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
+    if _compat.is_exporting() and not isinstance(leaves[0].shape[axis], int):
+        # a length that is a symbol (`torch.export` with a `Dim`): the log-depth algorithm's
+        # graph depends on the length, so export would have to specialize it and refuse the Dim
+        return tree_unflatten(td, _sequential_scan(checked_combine, list(leaves), axis, reverse))
     if not hop:
         # Also inside a traced derivative that is differentiated again: plain ops have second
         # derivatives, torch's HOPs none (see _hop.unroll_scope).
