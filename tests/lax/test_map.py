@@ -186,3 +186,48 @@ def test_a_strided_xs_whose_slice_the_body_reshapes_compiles_and_matches_eager(b
     with torch.no_grad():
         out = tfun.jit(f, **({} if backend == "inductor" else {"backend": backend}))(base)
     torch.testing.assert_close(out, f(base))
+
+
+def _float64_and_float32(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    want = [torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True) for s in shapes]
+    got = [w.detach().float().requires_grad_() for w in want]
+    return want, got
+
+
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+@pytest.mark.parametrize("strict", [False, True])
+def test_batch_size_under_export_gives_eagers_values_and_gradients(strict):
+    """`map(..., batch_size=k)` under `torch.export` (hunt 24: strict export returned a program
+    that failed at every call, "your tensor may have escaped from inside a function being
+    vmapped", and non-strict export raised a raw Dynamo error): the exported program maps
+    the rows one at a time, with eager's float64 values and gradients."""
+
+    class M(torch.nn.Module):
+        def forward(self, W, xs):
+            return lax.map(lambda x: torch.tanh(x @ W) * x.sum(), xs, batch_size=3)
+
+    (W, xs), (W32, xs32) = _float64_and_float32((4, 4), (7, 4))
+    ep = torch.export.export(M(), (W32.detach(), xs32.detach()), strict=strict)
+    want, got = M()(W, xs), ep.module()(W32, xs32)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad((got * got.cos()).sum(), (W32, xs32))
+    for g, w in zip(grads, torch.autograd.grad((want * want.cos()).sum(), (W, xs))):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_size_under_jit_called_with_other_lengths_gives_eagers_values_and_gradients():
+    """A jitted `map(..., batch_size=3)` called with a second length, which tfun.jit compiles
+    with a symbolic length (hunt 24: refused with a JitError, `divmod` of a SymInt), and
+    with lengths that are and are not multiples of the batch size."""
+    import tfun
+
+    f = lambda W, xs: lax.map(lambda x: torch.tanh(x @ W), xs, batch_size=3)
+    jf = tfun.jit(f, backend="aot_eager")
+    torch._dynamo.reset()
+    for T in (5, 8, 3, 6, 5):
+        (W, xs), (W32, xs32) = _float64_and_float32((4, 4), (T, 4), seed=T)
+        want, got = f(W, xs), jf(W32, xs32)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+        for g, w in zip(torch.autograd.grad(got.sum(), (W32, xs32)), torch.autograd.grad(want.sum(), (W, xs))):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)

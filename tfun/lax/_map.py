@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _context, _funcinfo, _rules
+from .. import _compat, _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
 from ._scan import _encodes_bits, _mark_bits, _unmark, scan, stack_outputs, xs_leaves, zero_length_outputs
@@ -47,6 +47,13 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
     xs = tree_unflatten(treedef, leaves)
     if batch_size is not None:
         batch_size = _rules.check_int(op, "batch_size", batch_size, minimum=1)
+        if _context.is_tracing() and _compat.is_exporting():
+            # Under torch.export, the rows one at a time (the same values: `batch_size` only
+            # trades memory for speed). The batched map runs `torch.func.vmap` inside a scan
+            # body, which strict export let through into a program that failed at every call
+            # (a vmap level of the trace), and which non-strict export refused.
+            batch_size = None
+    if batch_size is not None:
         if n > 0:
             if _context.is_tracing():
                 _hop.check_side_effects(op, "function", f)
@@ -124,7 +131,9 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
         return tuple(y_leaves)
 
     vf = torch.func.vmap(flat_f)
-    num_batches, rem = divmod(n, batch_size)
+    # (`//` and `%`, not `divmod`, which Dynamo does not take for a symbolic `n`: a jitted map
+    # called with a second length, compiled with a symbolic one)
+    num_batches, rem = n // batch_size, n % batch_size
     parts: list[tuple[torch.Tensor, ...]] = []
     if num_batches:
         main = [x[: num_batches * batch_size].reshape(num_batches, batch_size, *x.shape[1:]) for x in leaves]
