@@ -388,3 +388,34 @@ def test_a_strided_xs_whose_slice_the_body_reshapes_compiles_and_matches_eager(b
     (g,) = torch.autograd.grad(out[1].double().pow(2).sum(), bg)
     (w,) = torch.autograd.grad(want[1].pow(2).sum(), b64)
     torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_integer_carry_under_export_is_differentiated_through_the_exported_module(strict):
+    """An exported scan whose carry holds an integer step counter (hunt 24: the forward was
+    right, and differentiating the exported module raised torch's raw "outs_to_grad length
+    (2) != tangents length (3)"): the integer carry crosses the exported HOP as int64 bits, as
+    under tfun.jit, and the gradients are float64 eager's."""
+
+    def f(W, xs, h0):
+        def step(c, x):
+            h, n = c
+            return (torch.tanh(h @ W + x) * (1 + 0.1 * n), n + 1), h * n
+
+        return lax.scan(step, (h0, torch.tensor(0)), xs)
+
+    class M(torch.nn.Module):
+        def forward(self, W, xs, h0):
+            return f(W, xs, h0)
+
+    g = torch.Generator().manual_seed(1)
+    want_in = [torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True) for s in ((4, 4), (7, 4), (4,))]
+    got_in = [w.detach().float().requires_grad_() for w in want_in]
+    ep = torch.export.export(M(), tuple(x.detach() for x in got_in), strict=strict)
+    ((h, n), ys), ((hw, nw), ysw) = ep.module()(*got_in), f(*want_in)
+    assert n.dtype == nw.dtype and int(n) == int(nw) == 7
+    torch.testing.assert_close(ys.double(), ysw.detach(), rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(h.sum() + (ys * ys).sum(), got_in)
+    for gr, w in zip(grads, torch.autograd.grad(hw.sum() + (ysw * ysw).sum(), want_in)):
+        torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)

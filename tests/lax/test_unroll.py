@@ -136,3 +136,30 @@ def test_scan_unroll_carry_error_is_the_same_as_without() -> None:
             tfun.jit(lambda xs: lax.scan(bad, torch.zeros(()), xs, unroll=unroll), backend="aot_eager")(torch.ones(4))
         msgs.append((type(e.value), str(e.value)))
     assert msgs[0] == msgs[1]
+
+
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_unroll_under_export_gives_eagers_values_and_gradients(strict, reverse):
+    """`scan(..., unroll=2)` under non-strict `torch.export` (hunt 24: a raw
+    UncapturedHigherOrderOpError, the unrolled body unflattening with a treedef from outside
+    its trace) and strict export, an odd length (a left-over block), values and gradients
+    against float64 eager."""
+
+    def f(W, xs, h0):
+        return lax.scan(lambda h, x: (torch.tanh(h @ W + x["a"]), h * x["b"]), h0, xs, unroll=2, reverse=reverse)
+
+    class M(torch.nn.Module):
+        def forward(self, W, a, b, h0):
+            return f(W, {"a": a, "b": b}, h0)
+
+    g = torch.Generator().manual_seed(2)
+    want_in = [torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True) for s in ((3, 3), (7, 3), (7, 3), (3,))]
+    got_in = [w.detach().float().requires_grad_() for w in want_in]
+    ep = torch.export.export(M(), tuple(x.detach() for x in got_in), strict=strict)
+    (h, ys), (hw, ysw) = ep.module()(*got_in), M()(*want_in)
+    torch.testing.assert_close(ys.double(), ysw.detach(), rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(h.sum() + ys.sum(), got_in)
+    for gr, w in zip(grads, torch.autograd.grad(hw.sum() + ysw.sum(), want_in)):
+        torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)

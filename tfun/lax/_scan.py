@@ -484,7 +484,7 @@ def _lower_scan(
     for_inductor = not _hop.is_exporting()
     clone_all = for_inductor and torch.is_grad_enabled()
     check_export_constants(op, f)
-    encode = clone_all
+    encode = _encodes_bits()  # (also under export: an exported program is differentiated too)
     c_dtypes = [t.dtype for t in c_leaves]
     batching = _hop.vmap_traced()
 
@@ -563,7 +563,7 @@ def _lower_unrolled(
     x_leaves, x_td = tree_flatten(xs)
 
     def block(size: int) -> Callable[[Any, Any], Any]:
-        return _steps_in_python(f, x_td, size, reverse)
+        return _steps_in_python(f, size, reverse)
 
     def blocks(lo: int, hi: int, size: int) -> Any:  # steps lo..hi of xs as (blocks, size, ...)
         return tree_unflatten(x_td, [x[lo:hi].reshape(-1, size, *x.shape[1:]) for x in x_leaves])
@@ -584,17 +584,19 @@ def _lower_unrolled(
     return carry, ys
 
 
-def _steps_in_python(f: Callable[[Any, Any], Any], x_td: Any, size: int, reverse: bool) -> Callable[[Any, Any], Any]:
+def _steps_in_python(f: Callable[[Any, Any], Any], size: int, reverse: bool) -> Callable[[Any, Any], Any]:
     """`(carry, xb) -> (carry, ys)`: `size` steps of `f` run in Python over `xb`, whose leaves
     have a leading axis of `size` (in reverse order for `reverse`), the `ys` stacked."""
     op = "tfun.lax.scan"
 
     def run_block(carry: Any, xb: Any) -> Any:
-        xb_leaves = tree_flatten(xb)[0]
+        # (the slices' structure is `xb`'s, which the body's trace built: under non-strict
+        # torch.export, Dynamo traces this body and refuses optree's `x_td` from outside it)
+        xb_leaves, xb_td = tree_flatten(xb)
         ys: list[Any] = []  # in the order of the steps run; appended (Dynamo 2.11 cannot
         # trace `list.__setitem__` in a HOP body), put back in step order after the loop
         for j in range(size - 1, -1, -1) if reverse else range(size):
-            res = f(carry, tree_unflatten(x_td, [x[j] for x in xb_leaves]))
+            res = f(carry, tree_unflatten(xb_td, [x[j] for x in xb_leaves]))
             in_leaves, in_td = tree_flatten(carry)
             new_leaves, y = _check_step(op, f, res, in_td, in_leaves, REVISE_CARRY)
             carry = tree_unflatten(in_td, new_leaves)
@@ -615,7 +617,7 @@ def _unrolled_in_python(f: Callable[[Any, Any], Any], init: Any, xs: Any, length
     if length == 0:
         return _scan_empty(f, init, xs, x_leaves, x_td)
     with _hop.unroll_scope(True, length):
-        return _steps_in_python(f, x_td, length, reverse)(init, xs)
+        return _steps_in_python(f, length, reverse)(init, xs)
 
 
 def check_export_constants(op: str, f: Any) -> None:
@@ -697,8 +699,10 @@ def _mark(t: Any, dtype: Any) -> Any:
 
 def _encodes_bits() -> bool:
     """Whether a HOP's integer and bool outputs cross it as int64 bits in float64: under grad
-    mode (torch's autograd of cond/map/scan asks a tangent of every output), not in export."""
-    return torch.is_grad_enabled() and not _hop.is_exporting()
+    mode (torch's autograd of cond/map/scan asks a tangent of every output), under
+    `torch.export` too, whose program is differentiated through its module (hunt 24: "outs_to_grad
+    length (2) != tangents length (3)" from the exported module of a scan with an integer carry)."""
+    return torch.is_grad_enabled()
 
 
 def _mark_bits(leaves: list[Any], td: Any) -> tuple[list[Any], Any]:
