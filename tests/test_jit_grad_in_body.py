@@ -366,3 +366,49 @@ def test_a_cond_whose_branches_both_read_the_differentiated_tensor_in_a_scan_bod
         torch.testing.assert_close(got.double(), tfun.grad(both)(W.double(), XS.double()), rtol=1e-5, atol=1e-5)
     got = tfun.jit(tfun.grad(before), backend="aot_eager")(W, XS)
     torch.testing.assert_close(got.double(), tfun.grad(before)(W.double(), XS.double()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cond_returning_two_integer_outputs_in_a_differentiated_scan_body():
+    """A cond in a differentiated scan body whose branches return a float and two integer
+    outputs (hunt 24): torch's autograd gives the two integer outputs (float bits across the
+    cond) one `zeros` cotangent, which the backward cond takes twice and refuses as aliasing.
+    The JitError says so, not that the user's inputs share memory; the rewrite it suggests
+    (the integers stacked into one output) compiles and gives float64 eager's gradients."""
+    g = torch.Generator().manual_seed(6)
+    W, XS, H0 = torch.randn(4, 4, generator=g) * 0.4, torch.randn(7, 4, generator=g), torch.randn(4, generator=g)
+
+    def two(w, xs, h0):
+        t = lambda h: (torch.sin(h @ w), h.argmax(), h.argmax() + 1)
+        e = lambda h: (h * 2, h.argmin(), h.argmin() + 1)
+
+        def step(h, x):
+            out = lax.cond(x.sum() > 0, t, e, h)
+            return out[0] + x, out[1:]
+
+        h, (i, j) = lax.scan(step, h0, xs)
+        return h.sum(), (i, j)
+
+    def stacked(w, xs, h0):
+        t = lambda h: (torch.sin(h @ w), torch.stack([h.argmax(), h.argmax() + 1]))
+        e = lambda h: (h * 2, torch.stack([h.argmin(), h.argmin() + 1]))
+
+        def step(h, x):
+            out, ij = lax.cond(x.sum() > 0, t, e, h)
+            return out + x, ij
+
+        h, ij = lax.scan(step, h0, xs)
+        return h.sum(), (ij[:, 0], ij[:, 1])
+
+    torch._dynamo.reset()
+    try:
+        got = tfun.jit(tfun.grad(two, argnums=(0, 1, 2), has_aux=True), backend="aot_eager")(W, XS, H0)
+    except JitError as e:
+        assert "one zero cotangent" in str(e) and "share memory" not in str(e) and "torch.stack" in str(e)
+    else:  # a torch that keeps the cotangents apart: then it must be right
+        want = tfun.grad(two, argnums=(0, 1, 2), has_aux=True)(W.double(), XS.double(), H0.double())
+        torch.testing.assert_close(got[0], tuple(w.float() for w in want[0]), rtol=1e-5, atol=1e-5)
+    got, (i, j) = tfun.jit(tfun.grad(stacked, argnums=(0, 1, 2), has_aux=True), backend="aot_eager")(W, XS, H0)
+    want, (wi, wj) = tfun.grad(two, argnums=(0, 1, 2), has_aux=True)(W.double(), XS.double(), H0.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(i, wi) and torch.equal(j, wj)

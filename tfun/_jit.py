@@ -851,6 +851,16 @@ _SIDE_EFFECT_MARKERS = (
 )
 
 
+def _repeats_a_zero_operand(text: str) -> bool:
+    """Whether the control-flow node in a torch error's text takes one `zeros` node twice as an
+    operand (`(..., %zeros, %zeros)`): a cotangent torch's autograd made, not a user's tensor."""
+    for group in re.findall(r"\(\(?(%[^()]*)\)", text):
+        names = [n.strip() for n in group.split(",") if n.strip().startswith("%")]
+        if any(n.startswith("%zeros") and names.count(n) > 1 for n in names):
+            return True
+    return False
+
+
 def _in_chain(e: BaseException, *texts: str) -> bool:
     """Whether one of `texts` is in the message of `e` or of an exception it was raised from."""
     seen: set[int] = set()
@@ -1006,6 +1016,18 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "usual cause: write `tfun.at(xs)[i].get()` (`.set`/`.add` to write) or "
             "`torch.index_select(xs, 0, i.reshape(1))[0]`, or scan over `xs` instead. Otherwise keep the "
             "value a tensor (tfun.lax ops instead of Python control flow on it, no .item())."
+        )
+    elif "might be aliasing the input or the output" in str(e) and _repeats_a_zero_operand(str(e)):
+        # torch's autograd gives two outputs of a cond one `zeros` cotangent, which the backward
+        # cond then takes twice as an operand and refuses (hunt 24: a cond returning two integer
+        # outputs, which cross it as float bits, in a differentiated loop body)
+        revise = (
+            "torch's autograd passed one zero cotangent for two outputs of a tfun.lax.cond (or switch) "
+            "inside a differentiated loop, and torch's backward cond refuses an operand passed twice "
+            f"(torch {torch.__version__}): this happens when the branches return two or more integer or "
+            "bool outputs, or outputs nothing depends on. Return the integer outputs as one tensor "
+            "(`torch.stack([i, j])`), compute them outside the cond, or differentiate outside tfun.jit "
+            "(`tfun.jit(loss)` followed by `.backward()`)."
         )
     elif "do not support aliasing" in str(e) or "might be aliasing the input or the output" in str(e):
         # torch's HOPs refuse inputs that share memory: tfun clones aliased operands, but a
