@@ -374,3 +374,31 @@ def test_derivatives_inside_a_jitted_scan_body_match_eager(name):
     loop = lambda x: lax.while_loop(lambda s: s[1] < 3, lambda s: (per_step(s[0]), s[1] + 1), (x, 0))[0].pow(2).sum()
     with pytest.raises(JitError):
         tfun.jit(tfun.grad(loop), backend="aot_eager")(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+def test_fori_loop_bounded_by_a_dynamic_size_under_export():
+    """`fori_loop(0, xs.shape[0], ...)` under non-strict `torch.export` with a `Dim` on that
+    size (hunt 24: refused, "upper is a SymInt", though the size is an int in the user's
+    code): the bound stays a symbol, and the exported module gives float64 eager's values and
+    gradients at other lengths."""
+    from torch.export import Dim
+
+    def f(W, xs, h0):
+        return tfun.lax.fori_loop(0, xs.shape[0], lambda i, h: torch.tanh(h @ W) + 0.1 * i, h0)
+
+    class M(torch.nn.Module):
+        def forward(self, W, xs, h0):
+            return f(W, xs, h0)
+
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(4, 4) * 0.4, torch.randn(8, 2), torch.randn(4))
+    ep = torch.export.export(M(), args, dynamic_shapes=({}, {0: Dim("T", min=1, max=64)}, {}), strict=False)
+    for T in (8, 5, 1):
+        want_in = [torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True), torch.randn(T, 2, dtype=torch.float64), torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True)]
+        got_in = [want_in[0].detach().float().requires_grad_(), want_in[1].float(), want_in[2].detach().float().requires_grad_()]
+        got, want = ep.module()(*got_in), f(*want_in)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(got.sum(), (got_in[0], got_in[2]))
+        for gr, w in zip(grads, torch.autograd.grad(want.sum(), (want_in[0], want_in[2]))):
+            torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)

@@ -185,6 +185,10 @@ def _batched_while(
 
 
 def _loop_bound(op: str, name: str, v: Any) -> Any:
+    if isinstance(v, torch.SymInt):
+        # a size that is a symbol (`xs.shape[0]` under non-strict torch.export with a `Dim`):
+        # a static bound whose value the graph keeps symbolic (Dynamo shows it as an int)
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, torch.Tensor)):
         kind = getattr(getattr(v, "dtype", None), "kind", None)
         if type(v).__module__ == "numpy" and kind is not None and kind in "iu":
@@ -261,7 +265,7 @@ def fori_loop(
         # Python scalars in init_val take the dtype the body gives them (JAX's weak types),
         # learned from one run of the body at index `lower` (on fake tensors where the loop
         # runs zero times)
-        runs = len(tensors) > 0 or int(upper) > int(lower)  # not bool(list): Dynamo 2.11 cannot trace it
+        runs = len(tensors) > 0 or bool(upper > lower)  # not bool(list): Dynamo 2.11 cannot trace it
         i0 = torch.as_tensor(lower, dtype=dtype, device=device)
         leaves = _hop.promote_weak_init(
             leaves,
@@ -280,7 +284,8 @@ def fori_loop(
         if tracing:
             _hop.check_side_effects(op, "body_fun", body_fun)
         if not tensors:
-            n = max(int(upper) - int(lower), 0)
+            # (`torch.sym_max`, not `int()`: a symbolic bound stays a symbol, see `_loop_bound`)
+            n = torch.sym_max(upper - lower, 0)
 
             def step(v: Any, i: Any) -> Any:
                 # checked here, so that a bad carry is reported as fori_loop's, with body_fun named
@@ -291,7 +296,7 @@ def fori_loop(
             if n == 0:
                 return val
             check_export_constants(op, body_fun)
-            idx = torch.arange(int(lower), int(lower) + n, dtype=dtype, device=device)
+            idx = torch.arange(lower, lower + n, dtype=dtype, device=device)
             val, _ = scan(step, val, idx, length=n, unroll=1 if unroll is None else unroll)
             return val
         if unroll is not None and unroll is not False and unroll != 1:

@@ -261,7 +261,8 @@ def scan(
             )
         )
     if length is not None:
-        length = _rules.check_int(op, "length", length, minimum=0)
+        if not isinstance(length, torch.SymInt):  # (a symbolic size under non-strict torch.export)
+            length = _rules.check_int(op, "length", length, minimum=0)
     n = _rules.leading_length(op, "xs", x_leaves, x_def, length)
     if x_def.num_leaves and any(not isinstance(x, torch.Tensor) for x in tree_flatten(xs)[0]):
         xs = tree_unflatten(x_def, x_leaves)
