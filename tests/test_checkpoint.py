@@ -347,3 +347,57 @@ def test_policy_with_a_custom_function_inside(kind):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         g(xr, wr).backward()
         torch.testing.assert_close((xr.grad, wr.grad), want)
+
+
+_LAX_BEFORE_PRODUCTS = {
+    "while_loop_int_counter": lambda W, x: tfun.lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (torch.tensor(0), x)
+    )[1],
+    "while_loop": lambda W, x: tfun.lax.while_loop(lambda h: h.abs().sum() > 0.5, lambda h: torch.tanh(h @ W) * 0.8, x),
+    "fori_loop_static": lambda W, x: tfun.lax.fori_loop(0, 3, lambda i, h: torch.tanh(h @ W), x),
+    "fori_loop_tensor": lambda W, x: tfun.lax.fori_loop(torch.tensor(0), torch.tensor(3), lambda i, h: torch.tanh(h @ W), x),
+    "switch": lambda W, x: tfun.lax.switch(1, [lambda a: a @ W, lambda a: torch.tanh(a @ W) @ W], x),
+    "cond": lambda W, x: tfun.lax.cond(x.sum() > 0, lambda a: a @ W, lambda a: torch.tanh(a @ W) @ W, x),
+    "scan": lambda W, x: tfun.lax.scan(lambda h, r: (torch.tanh(h @ W + r), h), x[0], x)[1],
+    "map": lambda W, x: tfun.lax.map(lambda r: torch.tanh(r @ W), x),
+}
+
+
+@pytest.mark.parametrize("first", list(_LAX_BEFORE_PRODUCTS))
+@pytest.mark.parametrize(
+    "policy",
+    [tfun.checkpoint_policies.dots_saveable, tfun.checkpoint_policies.dots_with_no_batch_dims_saveable],
+    ids=["dots", "dots_no_batch"],
+)
+def test_a_policy_replays_the_right_products_after_a_lax_ops_first_call(first, policy, monkeypatch):
+    """A saving policy around a tfun.lax op followed by matrix products, on the op's first
+    call with its signature and on the next (hunt 24): the saving run numbered every torch
+    call, and a first call's rule checks (property reads, a switch's other branch on fake
+    tensors) ran only there, so a saved product stood in for another op in the
+    recomputation: wrong gradients (while_loop, switch: relative error 1.5, no error), a
+    fake tensor as a gradient, or an IndexError. Values and gradients against float64
+    eager, with saved products replayed (counted)."""
+    import tfun._rules
+    from tfun import _checkpoint
+
+    replayed = []
+    real_replay = _checkpoint._replay
+    monkeypatch.setattr(_checkpoint, "_replay", lambda *a: replayed.append(1) or real_replay(*a))
+    block = lambda W, x: torch.sin(_LAX_BEFORE_PRODUCTS[first](W, x) @ W) @ W
+    g = torch.Generator().manual_seed(8)
+    W64, x64 = torch.randn(4, 4, dtype=torch.float64, generator=g) * 0.5, torch.randn(3, 4, dtype=torch.float64, generator=g)
+
+    def grads(f, W, x):
+        W, x = W.clone().requires_grad_(), x.clone().requires_grad_()
+        out = f(W, x)
+        return (out,) + torch.autograd.grad((out * out).sum(), (W, x))
+
+    want = grads(block, W64, x64)
+    tfun._rules.clear_cache()  # the loop's first call with this signature, as in a fresh process
+    f = tfun.checkpoint(block, policy=policy)
+    for _ in ("first call", "second call"):
+        replayed.clear()
+        for got, w in zip(grads(f, W64.float(), x64.float()), want):
+            assert type(got) is torch.Tensor
+            torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-4)
+        assert replayed, "the policy saved no product to replay: the test would prove nothing"

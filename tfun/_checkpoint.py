@@ -125,7 +125,17 @@ class _Mode(TorchFunctionMode):
     - `discover`: record tensors read by ops that are neither inputs nor produced inside.
     - `subst`: `id(external) -> replacement` applied to every op's arguments.
     - `policy`: in a saving run, op outputs for which it answers True are collected.
-    - `replay`: in a recomputing run, `{op index: saved outputs}` stand in for those ops.
+    - `replay`: in a recomputing run, `{product index: (signature, saved outputs)}` stand in
+      for those ops.
+
+    Only the matrix products (the ops a policy may save, `_replay_kind`) are numbered, so
+    that the two runs agree on the numbers although the saving run may call more torch
+    functions than the recomputation: a tfun.lax op's first call with a signature checks its
+    rules (property reads, a snapshot of torch's state), later calls do not (hunt 24: a
+    while_loop or switch before the products made the saved product of one op stand in for
+    another, wrong gradients with no error). Each saved product also keeps its operands'
+    shapes and dtypes; should a recomputation ever meet a product with others at that
+    number, it stops replaying and computes every later product itself (the same values).
 
     A `tfun.jit` function called inside runs eagerly (`_context.in_op_recording_mode`), so
     that every op it runs is seen and numbered here.
@@ -140,7 +150,7 @@ class _Mode(TorchFunctionMode):
         discover: bool = False,
         subst: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         policy: Callable[..., bool] | None = None,
-        replay: dict[int, list[torch.Tensor]] | None = None,
+        replay: dict[int, tuple[Any, list[torch.Tensor]]] | None = None,
     ) -> None:
         super().__init__()
         self.discover = discover
@@ -151,6 +161,7 @@ class _Mode(TorchFunctionMode):
         self.policy = policy
         self.replay = replay
         self.saved: dict[int, list[torch.Tensor]] = {}
+        self.signatures: dict[int, Any] = {}
         self.count = 0
         self.opaque = 0  # > 0 inside a custom function's primal run (see `custom_function_op`)
         self._prev: Any = None
@@ -198,17 +209,25 @@ class _Mode(TorchFunctionMode):
                 for t in _tensor_leaves(out):
                     self.internal[id(t)] = t
             return out
-        idx = self.count
-        self.count += 1
+        idx = None
+        if _replay_kind(func) is not None and not _any_fake((args, kwargs)):
+            # (a product on fake tensors is a rules check's, such as the branch of a switch
+            # not taken, run on the first call only: neither numbered nor saved)
+            idx = self.count
+            self.count += 1
         if self.discover:
             self._note(args, kwargs)
         args, kwargs = self._map_args(args, kwargs)
-        if self.replay is not None and idx in self.replay:
-            out = _replay(func, args, kwargs, self.replay[idx])
+        hit = self.replay.get(idx) if self.replay is not None and idx is not None else None
+        if hit is not None and hit[0] != _signature(func, args, kwargs):
+            self.replay, hit = None, None  # the numbers no longer agree: compute from here on
+        if hit is not None:
+            out = _replay(func, args, kwargs, hit[1])
         else:
             out = func(*args, **kwargs)
-            if self.policy is not None and _replayable(func, args, kwargs) and self.policy(func, *args, **kwargs):
+            if idx is not None and self.policy is not None and _replayable(func, args, kwargs) and self.policy(func, *args, **kwargs):
                 self.saved[idx] = [t.detach() for t in _tensor_leaves(out)]
+                self.signatures[idx] = _signature(func, args, kwargs)
         if self.discover:
             for t in _tensor_leaves(out):
                 self.internal[id(t)] = t
@@ -231,7 +250,6 @@ def custom_function_op() -> Iterator[None]:
     if mode is None or mode.opaque or mode not in _active_function_modes():
         yield
         return
-    mode.count += 1
     mode.opaque += 1
     try:
         yield
@@ -274,6 +292,17 @@ def _replay_kind(func: Any) -> str | None:
     if func is torch.nn.functional.linear:
         return "linear"
     return None
+
+
+def _any_fake(tree: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor  # (as tfun._rules imports it: lazily)
+
+    return any(isinstance(t, FakeTensor) for t in _tensor_leaves(tree))
+
+
+def _signature(func: Any, args: Any, kwargs: Any) -> Any:
+    """A product's kind and its tensor operands' shapes and dtypes."""
+    return (_replay_kind(func), tuple((tuple(t.shape), t.dtype) for t in _tensor_leaves((args, kwargs))))
 
 
 def _replayable(func: Any, args: Any, kwargs: Any) -> bool:
@@ -470,9 +499,9 @@ class _Spec:
     n_in: int
     externals: list[torch.Tensor]
     policy: Callable[..., bool] | None
-    precomputed: tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]] | None
+    precomputed: tuple[list[torch.Tensor], dict[int, list[torch.Tensor]], dict[int, Any]] | None
     out: Partition  # the output: tensors are the autograd.Function's outputs
-    saved_index: list[tuple[int, int]]
+    saved_index: list[tuple[int, int, Any]]
     n_out: int
     rng: _RngState | None
 
@@ -497,15 +526,15 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _Spec, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         if spec.precomputed is not None:
-            outs, saved = spec.precomputed
+            outs, saved, signatures = spec.precomputed
             spec.precomputed = None
         else:
             ins, exts = tensors[: spec.n_in], tensors[spec.n_in :]
             mode = _Mode(subst=spec.subst(exts), policy=spec.policy)
             with mode:
                 out = spec.call(ins)
-            outs, saved = _flatten_out(spec, out), mode.saved
-        spec.saved_index = [(idx, len(v)) for idx, v in sorted(saved.items())]
+            outs, saved, signatures = _flatten_out(spec, out), mode.saved, mode.signatures
+        spec.saved_index = [(idx, len(v), signatures[idx]) for idx, v in sorted(saved.items())]
         extra = [t for _, v in sorted(saved.items()) for t in v]
         outs = [o.view_as(o) if any(o is t for t in tensors) else o for o in outs]
         spec.n_out = len(outs)
@@ -552,10 +581,10 @@ class _CheckpointFunction(torch.autograd.Function):
         spec: _Spec = ctx.spec
         saved = ctx.saved_tensors
         tensors, extra = list(saved[: ctx.n_tensors]), saved[ctx.n_tensors :]
-        replay: dict[int, list[torch.Tensor]] = {}
+        replay: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         pos = 0
-        for idx, n in spec.saved_index:
-            replay[idx] = list(extra[pos : pos + n])
+        for idx, n, sig in spec.saved_index:
+            replay[idx] = (sig, list(extra[pos : pos + n]))
             pos += n
         diff = [k for k, t in enumerate(tensors) if is_inexact(t)]
         out_diff: list[int] = []
@@ -736,7 +765,7 @@ def checkpoint(
             needs = torch.is_grad_enabled() and any(t.requires_grad for t in ins + spec.externals)
             if not needs:
                 return out
-            spec.precomputed = (outs, mode.saved)
+            spec.precomputed = (outs, mode.saved, mode.signatures)
         else:
             spec.precomputed = None
             if spec.rng is not None:
