@@ -31,21 +31,16 @@ def _no_leaked_buffer_hooks():
             del hooks[key]
 
 
-#: CI's second torch phase keeps one cell in `_THIN` of each parametrized test
-_THIN = 3
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks all but one in three cells of each parametrized test `thinned_cell`.
+    """Marks all but one cell of each parametrized test `thinned_cell`.
 
     CI's second torch phase (2.14.1) runs `-m "not heavy and not thinned_cell"`: every test
-    function of every module, and a third of the cells of a parametrized one (at least one).
-    Which third is fixed by the test's name (a CRC of its node id picks the first cell kept,
-    then every third), so that across the suite each value of a two- or three-way parameter
-    (aot_eager/inductor, forward/reverse) is kept, and the selection is the same on every
-    machine and xdist worker. Cells already marked `heavy` are not counted. The first phase
-    (torch 2.13, the README's command) runs every cell.
+    function of every module, each parametrized one with one of its cells. Which cell is fixed
+    by the test's name (a CRC of its node id), so that across the suite each value of a two-
+    or three-way parameter (aot_eager/inductor, forward/reverse) is kept somewhere, and the
+    selection is the same on every machine and xdist worker. Cells already marked `heavy` are
+    not counted. The first phase (torch 2.13, the README's command) runs every cell.
     """
     cells: defaultdict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
@@ -55,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len(group) < 2:
             continue  # its one cell left in that phase stays
         crc = zlib.crc32(test.encode())
-        kept = {i for i in range(len(group)) if (i + crc) % _THIN == 0} or {crc % len(group)}
+        kept = crc % len(group)
         for i, item in enumerate(group):
-            if i not in kept:
+            if i != kept:
                 item.add_marker(pytest.mark.thinned_cell)
