@@ -486,8 +486,8 @@ def _assert_variant(launches: list[tuple[str, bool, bool]], rising: bool) -> Non
         assert got == (rising and reverse), f"{name} (REVERSE={reverse}) ran with RISING={got}"
 
 
-# (id, b shape, axis, reverse, dtype, force_segment, with_init); CI's second phase keeps every
-# third case (`thinned_cell`, tests/conftest.py), cases of both variants among them
+# (id, b shape, axis, reverse, dtype, force_segment, with_init); CI's second phase keeps one
+# case (`thinned_cell`, tests/conftest.py)
 _REVERSE_TILE_CASES = [
     ("T1", (1, 3), 0, True, torch.float32, None, True),
     ("T63-bf16", (63, 3), 0, False, torch.bfloat16, None, True),
