@@ -134,11 +134,11 @@ for _op in ("cond", "switch", "while_loop"):
 # tfun.vmap (torch.func.vmap) around a control-flow op inside torch.compile. Compiled and
 # compared in every mode: associative_scan (an unrolled tree on the CPU, no HOP), scan (tfun
 # batches the carry as JAX does, and lays out a batched init for torch's scan autograd) and map
-# (a scan without carry). Refused by torch 2.13: fori_loop here at the second shape (its carry
-# is x: symbolic sizes under vmap, the JitError says dynamic=False), cond and switch with a
-# batched predicate (torch.cond on batched fake tensors), and while_loop (no vmap rule: tfun's
-# own JitError).
-_VMAP_COMPILES = {(op, m) for op in ("associative_scan", "map", "scan") for m in MODES_ALL}
+# (a scan without carry), cond and switch with a batched predicate (every branch, then a
+# select, as JAX: `_cond._lower_selected`). Refused by torch 2.13: fori_loop here at the second
+# shape (its carry is x: symbolic sizes under vmap, the JitError says dynamic=False), and
+# while_loop (no vmap rule: tfun's own JitError).
+_VMAP_COMPILES = {(op, m) for op in ("associative_scan", "map", "scan", "cond", "switch") for m in MODES_ALL}
 for _op in OPS:
     for _mode in MODES_ALL:
         if (_op, _mode) in _VMAP_COMPILES:

@@ -36,10 +36,11 @@ lax = tfun.lax
 
 # torch 2.13 cannot compile a torch.func transform around a control-flow HOP (see
 # tests/test_jit_matrix.py), nor trace a custom rule inside one: `jit(vmap(f))` of a composed
-# case is refused with a JitError, except `remat_cond`'s, which compiles and is compared.
+# case is refused with a JitError, except `remat_cond`'s and `custom_vjp_cond`'s (a batched
+# predicate: every branch inline, then a select), which compile and are compared.
 # (`jit(vmap(value_and_grad))` is refused for every case, plain ones included: see below.)
 REFUSED: dict[tuple[str, str], type[TfunError]] = {
-    **{(name, "aot_eager+vmap"): JitError for name in COMPOSED_CASES if name != "remat_cond"},
+    **{(name, "aot_eager+vmap"): JitError for name in COMPOSED_CASES if name not in ("remat_cond", "custom_vjp_cond")},
     # forward mode through a custom_vjp function is refused eagerly, as in JAX
     ("custom_vjp_scan", "jvp"): TfunError,
 }
@@ -147,11 +148,10 @@ def test_jit_inductor(name: str, path: str) -> None:
 REFUSED_LAX_VMAP_JIT: dict[tuple[str, str], str] = {
     ("fori_loop", "aot_eager+vmap"): "xs[i] with a traced index (as without vmap)",
     ("while_loop", "aot_eager+vmap"): "torch's while_loop has no vmap rule (tfun's JitError)",
-    ("cond", "aot_eager+vmap"): "torch.cond of two outputs with a batched predicate (treespec.unflatten)",
 }
 # vmap of a gradient through control flow compiles as the gradient of the summed, vmapped
 # loss (`tfun._vmap._per_example_gradients`); the loops refused under a traced vmap stay refused
-for _name in ("fori_loop", "while_loop", "cond"):
+for _name in ("fori_loop", "while_loop"):
     REFUSED_LAX_VMAP_JIT[(_name, "aot_eager+vmap+grad")] = REFUSED_LAX_VMAP_JIT[(_name, "aot_eager+vmap")]
 
 
@@ -183,12 +183,10 @@ def test_lax_vmap_under_jit(name: str, path: str) -> None:
 # ----------------------------------------------------------------------------------------
 
 FORWARD_OPS = ("cond", "switch", "while_loop")
-#: (op, predicate, path) -> refused with a JitError by torch 2.13: a torch.cond of several
-#: outputs with a batched predicate under a traced vmap ("treespec.unflatten"), and any
-#: while_loop under a traced vmap ("Cannot access storage of BatchedTensorImpl")
+#: (op, predicate, path) -> refused with a JitError: any while_loop under a traced vmap (no
+#: vmap rule for torch's while_loop). A cond or switch with a batched predicate there is every
+#: branch and a select (`_cond._lower_selected`), and forwards as eagerly.
 REFUSED_FORWARDING = {
-    ("cond", "batched", "aot_eager"),
-    ("switch", "batched", "aot_eager"),
     ("while_loop", "batched", "aot_eager"),
     ("while_loop", "unbatched", "aot_eager"),
 }
@@ -269,6 +267,8 @@ def test_forwarding_under_vmap_eager(op: str, pred: str, B: int, C: int, seed: i
 def test_forwarding_under_vmap_jit(op: str, pred: str) -> None:
     """Regression (cond, switch with an unbatched predicate): under tfun.jit, torch.cond
     batched the forwarded operand, and out_axes=None failed with a false "depends on the mapped
-    axis"; `_cond._forward` now returns the operand itself, as eagerly."""
+    axis"; `_cond._forward` now returns the operand itself, as eagerly. With a batched predicate
+    (every branch, then a select) they were refused: torch's vmap rule for torch.cond kept only
+    the first of the two outputs."""
     torch._dynamo.reset()
     _check_forwarding(op, pred, "aot_eager", 3, 2, 11)

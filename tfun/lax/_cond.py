@@ -239,6 +239,8 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         _hop.refuse_unrolled(op, true_fun)
         _hop.check_side_effects(op, "true_fun", true_fun)
         _hop.check_side_effects(op, "false_fun", false_fun)
+        if _hop.vmap_traced() and _hop.outer_batched(p):
+            return _lower_selected(op, (true_fun, false_fun), ("true_fun", "false_fun"), (p, ~p), operands)
         _hop.refuse_cond_in_vmapped_grad_body(op, true_fun)
         if not isinstance(p, torch.Tensor):
             p = torch.tensor(p)
@@ -350,6 +352,10 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         _hop.refuse_unrolled(op, branches[0])
         for k, b in enumerate(branches):
             _hop.check_side_effects(op, f"branches[{k}]", b)
+        if _hop.vmap_traced() and _hop.outer_batched(index):
+            idx = index.clamp(0, n - 1)
+            names = tuple(f"branches[{k}]" for k in range(n))
+            return _lower_selected(op, tuple(branches), names, tuple(idx == k for k in range(n)), operands)
         _hop.refuse_cond_in_vmapped_grad_body(op, branches[0])
         # A Python index (e.g. a static argument of tfun.jit) is lowered like a tensor one,
         # as cond lowers a Python pred: the eager path's caches are not traceable.
@@ -503,6 +509,53 @@ def _lower_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[...
     t = _branch("tfun.lax.cond", true_fun, key, "true_fun", _hop.carrier(op_td, flat), shapes, encode)
     f = _branch("tfun.lax.cond", false_fun, key, "false_fun", _hop.carrier(op_td, flat), shapes, encode)
     return _forward(key, _unmark(_hop.unpack(key, _hop.torch_cond()(pred, t, f, tuple(flat)))), flat)
+
+
+def _lower_selected(
+    op: str,
+    branches: Sequence[Callable[..., Any]],
+    names: Sequence[str],
+    takens: Sequence[torch.Tensor],
+    operands: tuple[Any, ...],
+) -> Any:
+    """Traced under a traced `tfun.vmap` (`tfun.jit(tfun.vmap(f))`) with a batched predicate
+    or index: every branch, inline, then a per-example select, as eagerly (`_run_guarded`,
+    `_select_tree`) and as JAX's batching rule for `cond` does. Not `torch.cond`: its vmap
+    rule for a batched predicate keeps only the first output of the branches (torch 2.13 and
+    2.14.1), which left tfun with fewer leaves than the branches return.
+
+    Branch `k` sees its operands with their derivative stopped for the examples that do not
+    take it (`takens[k]` false), so that an untaken branch's infinite derivative does not
+    make a gradient NaN. Eagerly the tensors a branch closes over are guarded too; traced,
+    Dynamo does not let tfun read or rebind a function's closure cells, so they are not."""
+    flat, op_td = tree_flatten(tuple(operands))
+    key = _hop.escape_new_key()
+    outs: list[list[Any]] = []
+    out_td: Any = None
+    for fn, label, taken in zip(branches, names, takens):
+        guarded = [
+            torch.where(taken, x, x.detach()) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) else x
+            for x in flat
+        ]
+        state = _hop.torch_state()
+        out = fn(*tree_unflatten(op_td, guarded))
+        _hop.check_state(op, label, fn, state)
+        _hop.check_output_leaves(op, "the branch output", fn, out)
+        leaves, td = tree_flatten(out)
+        leaves = [_hop.as_tensor(x) for x in leaves]
+        bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, False), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
+        if bad is not None:
+            _hop.raise_result(bad)
+        if outs and any(a.shape != b.shape for a, b in zip(outs[0], leaves)):  # (sizes: not in `describe`)
+            pair = (f"{names[0]} output", f"{label} output")
+            _rules.check_tensors(op, "branch outputs", outs[0], leaves, td, root="output", names=pair, fn=fn, revise=_REVISE_BRANCHES)
+        # an output that is one of its (guarded) operands: that operand itself, as eagerly
+        outs.append([next((o for o, g in zip(flat, guarded) if leaf is g), leaf) for leaf in leaves])
+        out_td = td
+    result = outs[0]
+    for k in range(1, len(outs)):
+        result = [a if a is b else torch.where(takens[k], b, a) for a, b in zip(result, outs[k])]
+    return tree_unflatten(out_td, result)
 
 
 def _lower_switch(index: Any, branches: Sequence[Callable[..., Any]], operands: tuple[Any, ...]) -> Any:
