@@ -687,9 +687,32 @@ def test_refusals_of_torch_name_the_cause_and_the_fix():
 
     p = torch.tensor([[0.5, 0.2], [0.1, -0.3]], dtype=_D)
     torch._dynamo.reset()
-    with pytest.raises(JitError, match="carries a complex tensor") as info:
+    with pytest.raises(JitError, match="computes with complex tensors in its body") as info:
         tfun.jit(tfun.grad(complex_carry), backend="aot_eager")(p)
-    assert "torch.view_as_real" in str(info.value)
+    assert "a complex carry" in str(info.value) and "real and imaginary parts" in str(info.value)
+
+    def complex_intermediate(p):  # a real carry, a complex value inside the step (hunt 24,
+        # finding 10: the message said that a complex tensor was carried, and advised what fails too)
+        def step(h, xt):
+            c = torch.view_as_complex(torch.stack([h * p[0, 0], xt], -1))
+            v = torch.view_as_real(c * c)[:, 0]
+            return torch.tanh(v), v.sum()
+
+        return lax.scan(step, x[0, :2], x[:, :2])[1].sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match="computes with complex tensors in its body") as info:
+        tfun.jit(tfun.grad(complex_intermediate), backend="aot_eager")(p)
+    assert "`view_as_complex_copy`" in str(info.value) and "test_jit.py" in str(info.value)
+
+    def python_loop(p):  # eagerly it runs, with a plain loop's gradient
+        h, total = x[0, :2], 0
+        for xt in x[:, :2]:
+            v = torch.view_as_real(torch.view_as_complex(torch.stack([h * p[0, 0], xt], -1)) ** 2)[:, 0]
+            h, total = torch.tanh(v), total + v.sum()
+        return total
+
+    torch.testing.assert_close(tfun.grad(complex_intermediate)(p), torch.func.grad(python_loop)(p))
 
     def one_branch_reads_x(x, i):  # the operand is unbatched, one branch closes over batched x
         return lax.cond(i > 0, lambda h: h * 0.5, lambda h: h + x, torch.zeros(3, dtype=x.dtype))

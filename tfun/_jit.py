@@ -1040,12 +1040,19 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "whole tensor as an operand and index it inside the function."
         )
     elif "does not support automatic differentiation for outputs with complex dtype" in str(e):
-        # torch's scan autograd traces the body's backward, which conjugates a complex carry
+        # torch's loop autograd re-traces the body functionalized, where a complex carry's
+        # conjugation (`_conj_copy`) or a complex intermediate's view (`view_as_complex_copy`)
+        # is a copy op with no derivative for complex outputs (hunt 24, finding 10)
+        found = re.search(r"'?(\w+) does not support automatic differentiation for outputs with complex dtype", str(e))
+        culprit = f" (here `{found.group(1)}`)" if found else ""
         revise = (
-            "A differentiated tfun.lax loop (scan, fori_loop, map) carries a complex tensor, which torch's "
-            f"loop autograd cannot differentiate under tfun.jit (torch {torch.__version__}). Carry the real and "
-            "imaginary parts as two real tensors (or `torch.view_as_real(c)`, rebuilt with "
-            "`torch.complex(re, im)` inside the body), or compute the gradient outside tfun.jit."
+            "A differentiated tfun.lax loop (scan, fori_loop, map) computes with complex tensors in its body: "
+            "a complex carry, or a complex intermediate such as `torch.view_as_complex(...)` or "
+            "`torch.complex(re, im)` with a real carry. torch's loop autograd re-traces the body with views "
+            f"turned into copies, and those copies{culprit} have no derivative for complex outputs under tfun.jit "
+            f"(torch {torch.__version__}). Write the body's complex arithmetic on real and imaginary parts "
+            "as real tensors (`(a + ib)(c + id) = (ac - bd) + i(ad + bc)`; tfun.nn's S5 and LRU do this "
+            "under tfun.jit), or compute the gradient outside tfun.jit (eagerly it is right)."
         )
     elif "Expected at least one Tensor to vmap over" in str(e) or (
         "sorted order of strides of the two branches" in str(e) and "BatchedTensor(" in str(e)
