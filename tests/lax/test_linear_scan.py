@@ -326,3 +326,37 @@ def test_error_scalar_b() -> None:
         "tfun.lax.linear_scan: `b` must have at least one dim (the time axis), but it is a scalar.\n"
         "Give `b` a time axis, e.g. `b.reshape(1)`."
     )
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.parametrize(("reverse", "axis"), [(False, 0), (True, 1)])
+def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_gradients(reverse, axis, strict):
+    """`torch.export` with a `Dim` along the scan axis (hunt 24, finding 5: torch's raw
+    "Constraints violated (T)": choosing the CPU algorithm by length put a guard `T <= 32` on
+    it). Exported, the recurrence is one loop op for every length; the module gives the float64
+    eager values and every input's gradient at lengths on both sides of that threshold."""
+    from torch.export import Dim
+
+    class M(torch.nn.Module):
+        def forward(self, a, b, h0):
+            return linear_scan(a, b, h0, reverse=reverse, axis=axis)
+
+    shape = lambda T: (T, 3) if axis == 0 else (2, T, 3)  # noqa: E731
+    h_shape = (3,) if axis == 0 else (2, 3)
+    g = torch.Generator().manual_seed(3)
+    T = Dim("T", min=2, max=128)
+    ep = torch.export.export(
+        M(), (torch.rand(shape(8)), torch.randn(shape(8)), torch.randn(h_shape)),
+        dynamic_shapes=({axis: T}, {axis: T}, None), strict=strict,
+    )
+    for T in (2, 8, 33, 70):
+        a = (torch.rand(shape(T), dtype=torch.float64, generator=g) * 0.9).requires_grad_()
+        b = torch.randn(shape(T), dtype=torch.float64, generator=g, requires_grad=True)
+        h0 = torch.randn(h_shape, dtype=torch.float64, generator=g, requires_grad=True)
+        want = M()(a, b, h0)
+        wants = torch.autograd.grad((want * torch.cos(want)).sum(), (a, b, h0))
+        args = [t.detach().float().requires_grad_() for t in (a, b, h0)]
+        got = ep.module()(*args)
+        gots = torch.autograd.grad((got * torch.cos(got)).sum(), args)
+        for x, w in ((got, want), *zip(gots, wants)):
+            torch.testing.assert_close(x.double(), w.detach(), rtol=1e-4, atol=1e-4)

@@ -218,9 +218,25 @@ def _traced_loop_wanted(algorithm: str, device: torch.device) -> bool:
     )
 
 
+def _exported_loop_wanted() -> bool:
+    """Whether a call that `torch.export` traces runs `linear_scan_loop`, whatever the shape:
+    the one algorithm that holds for every length without asking what it is. Choosing by
+    shape (`choose_torch_algorithm`) puts a guard on the length (`T <= 32`), which export
+    refuses for a dynamic one (`Dim`: "Constraints violated"; hunt 24, finding 5), and the
+    log-depth and chunked algorithms loop in Python over `log2(T)` or `sqrt(T)` steps. Not
+    where a loop op cannot go (see `_traced_loop_wanted`)."""
+    from .. import _compat, _context
+    from ..lax import _hop
+
+    return _compat.is_exporting() and not _context.functorch_active() and not _hop.unrolled_steps() and not _hop.in_body()
+
+
 def linear_scan_torch(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     """The pure-torch path: the measured-fastest torch algorithm for this shape (traced on
-    the CPU, `linear_scan_loop` in place of a Python loop: see `_traced_loop_wanted`)."""
+    the CPU, `linear_scan_loop` in place of a Python loop: see `_traced_loop_wanted`; under
+    `torch.export`, always the loop: `_exported_loop_wanted`)."""
+    if _exported_loop_wanted():
+        return linear_scan_loop(a, b, h0, axis, reverse)
     T = b.shape[axis]
     C = b.numel() // T if T else 0
     algorithm = choose_torch_algorithm(T, C, b.device.type)
