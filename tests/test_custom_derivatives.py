@@ -1619,3 +1619,79 @@ def test_a_rule_inside_a_scan_body_whose_init_needs_no_grad_is_used_under_jit(lo
         return (c**2).sum() + (ys**2).sum()
 
     assert not torch.allclose(tfun.grad(plain)(x), want, rtol=1e-3, atol=1e-3)
+
+
+# --- a custom rule inside a loop body under a traced vmap (hunt 25, finding 3) ---------------
+
+
+def _loop_rule_pair(kind):
+    """A custom function whose rule is not tanh's derivative (so that using the primal's
+    derivative instead is seen), and a straight-through oracle with the rule's derivative."""
+    if kind == "custom_vjp":
+
+        @tfun.custom_vjp
+        def cf(h, W):
+            return torch.tanh(h @ W)
+
+        def fwd(h, W):
+            y = torch.tanh(h @ W)
+            return y, (h, W, y)
+
+        def bwd(res, g):
+            h, W, y = res
+            gz = g * (1 - y * y)
+            return 0.5 * (gz @ W.T), 2.0 * (h[:, None] * gz[None, :])
+
+        cf.defvjp(fwd, bwd)
+    else:
+
+        @tfun.custom_jvp
+        def cf(h, W):
+            return torch.tanh(h @ W)
+
+        @cf.defjvp
+        def _rule(primals, tangents):
+            (h, W), (dh, dW) = primals, tangents
+            y = torch.tanh(h @ W)
+            return y, (1 - y * y) * (0.5 * (dh @ W) + 2.0 * (h @ dW))
+
+    def oracle(h, W):
+        s = 0.5 * torch.tanh(h @ W.detach()) + 2.0 * torch.tanh(h.detach() @ W)
+        return torch.tanh(h @ W).detach() + s - s.detach()
+
+    return cf, oracle
+
+
+_LOOPS = {
+    "map": lambda c: (lambda x, W: (tfun.lax.map(lambda r: c(r, W), x) ** 2).sum()),
+    "scan": lambda c: (lambda x, W: (tfun.lax.scan(lambda h, xt: (c(h + xt, W), h), x[0], x)[1] ** 2).sum()),
+}
+
+
+# torch's vmap falls back to a loop for aten::select_copy (map's slices) and says so
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize("loop", sorted(_LOOPS))
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_a_rule_in_a_loop_body_under_jit_of_vmap_is_refused_not_wrong(kind, loop):
+    """Under `tfun.jit(tfun.vmap(...))`, a custom function called in a loop body gave wrong
+    per-example gradients with no error (relative error up to 1.4) where the batch size equals
+    a dimension of a tensor the vmap does not batch, else a fake-tensor shape error: torch
+    batches the body's graph again after tfun's batching of the rule. Now a JitError that
+    names the call; eagerly the same program is right."""
+    cf, oracle = _loop_rule_pair(kind)
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
+    x = torch.randn(7, 3, dtype=torch.float64, generator=g)
+    xs = torch.stack([x * (k + 1) * (-1) ** k for k in range(3)])  # batch 3 == W.shape[0]
+    want = [torch.stack(t) for t in zip(*[torch.func.grad(_LOOPS[loop](oracle), argnums=(0, 1))(xi, W) for xi in xs])]
+    per_example = tfun.vmap(tfun.grad(_LOOPS[loop](cf), argnums=(0, 1)), in_axes=(0, None))
+    for got, w in zip(per_example(xs, W), want):
+        torch.testing.assert_close(got, w)
+    torch._dynamo.reset()
+    with pytest.raises(tfun.errors.JitError, match=rf"(?s)^tfun\.{kind}: under tfun\.jit, .* inside the body of a tfun\.lax\s+loop") as info:
+        tfun.jit(per_example, backend="aot_eager")(xs, W)
+    assert "test_custom_derivatives.py" in str(info.value)
+    torch._dynamo.reset()
+    xg = xs.clone().requires_grad_()
+    with pytest.raises(tfun.errors.JitError, match=r"inside the body of a tfun.lax\s+loop"):  # .backward() outside
+        tfun.jit(tfun.vmap(_LOOPS[loop](cf), in_axes=(0, None)), backend="aot_eager")(xg, W).sum().backward()

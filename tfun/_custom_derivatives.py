@@ -1019,6 +1019,20 @@ def _traced_vmap_rule_call(spec: Any, fun: Callable[..., Any], stack: tuple[tupl
     tensors with `fwd` and `bwd` (`fun` and the JVP rule) vectorised by `torch.func.vmap`
     over those dimensions, and puts the batch dimensions back on its outputs. Autograd outside
     the vmaps then differentiates through the rule."""
+    if _hop.in_body():
+        # The body's graph, traced here with the vmaps live, is batched again by torch's rule
+        # for the loop or cond op, which replays it: the batch dimensions that this call takes
+        # off and puts back (and the vmaps it leaves) are then applied to tensors that are
+        # already per-example, giving wrong gradients (an unbatched argument's expansion to the
+        # batch size met a dimension of the same size) or a shape error (hunt 25, finding 3).
+        _refuse_traced_vmap(
+            spec,
+            fun,
+            "it is inside the body of a tfun.lax loop or branch (scan, map, fori_loop, cond, ...), whose "
+            "graph torch batches again after tracing it, which the custom rule's batching cannot follow.",
+            "Call the custom function outside the loop body (e.g. on the stacked outputs of a scan), or keep "
+            "the batch as a tensor dimension inside the custom function instead of vmapping over it.",
+        )
     _require_functorch(
         spec.op, fun, _TRACED_VMAP_NEEDS, "a custom function inside tfun.vmap inside tfun.jit",
         "Apply tfun.vmap outside tfun.jit (tfun.vmap(tfun.jit(f)) uses the rule around the compiled function), or "
