@@ -401,3 +401,31 @@ def test_a_policy_replays_the_right_products_after_a_lax_ops_first_call(first, p
             assert type(got) is torch.Tensor
             torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-4)
         assert replayed, "the policy saved no product to replay: the test would prove nothing"
+
+
+_VMAP_INSIDE = {
+    "tfun.vmap, W closed over": lambda x, W: tfun.vmap(lambda r: torch.tanh(r @ W))(x).sum(),
+    "tfun.vmap, W unbatched": lambda x, W: tfun.vmap(lambda r, W: torch.tanh(r @ W), in_axes=(0, None))(x, W).sum(),
+    "map batch_size=4": lambda x, W: tfun.lax.map(lambda r: torch.tanh(r @ W), x, batch_size=4).sum(),
+    "map batch_size=1": lambda x, W: tfun.lax.map(lambda r: torch.tanh(r @ W), x, batch_size=1).sum(),
+}
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable", "nothing_saveable"])
+@pytest.mark.parametrize("case", sorted(_VMAP_INSIDE))
+def test_a_vmap_inside_the_checkpointed_function(case, policy):
+    """Hunt 25, finding 1: the discovery run took vmap's batched views of the inputs, which no
+    torch function the mode sees creates, for tensors read from outside, and the backward
+    passed them to torch.func after their level was gone: torch's raw "batched == nullptr
+    INTERNAL ASSERT FAILED" on every backward."""
+    f = _VMAP_INSIDE[case]
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    want = torch.autograd.grad(f(x, W), (x, W))
+    pol = None if policy is None else getattr(tfun.checkpoint_policies, policy)
+    ck = tfun.checkpoint(f, policy=pol)
+    for got, w in zip(torch.autograd.grad(ck(x, W), (x, W)), want):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+    for got, w in zip(tfun.grad(ck, argnums=(0, 1))(x, W), want):  # and through tfun.grad
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)

@@ -165,6 +165,11 @@ class _Mode(TorchFunctionMode):
         self.count = 0
         self.opaque = 0  # > 0 inside a custom function's primal run (see `custom_function_op`)
         self._prev: Any = None
+        # the deepest torch.func level live at the call: a tensor wrapped deeper was made by a
+        # transform inside the function (`tfun.vmap`'s batched view of an input, which no torch
+        # function the mode sees creates), not read from outside it
+        stack = _context.transform_stack() if discover else ()
+        self.level = max((lvl for _, lvl in stack), default=-1)
 
     def __enter__(self) -> Any:
         self._prev = getattr(_STATE, "mode", None)
@@ -192,6 +197,10 @@ class _Mode(TorchFunctionMode):
         for t in _tensor_leaves((args, kwargs)):
             ref = self.internal.get(id(t))
             if ref is t or id(t) in self._ext_ids:
+                continue
+            if _context.functorch_active() and _context.functorch_level(t) > self.level:
+                # made inside by a torch.func transform (hunt 25, finding 1: a vmap's batched
+                # view, passed to the backward as an input after its level was gone)
                 continue
             self._ext_ids.add(id(t))
             self.externals.append(t)
