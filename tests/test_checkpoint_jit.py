@@ -473,3 +473,33 @@ def test_policy_keys_outlive_any_number_of_other_registrations(monkeypatch):
     y, g = grads_of(tfun.jit(tfun.checkpoint(fn, policy=mm_only), backend=crowded_backend), p, x)
     assert_close(y, y_ref)
     assert_close(g, g_ref)
+
+
+_W_ID = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64).reshape(4, 4)
+_IDENTITY_BRANCHES = {
+    "switch, static index": lambda x, W: tfun.lax.switch(1, [lambda a: a, lambda a: torch.tanh(a @ W)], x).sum(),
+    "switch, tensor index": lambda x, W: tfun.lax.switch(torch.tensor(1), [lambda a: a, lambda a: torch.tanh(a @ W)], x).sum(),
+    "cond, identity false branch": lambda x, W: tfun.lax.cond(x.sum() > 0, lambda a: torch.tanh(a @ W), lambda a: a, x).sum(),
+    "cond, both identity": lambda x, W: (tfun.lax.cond(x.sum() > 0, lambda a: a, lambda a: a, x) @ W).sum(),
+}
+
+
+@pytest.mark.parametrize("how", ["backward outside", "jit(grad)"])
+@pytest.mark.parametrize("case", sorted(_IDENTITY_BRANCHES))
+def test_a_checkpointed_branch_that_returns_its_operand(case, how):
+    """Hunt 25, finding 2: under tfun.jit, a checkpointed function whose cond or switch has a
+    branch returning its operand unchanged raised Dynamo's raw AssertionError
+    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer") or a JitError
+    wrapping an FX error: the branch, checkpointed as a body, returned its input out of
+    torch's checkpoint op."""
+    f = _IDENTITY_BRANCHES[case]
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = torch.func.grad(f, argnums=(0, 1))(x, _W_ID)
+    torch._dynamo.reset()
+    if how == "jit(grad)":
+        got = tfun.jit(tfun.grad(tfun.checkpoint(f), argnums=(0, 1)), backend="aot_eager")(x, _W_ID)
+    else:
+        xr, Wr = x.clone().requires_grad_(), _W_ID.clone().requires_grad_()
+        got = torch.autograd.grad(tfun.jit(tfun.checkpoint(f), backend="aot_eager")(xr, Wr), (xr, Wr))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)

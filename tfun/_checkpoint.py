@@ -487,7 +487,15 @@ def _traced_checkpoint(
         call = list(dyn.combine(tensors))
         for i in sorted(static):
             call.insert(i, static[i])
-        return fun(*call)
+        out = fun(*call)
+        # an input returned unchanged (a cond branch `lambda a: a`, checkpointed as a body of
+        # a checkpointed function) leaves torch's checkpoint op as a copy: returned as it is,
+        # Dynamo failed inside a branch ("lift_tracked_freevar_to_input should not be called on
+        # root SubgraphTracer", hunt 25 finding 2)
+        leaves, td = tree_flatten(out)
+        if not any(isinstance(x, torch.Tensor) and any(x is t for t in tensors) for x in leaves):
+            return out
+        return tree_unflatten(td, [x.clone() if isinstance(x, torch.Tensor) and any(x is t for t in tensors) else x for x in leaves])
 
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if policy is not None:
