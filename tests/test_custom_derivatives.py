@@ -1695,3 +1695,41 @@ def test_a_rule_in_a_loop_body_under_jit_of_vmap_is_refused_not_wrong(kind, loop
     xg = xs.clone().requires_grad_()
     with pytest.raises(tfun.errors.JitError, match=r"inside the body of a tfun.lax\s+loop"):  # .backward() outside
         tfun.jit(tfun.vmap(_LOOPS[loop](cf), in_axes=(0, None)), backend="aot_eager")(xg, W).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize("how", ["jit(grad)", "backward outside"])
+@pytest.mark.parametrize("loop", sorted(_LOOPS))
+def test_a_rule_in_a_loop_body_whose_fwd_returns_an_input_as_a_residual_compiles(loop, how):
+    """Hunt 25, finding 4: `fwd` returning the closed-over `W` itself in its residuals (JAX's
+    usual `return y, (h, W, y)`) inside a map or scan body was refused under tfun.jit with
+    gradients, by a message about views the program does not have ("Higher order ops do not
+    support aliasing": the body returned one of its inputs as a saved tensor)."""
+
+    @tfun.custom_vjp
+    def cf(h, W):
+        return torch.tanh(h @ W)
+
+    def fwd(h, W):
+        y = torch.tanh(h @ W)
+        return y, (h, W, y)
+
+    def bwd(res, g):
+        h, W, y = res
+        gz = g * (1 - y * y)
+        return 0.5 * (gz @ W.T), 2.0 * (h[:, None] * gz[None, :])
+
+    cf.defvjp(fwd, bwd)
+    _, oracle = _loop_rule_pair("custom_vjp")  # the same rule, as a straight-through oracle
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
+    x = torch.randn(7, 3, dtype=torch.float64, generator=g)
+    want = torch.func.grad(_LOOPS[loop](oracle), argnums=(0, 1))(x, W)
+    torch._dynamo.reset()
+    if how == "jit(grad)":
+        got = tfun.jit(tfun.grad(_LOOPS[loop](cf), argnums=(0, 1)), backend="aot_eager")(x, W)
+    else:
+        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+        got = torch.autograd.grad(tfun.jit(_LOOPS[loop](cf), backend="aot_eager")(xr, Wr), (xr, Wr))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

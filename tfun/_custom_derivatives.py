@@ -633,9 +633,17 @@ class _CustomVjpFunction(torch.autograd.Function):
         res_leaves, found.res_td = tree_flatten(res)
         res_src: list[tuple[str, Any]] = []
         extra: list[torch.Tensor] = []
+        # Traced inside a loop body or branch, an input returned as a residual is saved as a
+        # copy: saved as it is, torch's loop autograd made the body return one of its inputs,
+        # which its control-flow ops refuse ("Higher order ops do not support aliasing"; hunt
+        # 25, finding 4: a closed-over `W` in `fwd`'s residuals, a standard JAX pattern)
+        copy_inputs = _context.is_tracing() and _hop.in_body()
         for r in res_leaves:
             if not isinstance(r, torch.Tensor):
                 res_src.append(("static", r))
+            elif copy_inputs and any(r is t for t in tensors):
+                res_src.append(("res", len(extra)))
+                extra.append(r.clone())
             elif any(r is t for t in tensors):
                 res_src.append(("in", next(i for i, t in enumerate(tensors) if r is t)))
             elif any(r is o for o in out_leaves):
