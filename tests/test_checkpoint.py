@@ -429,3 +429,39 @@ def test_a_vmap_inside_the_checkpointed_function(case, policy):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
     for got, w in zip(tfun.grad(ck, argnums=(0, 1))(x, W), want):  # and through tfun.grad
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_policy_around_a_jvp_inside_the_function():
+    """Hunt 25, finding 5a: with a saving policy, a product under a `tfun.jvp` inside the
+    checkpointed function was replayed by an autograd.Function without a forward-mode rule
+    (raw NotImplementedError on backward); it is computed instead, with the same values."""
+    g = torch.Generator().manual_seed(10)
+    W = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    inner = lambda x, W: (torch.tanh(x @ W) ** 2).sum()  # noqa: E731
+    f = lambda x, W: tfun.jvp(lambda x: inner(x, W), (x,), (torch.ones_like(x),))[1] ** 2  # noqa: E731
+    want = torch.autograd.grad(f(x, W), (x, W))
+    for policy in (tfun.checkpoint_policies.dots_saveable, tfun.checkpoint_policies.dots_with_no_batch_dims_saveable):
+        got = torch.autograd.grad(tfun.checkpoint(f, policy=policy)(x, W), (x, W))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_autograd_inside_the_function_is_a_tfun_error_that_says_what_works():
+    """Hunt 25, finding 5b: a gradient penalty with `torch.autograd.grad(..., create_graph=True)`
+    inside the checkpointed function raised torch's "element 0 of tensors does not require grad"
+    (tfun.checkpoint's first run is without autograd). Now a tfun error; the tfun.grad it
+    suggests is right."""
+    from tfun.errors import ArgumentValueError
+
+    g = torch.Generator().manual_seed(11)
+    W = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    inner = lambda x, W: (torch.tanh(x @ W) ** 2).sum()  # noqa: E731
+    with pytest.raises(ArgumentValueError, match=r"^tfun\.checkpoint: the checkpointed function differentiates with torch\.autograd") as info:
+        tfun.checkpoint(lambda x, W: (torch.autograd.grad(inner(x, W), x, create_graph=True)[0] ** 2).sum())(x, W)
+    assert "test_checkpoint.py" in str(info.value) and "tfun.grad" in str(info.value)
+    f = lambda x, W: (tfun.grad(inner)(x, W) ** 2).sum()  # noqa: E731
+    want = torch.autograd.grad(f(x, W), (x, W))
+    for a, b in zip(torch.autograd.grad(tfun.checkpoint(f)(x, W), (x, W)), want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

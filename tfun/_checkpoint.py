@@ -230,6 +230,11 @@ class _Mode(TorchFunctionMode):
         hit = self.replay.get(idx) if self.replay is not None and idx is not None else None
         if hit is not None and hit[0] != _signature(func, args, kwargs):
             self.replay, hit = None, None  # the numbers no longer agree: compute from here on
+        if hit is not None and _context.functorch_active() and _context.forward_mode_active():
+            # a product under a forward-mode transform inside the function (`tfun.jvp`): computed
+            # (the same values), as the replay's autograd.Function has no forward-mode rule
+            # (hunt 25, finding 5a: NotImplementedError "You must implement the jvp function")
+            hit = None
         if hit is not None:
             out = _replay(func, args, kwargs, hit[1])
         else:
@@ -774,8 +779,25 @@ def checkpoint(
         spec.rng = _RngState(ins) if preserve_rng_state else None
         plain = not _context.functorch_active()
         mode = _Mode(inputs=ins, discover=True, policy=policy if plain else None)
-        with torch.no_grad(), mode:
-            out = spec.call(ins)
+        try:
+            with torch.no_grad(), mode:
+                out = spec.call(ins)
+        except RuntimeError as e:
+            if "does not require grad and does not have a grad_fn" not in str(e):
+                raise
+            # (hunt 25, finding 5b: a gradient penalty, `torch.autograd.grad(..., create_graph=True)`)
+            raise ArgumentValueError(
+                format_message(
+                    "tfun.checkpoint: the checkpointed function differentiates with torch.autograd inside "
+                    "(torch.autograd.grad or .backward() on its own values), which tfun.checkpoint cannot "
+                    "run: it first runs the function without autograd, to find what it reads and to save "
+                    f"what the policy names. torch said: {str(e).splitlines()[0]}",
+                    function=describe(fun),
+                    revise="Differentiate inside with tfun.grad or tfun.vjp (torch.func; a gradient penalty "
+                    "`(tfun.grad(inner)(x) ** 2).sum()` works inside tfun.checkpoint), or checkpoint with "
+                    "torch.utils.checkpoint.checkpoint(f, ..., use_reentrant=False).",
+                )
+            ) from e
         spec.externals = mode.externals
         outs = _flatten_out(spec, out)
         if plain:
