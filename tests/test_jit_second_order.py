@@ -292,3 +292,36 @@ def test_checkpoint_in_a_jitted_second_derivative_is_refused_or_right():
         torch.testing.assert_close(gg(_x()), plain(_x()))
         around = lambda x: tfun.grad(lambda y: (tfun.jit(tfun.grad(loss), backend="aot_eager")(y) ** 2).sum())(x)
         torch.testing.assert_close(around(_x()), plain(_x()))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_second_derivative_through_a_jitted_functions_backward_is_refused_not_dropped(backend):
+    """Hunt 25: a Hessian-vector product through a jitted function's backward
+    (`torch.autograd.grad(..., create_graph=True)` then differentiated again) silently left
+    the jitted part's second-order term out on torch 2.13 (torch's own refusal hangs off a
+    dummy tensor that autograd prunes). Now a JitError at the create_graph backward; a plain
+    backward and a first-order create_graph-free gradient are unchanged, and the rewrite the
+    message suggests (both derivatives inside tfun.jit) gives the float64 eager HVP."""
+    g0 = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64, generator=g0)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g0)
+    v = torch.randn(3, 3, dtype=torch.float64, generator=g0)
+
+    def f(x, W):
+        return (torch.sigmoid(x @ W) ** 2).sum()
+
+    H = torch.func.hessian(f, argnums=1)(x, W)
+    want = (H.reshape(9, 9) @ v.reshape(9)).reshape(3, 3) + 2 * v
+    torch._dynamo.reset()
+    jf = tfun.jit(f, backend=backend)
+    Wr = W.clone().requires_grad_()
+    L = jf(x, Wr) + (Wr**2).sum()
+    with pytest.raises(JitError, match="create_graph=True") as info:
+        torch.autograd.grad(L, Wr, create_graph=True)
+    assert "test_jit_second_order.py" in str(info.value)
+    # first order, as before
+    (gW,) = torch.autograd.grad(jf(x, Wr), Wr)
+    torch.testing.assert_close(gW, torch.func.grad(f, argnums=1)(x, W))
+    # the rewrite: both derivatives in one compiled function
+    hvp = tfun.jit(lambda x, W, v: tfun.jvp(lambda W: tfun.grad(lambda W: f(x, W) + (W**2).sum())(W), (W,), (v,))[1], backend=backend)
+    torch.testing.assert_close(hvp(x, W, v), want)

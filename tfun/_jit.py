@@ -26,6 +26,7 @@ import torch
 from . import _compat, _context, _cuda_graphs, _funcinfo, _jit_options
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
+from ._tree import tree_flatten
 from .lax import _hop
 
 __all__ = ["jit", "JitError", "Jitted", "Lowered"]
@@ -482,9 +483,13 @@ class Jitted:
         try:
             with _SettingsScope():
                 if _compat.compile_takes_recompile_limit:
-                    return compiled(*dyn_args, **dyn_kwargs)
-                with _recompile_limit(self._cache_size):
-                    return compiled(*dyn_args, **dyn_kwargs)
+                    out = compiled(*dyn_args, **dyn_kwargs)
+                else:
+                    with _recompile_limit(self._cache_size):
+                        out = compiled(*dyn_args, **dyn_kwargs)
+            if torch.is_grad_enabled():
+                _refuse_double_backward(out, self._fn_text)
+            return out
         except Exception as caught:  # noqa: BLE001 - re-raised below
             _compat.close_forward_ad_levels(fwd_level)  # (a trace stopped inside a jvp leaves its level open)
             e = _compat.compile_error(caught)  # torch can hide it behind a functorch assert
@@ -915,6 +920,35 @@ def _is_dynamo_error(e: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(e, TorchDynamoException)
+
+
+
+def _refuse_double_backward(out: Any, fn_text: str) -> None:
+    """Hooks on the compiled function's outputs that refuse a backward with
+    `create_graph=True` through them (a Hessian-vector product, a gradient penalty with
+    `torch.autograd.grad(..., create_graph=True)`): torch.compile's backward has no derivative
+    of its own, and torch 2.13 leaves its contribution out of the second derivative without an
+    error (its own refusal hangs off a dummy tensor that autograd prunes; hunt 25). During a
+    backward, grad mode is the backward's `create_graph`."""
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+
+            def hook(g: torch.Tensor) -> None:
+                if torch.is_grad_enabled():
+                    raise JitError(
+                        format_message(
+                            f"tfun.jit: a gradient through the compiled `{fn_text}` was taken with "
+                            "create_graph=True, to be differentiated again (a Hessian-vector product, a gradient "
+                            "penalty). torch.compile's backward has no derivative of its own: torch "
+                            f"{torch.__version__} would leave this function's part out of the second derivative "
+                            "without an error.",
+                            revise="Take both derivatives inside the compiled function (`tfun.jit(tfun.grad(lambda x: "
+                            "penalty(tfun.grad(f)(x))))`, tfun.hessian, tfun.jvp of tfun.grad), or call the function "
+                            "without tfun.jit where the gradient must stay differentiable.",
+                        )
+                    )
+
+            t.register_hook(hook)
 
 
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
