@@ -425,6 +425,19 @@ def select(pred: Any, on_true: T, on_false: T) -> T:
 # ----------------------------------------------------------------------------------------
 
 
+def _checked_leaves(op: str, fn: Any, key: int, label: str, out: Any, shapes: bool) -> tuple[list[Any], Any]:
+    """Traced: branch `label`'s output `out` flattened, its leaves as tensors, once its leaf
+    types are checked and its structure and tensors agree with the other branches of call
+    `key` (`shapes=False`: sizes are not compared here, see `_lower_cond`)."""
+    _hop.check_output_leaves(op, "the branch output", fn, out)
+    leaves, td = tree_flatten(out)
+    leaves = [_hop.as_tensor(x) for x in leaves]
+    bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, shapes), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
+    if bad is not None:
+        _hop.raise_result(bad)
+    return leaves, td
+
+
 def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: bool, encode: bool = False) -> Callable[..., Any]:
     """Branch `fn` as a `torch.cond` branch. `encode` (grad mode): integer and bool outputs
     leave as the bits of int64 in float64 tensors, as a scan's do (`_scan._lower_scan`,
@@ -440,12 +453,7 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         _hop.check_state(op, label, fn, state)
         if _hop.func_reverse_modes() != reverse:
             _hop.refuse_func_reverse_if_differentiated(op, "branch", fn, [*flat, *tree_flatten(out)[0]])
-        _hop.check_output_leaves(op, "the branch output", fn, out)
-        leaves, td = tree_flatten(out)
-        leaves = [_hop.as_tensor(x) for x in leaves]
-        bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, shapes), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
-        if bad is not None:
-            _hop.raise_result(bad)
+        leaves, td = _checked_leaves(op, fn, key, label, out, shapes)
         # which output is an operand returned unchanged (the same tensor): see `_forward`
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
@@ -540,12 +548,7 @@ def _lower_selected(
         state = _hop.torch_state()
         out = fn(*tree_unflatten(op_td, guarded))
         _hop.check_state(op, label, fn, state)
-        _hop.check_output_leaves(op, "the branch output", fn, out)
-        leaves, td = tree_flatten(out)
-        leaves = [_hop.as_tensor(x) for x in leaves]
-        bad = _hop.escape_exchange(key, label, _hop.describe(td, leaves, False), _hop.code_of(fn), op, "branch outputs", "output", _REVISE_BRANCHES)
-        if bad is not None:
-            _hop.raise_result(bad)
+        leaves, td = _checked_leaves(op, fn, key, label, out, False)
         if outs and any(a.shape != b.shape for a, b in zip(outs[0], leaves)):  # (sizes: not in `describe`)
             pair = (f"{names[0]} output", f"{label} output")
             _rules.check_tensors(op, "branch outputs", outs[0], leaves, td, root="output", names=pair, fn=fn, revise=_REVISE_BRANCHES)
