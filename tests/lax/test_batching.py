@@ -579,3 +579,30 @@ def test_batched_predicate_inside_a_vmapped_loop_body_under_jit_with_gradients(b
     h, (s, _) = tfun.jit(tfun.vmap(f), backend=backend)(xg)
     ((h.double() ** 2).sum() + (s.double() ** 2).sum()).backward()
     torch.testing.assert_close(xg.grad.double(), want_g, rtol=1e-4, atol=1e-5)
+
+
+_W_AXIS = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
+_BATCH_ON_DIM_1 = {
+    "switch(2, [a, a @ W, exp(a @ W) * a])": lambda x: lax.switch(2, [lambda a: a, lambda a: a @ _W_AXIS, lambda a: torch.exp(a @ _W_AXIS) * a], x),
+    "cond(True, a @ W, a)": lambda x: lax.cond(True, lambda a: a @ _W_AXIS, lambda a: a, x),
+    "cond(W.sum() > 0, a @ W, a * 2)": lambda x: lax.cond(_W_AXIS.sum() > 0, lambda a: a @ _W_AXIS, lambda a: a * 2, x),
+    "cond(x.sum() > 0, a @ W, a) (batched pred)": lambda x: lax.cond(x.sum() > 0, lambda a: a @ _W_AXIS, lambda a: a, x),
+}
+
+
+@pytest.mark.parametrize("case", list(_BATCH_ON_DIM_1))
+def test_a_cond_under_jit_of_vmap_with_the_batch_on_another_dim(case):
+    """Hunt 25 (F8): `tfun.jit(tfun.vmap(f, in_axes=1))` of a cond or switch whose branches
+    return their operand and a product with it was refused (torch.cond's batching rule met
+    branch outputs with the batch dimension in different places, "sorted order of strides"),
+    with a message claiming a branch reads only unbatched tensors. With in_axes=0 it compiled.
+    Values and the gradient, against eager float64."""
+    f = lambda x: (_BATCH_ON_DIM_1[case](x) ** 2).sum(0)
+    x = torch.randn(5, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    want = tfun.vmap(f, in_axes=1)(x)
+    torch.testing.assert_close(tfun.jit(tfun.vmap(f, in_axes=1), backend="aot_eager")(x), want, rtol=1e-12, atol=1e-12)
+    loss = lambda x: tfun.vmap(f, in_axes=1)(x).sum()
+    torch.testing.assert_close(
+        tfun.jit(tfun.grad(loss), backend="aot_eager")(x), tfun.grad(loss)(x), rtol=1e-12, atol=1e-12
+    )

@@ -445,6 +445,10 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
     the floating ones, "outs_to_grad length (1) != tangents length (2)"); `_unmark` after the
     HOP gives them back."""
     def branch(*flat: Any) -> Any:
+        # Each operand through a view made inside the branch: Dynamo reads an attribute of the
+        # branch's own argument (`a.T`, `a.mT`) outside the branch and lifts it as a second
+        # input that shares memory with the first, which torch.cond refuses (hunt 25, F7).
+        flat = tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in flat)
         operands = tree_unflatten(tree_structure(op_carrier), list(flat))
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
@@ -457,7 +461,12 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         # which output is an operand returned unchanged (the same tensor): see `_forward`
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
-        leaves = _hop.unalias(leaves, flat)
+        # Contiguous: torch.cond asks every branch for one memory layout per output, where
+        # JAX has none (`a * 3` against `a.T * 1`). Under grad mode every output is a copy:
+        # torch.cond then refuses an output that is a tensor the branch closes over
+        # (`cond(p, lambda: W1, lambda: W2)`), and Dynamo does not let tfun tell one from a
+        # tensor the branch computes; Inductor removes the copies it does not need.
+        leaves = _hop.unalias([x.contiguous() for x in leaves], flat, clone_all=torch.is_grad_enabled())
         if encode:
             leaves, td = _mark_bits(leaves, td)
         return _hop.pack(key, td, leaves)

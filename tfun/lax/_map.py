@@ -10,7 +10,7 @@ import torch
 from .. import _compat, _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import _encodes_bits, _mark_bits, _unmark, scan, stack_outputs, xs_leaves, zero_length_outputs
+from ._scan import _encodes_bits, _mark_bits, _unmark, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -80,7 +80,7 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
     if n == 0:
         x0 = tree_unflatten(treedef, [torch.empty(x.shape[1:], dtype=x.dtype, device=x.device) for x in leaves])
         y_leaves, y_def = tree_flatten(zero_length_outputs(op, "function", f, (x0,), rules))
-        return tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
+        return tree_unflatten(y_def, empty_outputs(y_leaves, leaves))
     slices = [x.unbind(0) for x in leaves]
     is_leaf = treedef.is_leaf()
     first_x: Any = slices[0][0] if is_leaf else tree_unflatten(treedef, [s[0] for s in slices])
@@ -176,7 +176,10 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
             _hop.refuse_func_reverse_if_differentiated("tfun.lax.map", "function", f, [*x_flat, *tree_flatten(y)[0]])
         _hop.check_output_leaves("tfun.lax.map", "the output", f, y)
         y_leaves, y_td = tree_flatten(y)
-        y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat)
+        # every output a copy: torch's map refuses one that is a tensor the body closes over
+        # (`map(lambda r: (r @ W, W), xs)`), which Dynamo does not let tfun tell from a tensor
+        # the body computes; Inductor removes the copies it does not need
+        y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat, clone_all=True)
         if encode:  # integer and bool outputs as int64 bits, as a cond's (`_scan._mark_bits`)
             y_leaves, y_td = _mark_bits(y_leaves, y_td)
         return _hop.pack(key, y_td, y_leaves)
