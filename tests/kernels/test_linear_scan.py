@@ -588,3 +588,22 @@ def test_rising_tiles_run_a_reverse_scan_in_the_kernel(variant: str, monkeypatch
     # per tile: the summary kernel's scans (2 segments x 1 tile), the carry scan (time order),
     # the main kernel's (3 segments x 1 tile)
     assert scans == [variant == "rising"] * 2 + [False] + [variant == "rising"] * 3
+
+
+def test_hessian_vector_product_under_jit() -> None:
+    """Hunt 25 (F9): a jitted Hessian-vector product through the kernel (the gradient with
+    respect to `b` of a gradient with respect to `a`) failed with Dynamo's "failed to run FX
+    node with fake tensors" on torch.func's grad-tracking tensors, wrapped in generic advice.
+    There the traced derivative is differentiated again and the pure-torch reference runs, as
+    tfun's loops unroll; the result equals the reference's own."""
+    a, b, h0 = (t.double() for t in _inputs(6))
+    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+
+    def hvp(impl):
+        f = lambda a, b: (linear_scan(a, b, h0, impl=impl) * w).sum()
+        return lambda a, b: tfun.grad(lambda b: (tfun.grad(f)(a, b) * w).sum())(b)
+
+    want = hvp("torch")(a, b)
+    torch.testing.assert_close(hvp("triton")(a, b), want)
+    torch._dynamo.reset()
+    torch.testing.assert_close(tfun.jit(hvp("triton"), backend="aot_eager")(a, b), want)

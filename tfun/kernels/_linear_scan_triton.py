@@ -750,6 +750,16 @@ def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     the forward-mode rule for torch.func. Both differentiate through `_backward`. Under
     forward mode over forward mode, the pure-torch reference (see `_scan`'s comment)."""
     if _context.is_tracing():
+        from ..lax import _hop
+
+        if _hop.unrolled_steps():
+            # a traced derivative that is differentiated again (a jitted Hessian-vector
+            # product): Dynamo cannot run the op on torch.func's grad-tracking tensors
+            # ("failed to run FX node with fake tensors"; hunt 25, F9), so the pure-torch
+            # reference runs, as tfun's loops unroll there
+            from ._linear_scan_ref import linear_scan_torch
+
+            return linear_scan_torch(a, b, h0, axis, reverse)
         return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
     if _context.forward_mode_depth() >= 2:
         # forward mode over forward mode: torch runs the Function's `jvp` outside the outer
