@@ -360,3 +360,22 @@ def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_g
         gots = torch.autograd.grad((got * torch.cos(got)).sum(), args)
         for x, w in ((got, want), *zip(gots, wants)):
             torch.testing.assert_close(x.double(), w.detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0)])
+def test_empty_outputs_join_the_graph(name: str, shape: tuple[int, int]) -> None:
+    """Hunt 25 (F10): with no steps (or no channels) the torch algorithms returned a fresh
+    empty tensor with no `grad_fn`, so `h.sum().backward()` failed with torch's "does not
+    require grad"; now every input gets its (zero) gradient, as through torch's own ops."""
+    a = torch.rand(*shape, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(shape[1], dtype=torch.float64, requires_grad=True)
+    h = ALGORITHMS[name](a, b, h0, 0, False)
+    assert h.shape == shape and h.requires_grad
+    for g, x in zip(torch.autograd.grad(h.sum(), (a, b, h0)), (a, b, h0)):
+        assert torch.equal(g, torch.zeros_like(x))
+    h = linear_scan(a, b, init=h0)
+    assert h.requires_grad
+    h.sum().backward()
+    assert torch.equal(h0.grad, torch.zeros_like(h0))

@@ -419,3 +419,29 @@ def test_an_integer_carry_under_export_is_differentiated_through_the_exported_mo
     grads = torch.autograd.grad(h.sum() + (ys * ys).sum(), got_in)
     for gr, w in zip(grads, torch.autograd.grad(hw.sum() + (ysw * ysw).sum(), want_in)):
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["scan", "scan(length)", "map", "map(batch_size)"])
+def test_zero_length_outputs_join_the_graph(op):
+    """Hunt 25 (F10): with T=0 the stacked outputs of scan and map were fresh empty tensors
+    with no `grad_fn`, so `ys.sum().backward()` (or `torch.autograd.grad`) failed with torch's
+    "does not require grad", where torch's own ops on empty tensors (and tfun.grad) run and
+    give zero gradients."""
+    h0 = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(0, 3, dtype=torch.float64, requires_grad=True)
+    if op == "scan":
+        _, ys = lax.scan(lambda c, x: (c + x, (c * x, (c * x).to(torch.int64))), h0, xs)
+        ys = ys[0]
+    elif op == "scan(length)":
+        _, ys = lax.scan(lambda c, x: (c * 2, c.sin()), h0, None, length=0)
+    elif op == "map":
+        ys = lax.map(lambda x: x * h0, xs)
+    else:
+        ys = lax.map(lambda x: x.cos(), xs, batch_size=2)
+    assert ys.shape == (0, 3) and ys.requires_grad
+    inputs = (h0,) if op == "scan(length)" else (xs,) if op == "map(batch_size)" else (h0, xs)
+    grads = torch.autograd.grad(ys.sum(), inputs, allow_unused=op == "map")
+    for g, x in zip(grads, inputs):
+        assert g is None or torch.equal(g, torch.zeros_like(x))
+    with torch.no_grad():  # no graph where autograd does not record
+        assert not lax.map(lambda x: x * h0, xs).requires_grad

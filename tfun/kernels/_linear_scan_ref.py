@@ -63,10 +63,21 @@ def _from_time_major(h: Tensor, b: Tensor, axis: int, reverse: bool) -> Tensor:
     return h.reshape(shape).movedim(0, axis).to(b.dtype)
 
 
+def _empty_result(a: Tensor, b: Tensor, h0: Tensor) -> Tensor:
+    """The (empty) states of a recurrence with no steps or no channels, joined to the graph of
+    every input that requires grad through an empty slice of it (a zero derivative, no
+    arithmetic), as torch's own ops on empty tensors are: `h.sum().backward()` then runs."""
+    out = torch.empty_like(b)
+    linked = [x for x in (a, b, h0) if isinstance(x, Tensor) and x.requires_grad]
+    if linked and torch.is_grad_enabled():
+        out = out + sum(x.reshape(-1)[:0].sum() for x in linked).to(out.dtype)
+    return out
+
+
 def linear_scan_sequential(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     """`T` Python steps, each a fused multiply-add over all channels."""
     if b.shape[axis] == 0 or b.numel() == 0:
-        return torch.empty_like(b)
+        return _empty_result(a, b, h0)
     at, bt, h = _to_time_major(a, b, h0, axis, reverse)
     hs = []
     # unbind, not at[t]: the backward of T selects would build T full-size gradients
@@ -92,7 +103,7 @@ def _logdepth_time_major(at: Tensor, bt: Tensor, h: Tensor) -> Tensor:
 def linear_scan_logdepth(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     """Hillis-Steele scan over the pairs `(a, b)`: `ceil(log2 T)` passes of `O(T)` work each."""
     if b.shape[axis] == 0 or b.numel() == 0:
-        return torch.empty_like(b)
+        return _empty_result(a, b, h0)
     at, bt, h = _to_time_major(a, b, h0, axis, reverse)
     return _from_time_major(_logdepth_time_major(at, bt, h), b, axis, reverse)
 
@@ -102,7 +113,7 @@ def linear_scan_chunked(
 ) -> Tensor:
     """Two-level scan: chunks of `chunk` steps (default about `sqrt(T)`) scanned side by side."""
     if b.shape[axis] == 0 or b.numel() == 0:
-        return torch.empty_like(b)
+        return _empty_result(a, b, h0)
     at, bt, h = _to_time_major(a, b, h0, axis, reverse)
     T, C = at.shape
     L = chunk if chunk is not None else max(1, math.isqrt(T))
@@ -176,7 +187,7 @@ def linear_scan_loop(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool)
     from ..lax import scan
 
     if b.shape[axis] == 0 or b.numel() == 0:
-        return torch.empty_like(b)
+        return _empty_result(a, b, h0)
     at, bt, h = _to_time_major(a, b, h0, axis, False)
 
     def step(h: Tensor, ab: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

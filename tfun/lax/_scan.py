@@ -164,6 +164,22 @@ def zero_length_outputs(
     return tree_unflatten(treedef, leaves)
 
 
+def empty_outputs(y_leaves: Sequence[Any], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The stacked outputs of a loop of zero steps: empty tensors shaped like the fake
+    `y_leaves` with a leading 0. Where autograd records and one of `inputs` requires grad,
+    each floating output joins the graph through an empty slice of that input (a zero
+    derivative, no arithmetic), as torch's own ops on empty tensors do, so that
+    `ys.sum().backward()` runs rather than failing on an output with no `grad_fn`."""
+    ys = [_rules.empty_like_fake(y, 0) for y in y_leaves]
+    if not torch.is_grad_enabled():
+        return ys
+    linked = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not linked:
+        return ys
+    anchor = sum(x.reshape(-1)[:0].sum() for x in linked)
+    return [y + anchor.to(y.dtype) if y.is_floating_point() or y.is_complex() else y for y in ys]
+
+
 def check_body_abstractly(
     op: str,
     role: str,
@@ -329,8 +345,7 @@ def _scan_eager(
         carry0, y0 = split_pair(op, f, zero_length_outputs(op, "body function", f, (init, x0), rules))
         check_carry(op, f, carry_def, carry_leaves, carry0, weak=weak)
         y_leaves, y_def = tree_flatten(y0)
-        ys = tree_unflatten(y_def, [_rules.empty_like_fake(y, 0) for y in y_leaves])
-        return init, ys
+        return init, tree_unflatten(y_def, empty_outputs(y_leaves, [*carry_leaves, *x_leaves]))
 
     slices = [x.unbind(0) for x in x_leaves]
     n_x = len(slices)
