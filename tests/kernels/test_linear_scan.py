@@ -314,8 +314,10 @@ def test_compile_keeps_one_op_and_runs_the_kernels() -> None:
 
 
 def test_second_order_under_jit_goes_through_the_one_backward() -> None:
-    """A gradient penalty through the kernel under tfun.jit: the op's backward (registered
-    autograd, the one `_backward`) must itself be differentiable when the graph is kept."""
+    """A gradient penalty through the kernel: eagerly the op's backward (registered autograd,
+    the one `_backward`) must itself be differentiable when the graph is kept; under tfun.jit
+    a traced derivative that is differentiated again runs the pure-torch reference (see
+    `test_hessian_vector_product_under_jit`)."""
     a, b, h0 = (t.double() for t in _inputs(4))
 
     def penalty(a):
@@ -328,7 +330,7 @@ def test_second_order_under_jit_goes_through_the_one_backward() -> None:
 
     want = tfun.grad(penalty_ref)(a)
     torch.testing.assert_close(tfun.grad(penalty)(a), want)  # eager: _LinearScanFunction
-    torch.testing.assert_close(tfun.jit(tfun.grad(penalty), backend="aot_eager")(a), want)  # the op
+    torch.testing.assert_close(tfun.jit(tfun.grad(penalty), backend="aot_eager")(a), want)  # the reference
 
 
 def test_first_order_backward_is_the_fused_kernel() -> None:
