@@ -146,8 +146,16 @@ def _sequential_scan(
         new = combine(carry, [xi.unsqueeze(axis) for xi in x])
         return new, [y.squeeze(axis) for y in new]
 
-    _, rest = scan(step, first, [x[1:] for x in moved])
-    out = [torch.cat([f.movedim(axis, 0), r], 0) for f, r in zip(first, rest)]
+    # No slice of length T - 1 (`x[1:]`): its strides make export guard `T - 1 != 1`, which a
+    # `Dim` with min=2 does not imply ("Constraints violated"; hunt 24, finding 4). The scan
+    # runs over `x[1], ..., x[T-1], x[0]`; its last step is not used, and its output's
+    # rotation puts `x[0]` in front.
+    _, ys = scan(step, first, [x.roll(-1, 0) for x in moved])
+    t = torch.arange(moved[0].shape[0], device=moved[0].device)
+    out = [
+        torch.where((t == 0).reshape(-1, *[1] * (y.dim() - 1)), f.movedim(axis, 0), y.roll(1, 0))
+        for f, y in zip(first, ys)
+    ]
     if reverse:
         out = [x.flip(0) for x in out]
     return [x.movedim(0, axis) for x in out]
@@ -299,9 +307,11 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
-    if _compat.is_exporting() and not isinstance(leaves[0].shape[axis], int):
-        # a length that is a symbol (`torch.export` with a `Dim`): the log-depth algorithm's
-        # graph depends on the length, so export would have to specialize it and refuse the Dim
+    if _compat.is_exporting() and not _context.functorch_active() and not _hop.unrolled_steps() and not _hop.in_body():
+        # Under `torch.export`, one `scan` for every length: the log-depth algorithm's graph
+        # depends on the length, so export specializes a length that is a symbol (a `Dim`) and
+        # refuses it, and strict export (Dynamo) answers `type(s) is int` for a symbolic size
+        # too, so tfun cannot ask which it is (as `_linear_scan_ref._exported_loop_wanted`).
         return tree_unflatten(td, _sequential_scan(checked_combine, list(leaves), axis, reverse))
     if not hop:
         # Also inside a traced derivative that is differentiated again: plain ops have second
