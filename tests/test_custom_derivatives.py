@@ -1697,6 +1697,38 @@ def test_a_rule_in_a_loop_body_under_jit_of_vmap_is_refused_not_wrong(kind, loop
         tfun.jit(tfun.vmap(_LOOPS[loop](cf), in_axes=(0, None)), backend="aot_eager")(xg, W).sum().backward()
 
 
+_VMAPPED_IN_BODY = {
+    "map": lambda c: (lambda x, W: (tfun.lax.map(lambda r: tfun.vmap(c, in_axes=(0, None))(r, W), x) ** 2).sum()),
+    "scan": lambda c: (
+        lambda x, W: (tfun.lax.scan(lambda h, xt: (tfun.vmap(c, in_axes=(0, None))(h + xt, W), h), x[0], x)[1] ** 2).sum()
+    ),
+}
+
+
+@pytest.mark.parametrize("how", ["jit(grad)", "backward outside"])
+@pytest.mark.parametrize("loop", sorted(_VMAPPED_IN_BODY))
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_a_rule_vmapped_inside_a_loop_body_under_jit_compiles(kind, loop, how):
+    """Hunt 26, finding 3: the refusal above reached a vmap entered *inside* the loop body
+    (`scan(lambda h, x: (tfun.vmap(cf)(h + x, W), h), ...)` under `tfun.jit(tfun.grad(f))`),
+    which torch does not batch again: that vmap is traced into the body's graph. Refused
+    only where a vmap encloses the loop (`_hop.body_transform_level`); this compiles and
+    equals the straight-through float64 oracle."""
+    cf, oracle = _loop_rule_pair(kind)
+    g = torch.Generator().manual_seed(6)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
+    x = torch.randn(5, 4, 3, dtype=torch.float64, generator=g)
+    want = torch.func.grad(_VMAPPED_IN_BODY[loop](oracle), argnums=(0, 1))(x, W)
+    torch._dynamo.reset()
+    if how == "jit(grad)":
+        got = tfun.jit(tfun.grad(_VMAPPED_IN_BODY[loop](cf), argnums=(0, 1)), backend="aot_eager")(x, W)
+    else:
+        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+        got = torch.autograd.grad(tfun.jit(_VMAPPED_IN_BODY[loop](cf), backend="aot_eager")(xr, Wr), (xr, Wr))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 @pytest.mark.parametrize("how", ["jit(grad)", "backward outside"])
 @pytest.mark.parametrize("loop", sorted(_LOOPS))

@@ -1027,8 +1027,10 @@ def _traced_vmap_rule_call(spec: Any, fun: Callable[..., Any], stack: tuple[tupl
     tensors with `fwd` and `bwd` (`fun` and the JVP rule) vectorised by `torch.func.vmap`
     over those dimensions, and puts the batch dimensions back on its outputs. Autograd outside
     the vmaps then differentiates through the rule."""
-    if _hop.in_body():
-        # The body's graph, traced here with the vmaps live, is batched again by torch's rule
+    if _hop.in_body() and min(lvl for _, lvl in stack) <= _hop.body_transform_level():
+        # A vmap entered outside the innermost loop or branch body (a vmap entered inside it is
+        # traced into the body's graph, and is right): the body's graph, traced here with the
+        # vmaps live, is batched again by torch's rule
         # for the loop or cond op, which replays it: the batch dimensions that this call takes
         # off and puts back (and the vmaps it leaves) are then applied to tensors that are
         # already per-example, giving wrong gradients (an unbatched argument's expansion to the

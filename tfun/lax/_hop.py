@@ -536,13 +536,44 @@ class body_scope:
 
     def __enter__(self) -> None:
         _escape_depth("body", 1)
+        _escape_body_level(True)
         if self.grad:
             _escape_depth("grad", 1)
 
     def __exit__(self, *exc: Any) -> None:
         _escape_depth("body", -1)
+        _escape_body_level(False)
         if self.grad:
             _escape_depth("grad", -1)
+
+
+#: For each HOP body enclosing the code being traced, innermost last, the deepest `torch.func`
+#: level live where its trace began (0: none); and the trace the stack belongs to.
+_BODY_LEVELS: list[Any] = [[], None]
+
+
+@assume_constant
+def _escape_body_level(push: bool | None) -> int:
+    """Trace time: at a body's start (`push=True`) record the deepest live `torch.func` level,
+    at its end (`False`) forget it, or (None) only read; return the innermost body's record
+    (-1 outside every body)."""
+    trace = _context.current_trace()
+    if _BODY_LEVELS[1] is None or _BODY_LEVELS[1]() is not trace:
+        _BODY_LEVELS[:] = [[], None if trace is None else weakref.ref(trace)]
+    stack = _BODY_LEVELS[0]
+    if push is True:
+        stack.append(max((level for _, level in _context.transform_stack()), default=0))
+    elif push is False and stack:
+        stack.pop()
+    return stack[-1] if stack else -1
+
+
+def body_transform_level() -> int:
+    """Trace time: the deepest `torch.func` level that was live where the innermost enclosing
+    HOP body's trace began (0: none; -1: not in a body). A transform of a deeper level was
+    entered inside the body and is traced into the body's graph; one of this level or less
+    encloses the HOP, whose own batching rule replays the body's graph."""
+    return _escape_body_level(None)
 
 
 def grad_unknowns() -> int:
