@@ -163,3 +163,27 @@ def test_unroll_under_export_gives_eagers_values_and_gradients(strict, reverse):
     grads = torch.autograd.grad(h.sum() + ys.sum(), got_in)
     for gr, w in zip(grads, torch.autograd.grad(hw.sum() + ysw.sum(), want_in)):
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("unroll", [3, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_one_jitted_function_at_several_lengths(reverse: bool, unroll: Any) -> None:
+    """Hunt 26, F1: a jitted, differentiated `scan(..., unroll=k)` traced again at a second
+    length (Dynamo's automatic dynamic shapes) made the block size `min(k, T)` symbolic, which
+    torch's scan could not save for its backward: a JitError about a size the body "closes
+    over". The block size is a Python int now; each length gives eager's float64 values and
+    every input's gradient."""
+    run = tfun.jit(lambda init, xs: _loss(init, xs, reverse, unroll), backend="aot_eager")
+    for T in (5, 8, 7, 2):  # 8: a symbolic length; 7 and 2: other left-over counts
+        init, xs = _data(T, torch.float64, seed=T)
+        leaves = [init["h"], xs["a"], xs["b"]]
+        for t in leaves:
+            t.requires_grad_(True)
+        want_c, want_ys, want_l = _loss(init, xs, reverse, 1)
+        want_g = torch.autograd.grad(want_l, leaves)
+        got_c, got_ys, got_l = run(init, xs)
+        got_g = torch.autograd.grad(got_l, leaves)
+        assert got_c["n"].item() == T
+        assert_tree_allclose((got_c, got_ys), tfun.tree.tree_map(lambda t: t.detach(), (want_c, want_ys)), rtol=1e-12, atol=1e-12)
+        for u, v in zip(got_g, want_g):
+            torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)

@@ -562,10 +562,15 @@ def _lower_scan(
 
 
 def unroll_steps(unroll: int | bool, n: int) -> int:
-    """The steps per compiled iteration that `unroll` asks for, for a loop of `n` steps."""
+    """The steps per compiled iteration that `unroll` asks for, for a loop of `n` steps: a
+    Python int even where `n` is a symbolic length (a jitted function's trace at a second
+    length), where `min(unroll, n)` put a symbolic block size into the body's graph, which
+    torch's scan could not save for its backward (hunt 26, F1). `len(range(n))` is a Python
+    int (Dynamo specializes `range`: that length gets its own graph)."""
     if unroll is True or (not isinstance(unroll, bool) and unroll == 0):
-        return n
-    return min(int(unroll), n)  # False is 1
+        return len(range(n))
+    k = int(unroll)  # False is 1
+    return k if n >= k else len(range(n))
 
 
 def _lower_unrolled(
@@ -575,7 +580,9 @@ def _lower_unrolled(
     runs `f` `k` times in Python (so the compiler sees, and fuses, `k` steps at once), then
     one block of the `length % k` steps left over. `reverse` scans the blocks, and each
     block's steps, from the end; the left-over steps are then the first `length % k`."""
-    q, r = length // k, length % k  # (not divmod: Dynamo cannot trace it)
+    # (not divmod: Dynamo cannot trace it.) The left-over count is a Python int (`range` is
+    # specialized) where the length is symbolic: it sizes a block body (hunt 26, F1)
+    q, r = length // k, len(range(length % k))
     x_leaves, x_td = tree_flatten(xs)
 
     def block(size: int) -> Callable[[Any, Any], Any]:
