@@ -25,12 +25,22 @@ _FWD_READY = False
 
 
 def _complex_of_float() -> dict[torch.dtype, torch.dtype]:
-    """The complex dtype torch's type promotion gives each floating dtype with a Python
-    complex scalar (`x_bf16 * 1j`): asked of the installed torch, since releases differ
-    (torch 2.14 added `bcomplex32` for bfloat16; earlier ones give complex64)."""
+    """The complex dtype a weakly typed Python complex scalar takes beside each floating
+    dtype (`scan(f, 0j, x_bf16)`'s carry): torch's type promotion (`x * 1j`), asked of the
+    installed torch since releases differ, unless torch cannot compute in that dtype on the
+    CPU. torch 2.14 added `bcomplex32` for bfloat16 with no arithmetic kernels ("add_stub" not
+    implemented for 'BComplex32'; hunt 26, F2); there, as on earlier releases and in JAX
+    (which has no complex bfloat16), it is complex64."""
     out = {}
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        out[dtype] = torch.result_type(torch.empty(0, dtype=dtype), 1j)
+        c = torch.result_type(torch.empty(0, dtype=dtype), 1j)
+        try:
+            with warnings.catch_warnings():  # ("ComplexHalf support is experimental")
+                warnings.simplefilter("ignore", UserWarning)
+                (torch.ones(1, dtype=c) + torch.ones(1, dtype=c)) * torch.ones(1, dtype=c)
+        except (NotImplementedError, RuntimeError):  # feature detection: no kernels for `c`
+            c = torch.complex64
+        out[dtype] = c
     return out
 
 

@@ -279,3 +279,26 @@ def test_gradients_through_a_loop_with_a_weak_init_match_float64_eager(loop, pat
     assert got[0].dtype == torch.float32
     for r, g in zip(ref, got):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_complex_init_beside_bfloat16_is_complex64_as_in_jax(jax, dtype, loop, how):
+    """Hunt 26, F2: torch 2.14 promotes bfloat16 with a Python complex to `bcomplex32`, which
+    has no CPU kernels, so `scan(f, 0j, x_bf16)` raised torch's "add_stub not implemented
+    for 'BComplex32'" (torch 2.13 gave complex64). The weak rule takes complex64 there, as
+    JAX (which has no complex bfloat16) does: the dtype and the values against JAX."""
+    x = torch.tensor([1.0, -2.0, 0.5, 3.0]).to(dtype)
+    fns = {
+        "scan": lambda lax_, x: lax_.scan(lambda c, xt: (c * 0.5 + xt, None), 0j, x)[0],
+        "fori_loop": lambda lax_, x: lax_.fori_loop(0, 4, lambda i, c: c * 0.5 + x[i], 0j),
+    }
+    if loop == "fori_loop" and how == "jit":
+        ours = tfun.jit(lambda x: lax.fori_loop(0, 4, lambda i, c: c * 0.5 + tfun.at(x)[i].get(), 0j), backend="aot_eager")(x)
+    else:
+        f = lambda x: fns[loop](lax, x)
+        ours = (tfun.jit(f, backend="aot_eager") if how == "jit" else f)(x)
+    theirs = np.asarray(fns[loop](jax.lax, _jnp(jax, x)))
+    assert ours.dtype == torch.complex64 and str(theirs.dtype) == "complex64"
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-6)
