@@ -606,3 +606,25 @@ def test_a_cond_under_jit_of_vmap_with_the_batch_on_another_dim(case):
     torch.testing.assert_close(
         tfun.jit(tfun.grad(loss), backend="aot_eager")(x), tfun.grad(loss)(x), rtol=1e-12, atol=1e-12
     )
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_a_cond_in_a_map_body_under_jit_of_vmap():
+    """Hunt 26, F6: a cond (unbatched predicate) in a `lax.map` body under
+    `tfun.jit(tfun.vmap(f))` was refused, with a message claiming a branch reads only
+    unbatched tensors: torch's map batching rule hands the body its operand with the batch
+    dimension moved, and `r @ W` and `r * 2 + W[0]` came back in different layouts. Values
+    against eager float64."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.5
+    s = torch.randn(6, dtype=torch.float64, generator=g)
+    x = torch.randn(4, 6, 3, dtype=torch.float64, generator=g)
+
+    def f(x, W, s):
+        return lax.map(lambda sr: lax.cond(sr[0] > 0, lambda r: torch.tanh(r @ W), lambda r: r * 2 + W[0], sr[1]), (s, x))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = tfun.vmap(f, in_axes=(0, None, None))(x, W, s)
+        got = tfun.jit(tfun.vmap(f, in_axes=(0, None, None)), backend="aot_eager")(x, W, s)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
