@@ -1697,6 +1697,20 @@ def test_a_rule_in_a_loop_body_under_jit_of_vmap_is_refused_not_wrong(kind, loop
         tfun.jit(tfun.vmap(_LOOPS[loop](cf), in_axes=(0, None)), backend="aot_eager")(xg, W).sum().backward()
 
 
+def _check_jitted_gradients(loss_of, cf, oracle, x, W, how):
+    """The gradients of `loss_of(cf)` in x and W, compiled (`tfun.jit(tfun.grad(...))`, or
+    `.backward()` outside `tfun.jit`), against `torch.func.grad` of `loss_of(oracle)`."""
+    want = torch.func.grad(loss_of(oracle), argnums=(0, 1))(x, W)
+    torch._dynamo.reset()
+    if how == "jit(grad)":
+        got = tfun.jit(tfun.grad(loss_of(cf), argnums=(0, 1)), backend="aot_eager")(x, W)
+    else:
+        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+        got = torch.autograd.grad(tfun.jit(loss_of(cf), backend="aot_eager")(xr, Wr), (xr, Wr))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 _VMAPPED_IN_BODY = {
     "map": lambda c: (lambda x, W: (tfun.lax.map(lambda r: tfun.vmap(c, in_axes=(0, None))(r, W), x) ** 2).sum()),
     "scan": lambda c: (
@@ -1718,15 +1732,7 @@ def test_a_rule_vmapped_inside_a_loop_body_under_jit_compiles(kind, loop, how):
     g = torch.Generator().manual_seed(6)
     W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
     x = torch.randn(5, 4, 3, dtype=torch.float64, generator=g)
-    want = torch.func.grad(_VMAPPED_IN_BODY[loop](oracle), argnums=(0, 1))(x, W)
-    torch._dynamo.reset()
-    if how == "jit(grad)":
-        got = tfun.jit(tfun.grad(_VMAPPED_IN_BODY[loop](cf), argnums=(0, 1)), backend="aot_eager")(x, W)
-    else:
-        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
-        got = torch.autograd.grad(tfun.jit(_VMAPPED_IN_BODY[loop](cf), backend="aot_eager")(xr, Wr), (xr, Wr))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    _check_jitted_gradients(_VMAPPED_IN_BODY[loop], cf, oracle, x, W, how)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
@@ -1741,12 +1747,4 @@ def test_a_rule_in_a_loop_body_whose_fwd_returns_an_input_as_a_residual_compiles
     g = torch.Generator().manual_seed(4)
     W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
     x = torch.randn(7, 3, dtype=torch.float64, generator=g)
-    want = torch.func.grad(_LOOPS[loop](oracle), argnums=(0, 1))(x, W)
-    torch._dynamo.reset()
-    if how == "jit(grad)":
-        got = tfun.jit(tfun.grad(_LOOPS[loop](cf), argnums=(0, 1)), backend="aot_eager")(x, W)
-    else:
-        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
-        got = torch.autograd.grad(tfun.jit(_LOOPS[loop](cf), backend="aot_eager")(xr, Wr), (xr, Wr))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    _check_jitted_gradients(_LOOPS[loop], cf, oracle, x, W, how)
