@@ -307,11 +307,13 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
-    if _compat.is_exporting() and not _context.functorch_active() and not _hop.unrolled_steps() and not _hop.in_body():
-        # Under `torch.export`, one `scan` for every length: the log-depth algorithm's graph
-        # depends on the length, so export specializes a length that is a symbol (a `Dim`) and
-        # refuses it, and strict export (Dynamo) answers `type(s) is int` for a symbolic size
-        # too, so tfun cannot ask which it is (as `_linear_scan_ref._exported_loop_wanted`).
+    if _compat.is_exporting() and not isinstance(leaves[0].shape[axis], int):
+        # a length that is a symbol (`torch.export` with a `Dim`): the log-depth algorithm's
+        # graph depends on the length, so export would have to specialize it and refuse the
+        # Dim. (Strict export's Dynamo answers `isinstance(size, int)` with True for a symbolic
+        # size too, so there the Dim is still refused; a static length keeps the log-depth
+        # algorithm, which, unlike a `scan`, may read closed-over tensors under non-strict
+        # export.)
         return tree_unflatten(td, _sequential_scan(checked_combine, list(leaves), axis, reverse))
     if not hop:
         # Also inside a traced derivative that is differentiated again: plain ops have second
