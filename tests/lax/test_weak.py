@@ -14,6 +14,7 @@ import torch
 
 import tfun
 from tfun import lax
+from tfun import _compat
 from tfun.lax import _weak
 
 DTYPES = [
@@ -213,6 +214,10 @@ def test_common_dtype_is_torch_result_type_with_a_python_scalar(strong):
             s = torch.zeros(shape, dtype=strong)
             w = torch.zeros((), dtype=weak_dtype)
             want = torch.result_type(s, _scalar_of_kind(weak_dtype))
+            if want.is_complex and not strong.is_complex:
+                # but for a complex dtype torch cannot compute in (torch 2.14's bcomplex32 for
+                # bfloat16): complex64, as JAX (`test_a_complex_init_beside_bfloat16_*`)
+                want = _compat.complex_of_float.get(strong, want)
             assert _weak.common_dtype([s], [w]) == want, (strong, weak_dtype, shape)
 
 
