@@ -287,7 +287,7 @@ def _loss(out):
 @pytest.mark.parametrize("name", sorted(_CASES))
 def test_gradient_through_vmap_of_loops_under_jit_equals_eager_float64(name, backend):
     """`.backward()` through a jitted `vmap` of a loop: torch's scan autograd under vmap
-    needed `_compat.scan_vmap_fixes` ("init and carry ... differ in 'stride'")."""
+    needed `_compat.scan_vmap_fixes` ("init and carry ... differ in 'stride'" with torch's rule)."""
     f = _CASES[name]
     torch._dynamo.reset()
     xs = torch.randn(3, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -299,6 +299,60 @@ def test_gradient_through_vmap_of_loops_under_jit_equals_eager_float64(name, bac
 
 
 @_SLOW_BATCHING
+def _capturing_backend(graphs):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=capture, bw_compiler=capture)
+
+
+def _scan_carries(graphs):
+    """The `init` operands of every scan in the captured forward and backward graphs."""
+    found = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.higher_order.scan:
+                found += [a.meta["val"] for a in node.args[1]]
+    return found
+
+
+@_SLOW_BATCHING
+@pytest.mark.parametrize("program", ["vmap_rnn", "per_example"])
+def test_a_jitted_vmap_of_a_scan_carries_the_batch_first_and_dense(program):
+    """torch's vmap rule for scan moves the batch dimension last; the compiled body then read
+    its states transposed (2-3x slower, `benchmarks/vs_jax.py`'s vmap_rnn and per_example).
+    tfun's rule (`_compat.scan_vmap_fixes`) keeps it first: each scan's batched carry, forward
+    and backward, is (batch, ...) and contiguous, and the gradients are eager float64's."""
+    B, T, H = 3, 6, 5
+    g = torch.Generator().manual_seed(4)
+    W64, xs64 = torch.randn(H, H, generator=g, dtype=torch.float64) / H**0.5, torch.randn(B, T, H, generator=g, dtype=torch.float64)
+
+    def seq_loss(W, x):
+        _, ys = lax.scan(lambda h, xt: (lambda n: (n, n))(torch.tanh(h @ W + xt)), torch.zeros_like(x[0]), x)
+        return (ys * ys).sum()
+
+    if program == "vmap_rnn":
+        def fn(W, xs):
+            return tfun.grad(lambda W: tfun.vmap(seq_loss, in_axes=(None, 0))(W, xs).sum())(W)
+    else:
+        fn = tfun.vmap(tfun.grad(seq_loss), in_axes=(None, 0))
+    want = fn(W64, xs64)
+    graphs = []
+    torch._dynamo.reset()
+    got = tfun.jit(fn, backend=_capturing_backend(graphs))(W64.float(), xs64.float())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    carries = [c for c in _scan_carries(graphs) if c.dim() >= 1 and c.is_floating_point()]
+    assert carries, "no scan with a tensor carry in the compiled graphs"
+    batched = [c for c in carries if B in c.shape]
+    assert batched, [tuple(c.shape) for c in carries]
+    for c in batched:
+        assert c.shape[0] == B and c.is_contiguous(), (tuple(c.shape), c.stride())
+
+
 def test_gradient_of_a_jitted_vmap_in_a_parameter():
     """A parameter shared by the batch (in_axes None), differentiated through the vmapped
     scan, with tfun.grad inside tfun.jit and with .backward() outside it."""
