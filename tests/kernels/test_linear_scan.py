@@ -609,3 +609,33 @@ def test_hessian_vector_product_under_jit() -> None:
     torch.testing.assert_close(hvp("triton")(a, b), want)
     torch._dynamo.reset()
     torch.testing.assert_close(tfun.jit(hvp("triton"), backend="aot_eager")(a, b), want)
+
+
+@pytest.mark.parametrize("transform", ["tfun.jvp", "jacfwd", "jacrev", "hessian", "vmap(grad)"])
+def test_torch_func_derivatives_under_jit(transform: str) -> None:
+    """Hunt 27: under `tfun.jit`, forward mode through the kernel (`tfun.jvp`, `jacfwd`) gave
+    zero tangents without an error (the op has no forward-mode rule; the eager Function's `jvp`
+    is not traced), and reverse mode (`jacrev`, `hessian`, per-example gradients) failed on
+    torch.func's grad-tracking tensors. Traced under such a transform the pure-torch reference
+    runs; each result equals the eager float64 reference's own."""
+    _quiet_jvp_decompositions()
+    a, b, h0 = (t.double() for t in _inputs(7))
+    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+
+    def program(impl: str):
+        f = lambda b: linear_scan(torch.sigmoid(b), torch.cos(b) * w, h0, impl=impl)
+        loss = lambda b: (f(b) ** 2 * w).sum()
+        if transform == "tfun.jvp":
+            return lambda b: tfun.jvp(f, (b,), (w,))
+        if transform == "jacfwd":
+            return torch.func.jacfwd(f)
+        if transform == "jacrev":
+            return torch.func.jacrev(f)
+        if transform == "hessian":
+            return torch.func.hessian(loss)
+        return torch.func.vmap(torch.func.grad(lambda r: (linear_scan(torch.sigmoid(r), torch.cos(r), h0[0], impl=impl) ** 2).sum()))
+
+    want = program("torch")(b)
+    torch._dynamo.reset()
+    got = tfun.jit(program("triton"), backend="aot_eager")(b)
+    torch.testing.assert_close(got, want)

@@ -744,6 +744,21 @@ class _LinearScanFunction(torch.autograd.Function):
 # 4. the impl registered into tfun.lax.linear_scan
 
 
+def _traced_differentiating_transform() -> bool:
+    """Trace time: whether a `torch.func` transform other than `vmap` (the op has a vmap rule)
+    encloses the call being traced: `jvp`, `jacfwd`, `grad`, `vjp`, `jacrev`, `hessian`. Read
+    through a Dynamo escape hatch (`_escape_transform_kinds`), where Dynamo pushes the real
+    interpreters of the transforms it traces."""
+    return _context.functorch_active() and any(kind != "Vmap" for kind in _escape_transform_kinds())
+
+
+def _escape_transform_kinds() -> tuple[str, ...]:
+    return tuple(kind for kind, _ in _context.transform_stack())
+
+
+_escape_transform_kinds._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     """The differentiable linear_scan: the op itself under torch.compile/export (one node in
     the graph; Dynamo does not trace a custom `jvp`), else `_LinearScanFunction`, which adds
@@ -752,11 +767,15 @@ def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
     if _context.is_tracing():
         from ..lax import _hop
 
-        if _hop.unrolled_steps():
-            # a traced derivative that is differentiated again (a jitted Hessian-vector
-            # product): Dynamo cannot run the op on torch.func's grad-tracking tensors
-            # ("failed to run FX node with fake tensors"; hunt 25, F9), so the pure-torch
-            # reference runs, as tfun's loops unroll there
+        if _hop.unrolled_steps() or _traced_differentiating_transform():
+            # - a traced derivative that is differentiated again (a jitted Hessian-vector
+            #   product): Dynamo cannot run the op on torch.func's grad-tracking tensors
+            #   ("failed to run FX node with fake tensors"; hunt 25, F9), as tfun's loops unroll;
+            # - a torch.func derivative traced around it (`tfun.jit(tfun.jvp(f))`, jacfwd,
+            #   jacrev, hessian): the op has no forward-mode rule (its `jvp` is the eager
+            #   Function's, which Dynamo does not trace), and torch gave zero tangents without a
+            #   word (hunt 27); reverse mode met the grad-tracking tensors above.
+            # The pure-torch reference runs there, differentiable in every mode.
             from ._linear_scan_ref import linear_scan_torch
 
             return linear_scan_torch(a, b, h0, axis, reverse)
