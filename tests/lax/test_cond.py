@@ -532,14 +532,20 @@ _RETURNS_WHAT_IT_READS = {
     "cond(p, lambda a: a * 3, lambda a: a.T * 1, W1)": lambda x, W1, W2: lax.cond(x.sum() > 0, lambda a: a * 3, lambda a: a.T * 1, W1) @ x.T,
     # a map body returning a tensor it closes over
     "map(lambda r: (r @ W1, W1), x)": lambda x, W1, W2: sum(y.sum(0) for y in lax.map(lambda r: (r @ W1, W1), x)),
+    # a scan body's y, and a while_loop body's new carry, that is a tensor it closes over (hunt 27)
+    "scan(lambda c, r: (c * 0.5 + r @ W1, W2), x[0], x)": lambda x, W1, W2: (
+        lambda c, ys: c.sum() + ys.sum(0))(*lax.scan(lambda c, r: (c * 0.5 + r @ W1, W2), x[0], x)),
+    "while_loop(c[0] < 3, lambda c: (c[0] + 1, c[1] @ W1, W2), ...)": lambda x, W1, W2: sum(
+        t.sum() for t in lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1] @ W1), W2), (0, x, W1))[1:]),
 }
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("case", list(_RETURNS_WHAT_IT_READS))
 def test_a_branch_or_body_returning_what_it_reads_compiles(case, backend):
-    """Hunt 25 (F6, F7): under tfun.jit, torch's cond and map refused a branch or body output
-    that is a tensor the function closes over (`cond(p, lambda: W1, lambda: W2)`), an
+    """Hunt 25 (F6, F7), hunt 27: under tfun.jit, torch's cond, map, scan and while_loop refused
+    a branch or body output that is a tensor the function closes over (`cond(p, lambda: W1,
+    lambda: W2)`; cond and scan under `torch.no_grad()` only, while_loop always), an
     attribute view of an operand read in a branch (`a.T`: Dynamo lifted it as a second
     operand sharing memory with the first), and branch outputs in different memory layouts,
     each with a message about views the program did not have. Values and every input's
@@ -555,6 +561,8 @@ def test_a_branch_or_body_returning_what_it_reads_compiles(case, backend):
         x = sign * (torch.rand(5, 3, dtype=torch.float64, generator=g) + 0.1)
         W1, W2 = torch.randn(3, 3, dtype=torch.float64, generator=g), torch.randn(3, 3, dtype=torch.float64, generator=g)
         torch.testing.assert_close(jf(x, W1, W2), f(x, W1, W2), rtol=1e-12, atol=1e-12)
+        with torch.no_grad():  # (inference: torch's lowering refused the aliasing here too, hunt 27)
+            torch.testing.assert_close(jf(x, W1, W2), f(x, W1, W2), rtol=1e-12, atol=1e-12)
         want = tfun.grad(loss, argnums=(0, 1, 2))(x, W1, W2)
         for a, b in zip(jgrad(x, W1, W2), want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -462,11 +462,12 @@ def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, shapes: boo
         forwarded = tuple(next((j for j, x in enumerate(flat) if x is leaf), -1) for leaf in leaves)
         _escape_forwarded(key, label, forwarded)
         # Contiguous: torch.cond asks every branch for one memory layout per output, where
-        # JAX has none (`a * 3` against `a.T * 1`). Under grad mode every output is a copy:
-        # torch.cond then refuses an output that is a tensor the branch closes over
-        # (`cond(p, lambda: W1, lambda: W2)`), and Dynamo does not let tfun tell one from a
-        # tensor the branch computes; Inductor removes the copies it does not need.
-        leaves = _hop.unalias([x.contiguous() for x in leaves], flat, clone_all=torch.is_grad_enabled())
+        # JAX has none (`a * 3` against `a.T * 1`). Every output is a copy: torch.cond refuses
+        # an output that is a tensor the branch closes over (`cond(p, lambda: W1, lambda:
+        # W2)`; Dynamo's check under grad mode, the lowering's under `torch.no_grad()`, hunt 27),
+        # and Dynamo does not let tfun tell one from a tensor the branch computes; Inductor
+        # removes the copies it does not need (`remove_noop_ops`).
+        leaves = _hop.unalias([x.contiguous() for x in leaves], flat, clone_all=True)
         if encode:
             leaves, td = _mark_bits(leaves, td)
         return _hop.pack(key, td, leaves)

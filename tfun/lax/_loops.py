@@ -457,7 +457,11 @@ def _lower_while_loop(
             REVISE_CARRY,
         )
         new = [x.contiguous() for x in new]
-        return tuple(_hop.unalias(new, flat))
+        # under tfun.jit every new carry is a copy: torch's while_loop refuses one that is a
+        # tensor the body closes over (`lambda c: (c[0] + 1, V)`) in every grad mode (hunt 27),
+        # and Dynamo does not let tfun tell one from a computed tensor; Inductor removes the
+        # copies it does not need (`remove_noop_ops`)
+        return tuple(_hop.unalias(new, flat, clone_all=not _hop.is_exporting()))
 
     out = _hop.torch_while_loop()(c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
     return tree_unflatten(td, list(out))

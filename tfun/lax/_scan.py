@@ -526,7 +526,10 @@ def _lower_scan(
             new_leaves = [_to_floating(t) for t in new_leaves]
             y_leaves = [_to_floating(t) if isinstance(t, torch.Tensor) else t for t in y_leaves]
         ins = raw_ins + list(carry_flat) + list(x_flat)
-        outs = _hop.unalias(new_leaves + y_leaves, ins, clone_all=clone_all)
+        # every output a copy under tfun.jit, in every grad mode: torch's scan refuses a body
+        # output that is a tensor the body closes over (`lambda c, x: (c + x, V)`) under
+        # `torch.no_grad()` too (hunt 27); Inductor removes the copies it does not need
+        outs = _hop.unalias(new_leaves + y_leaves, ins, clone_all=for_inductor)
         if n_c == 0:
             outs = [raw_ins[0].clone()] + outs  # the placeholder carry
         k = max(n_c, 1)
