@@ -121,3 +121,20 @@ def test_export_with_a_dynamic_length(layer):
     for t in (2, 19, 40):
         x = torch.randn(2, t, 3)
         torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_jitted_scan_at_a_second_length_under_inductor():
+    """Hunt 27: `tfun.jit` (Inductor) of S5 / LRU at 257 then 1000 steps raised torch's bare
+    "Guard failed on the same frame it was created" (the second length made dynamic, and the
+    chunked algorithm's nested padded reshapes, one per factor of 8, got a wrong guard). Traced,
+    the length is now static (each length its own graph); values at both lengths against the
+    complex128 recurrence."""
+    f = tfun.jit(ds.diagonal_scan)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for length in (257, 1000):
+            args = [a.detach().float() for a in inputs(2, length, 3, seed=length)]
+            got = f(*args)
+            want = reference(*[a.double() for a in args])
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4)

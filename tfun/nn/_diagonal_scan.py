@@ -63,7 +63,14 @@ def diagonal_scan(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tenso
     if _context.is_tracing():
         if _compat.is_exporting() and not isinstance(ur.shape[1], int):
             return _loop(zr, zi, ur, ui)
-        return _chunked(zr, zi, ur, ui)
+        # `_chunked` nests one padded reshape per factor of `_CHUNK`, a depth that depends on
+        # the length: with a symbolic length (tfun.jit's second length, which Dynamo makes
+        # dynamic and shows traced code as an int) torch's guards on those nested floor
+        # divisions were wrong ("Guard failed on the same frame it was created", S5 at 257
+        # then 1000 steps, hunt 27). `len(range(n))` makes the length static: each length is
+        # a graph of its own, as under jax.jit
+        length = len(range(ur.shape[1]))
+        return _chunked(zr, zi, ur[:, :length], ui[:, :length])
     return _log_depth(zr, zi, ur, ui)
 
 
