@@ -165,16 +165,21 @@ def test_unroll_under_export_gives_eagers_values_and_gradients(strict, reverse):
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("unroll", [3, True])
+# (unroll=True has no blocks, its steps unrolled in the graph: its aot_eager cell covers it)
+@pytest.mark.parametrize(
+    ("unroll", "backend"), [(3, "aot_eager"), (True, "aot_eager"), pytest.param(3, "inductor", marks=pytest.mark.heavy)]
+)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_one_jitted_function_at_several_lengths(reverse: bool, unroll: Any) -> None:
+def test_one_jitted_function_at_several_lengths(reverse: bool, unroll: Any, backend: str) -> None:
     """Hunt 26, F1: a jitted, differentiated `scan(..., unroll=k)` traced again at a second
     length (Dynamo's automatic dynamic shapes) made the block size `min(k, T)` symbolic, which
     torch's scan could not save for its backward: a JitError about a size the body "closes
-    over". The block size is a Python int now; each length gives eager's float64 values and
-    every input's gradient."""
-    run = tfun.jit(lambda init, xs: _loss(init, xs, reverse, unroll), backend="aot_eager")
-    for T in (5, 8, 7, 2):  # 8: a symbolic length; 7 and 2: other left-over counts
+    over". Hunt 27: under Inductor the symbolic length itself failed ("KeyError: s86" lowering
+    the blocks' view). The length of an unrolled scan is static now (a graph per length, as
+    under jax.jit); each length gives eager's float64 values and every input's gradient."""
+    torch._dynamo.reset()
+    run = tfun.jit(lambda init, xs: _loss(init, xs, reverse, unroll), backend=backend)
+    for T in (5, 8, 7, 2) if backend == "aot_eager" else (5, 8):  # 8: a second length; 7 and 2: other left-over counts
         init, xs = _data(T, torch.float64, seed=T)
         leaves = [init["h"], xs["a"], xs["b"]]
         for t in leaves:

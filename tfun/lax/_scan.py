@@ -318,7 +318,11 @@ def scan(
             init = tree_unflatten(carry_def, _hop.batch_carry_like_body(tree_flatten(init)[0], body_carry, (x0,)))
         k = unroll_steps(unroll, n)
         if k > 1:
-            return _lower_unrolled(f, init, xs, n, bool(reverse), k)
+            # a static length (`len(range(n))`: Dynamo specializes `range`, so each length is a
+            # graph of its own, as under jax.jit): with a symbolic one, Inductor failed to lower
+            # the blocks' `(n // k, k, ...)` view ("KeyError: s86", a jitted fn's second length,
+            # hunt 27)
+            return _lower_unrolled(f, init, xs, len(range(n)), bool(reverse), k)
         return _hop.lower_seeing_grad(lambda c: _lower_scan(f, c, xs, n, bool(reverse)), init, lambda out: out[0])
     return _scan_eager(op, f, init, carry_leaves, carry_def, xs, x_leaves, x_def, n, bool(reverse), weak)
 
