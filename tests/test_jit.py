@@ -726,3 +726,27 @@ def test_refusals_of_torch_name_the_cause_and_the_fix():
     for i in (0, 1):
         got = tfun.jit(tfun.vmap(fixed, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(i))
         torch.testing.assert_close(got, tfun.vmap(one_branch_reads_x, in_axes=(0, None))(x, torch.tensor(i)))
+
+
+def test_dual_tensors_of_forward_ad_through_a_jitted_loop():
+    """Hunt 27: under `torch.autograd.forward_ad.dual_level()`, a jitted function holding a
+    loop returned its output without a tangent (`unpack_dual(y).tangent` None, no error;
+    torch's loop ops dropped it). Under an open dual level the function runs uncompiled: the
+    tangent is torch.func.jvp's, in float64; outside the level it compiles as before."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(3)
+    x, v = torch.randn(6, 4, dtype=torch.float64, generator=g), torch.randn(6, 4, dtype=torch.float64, generator=g)
+
+    def f(x):
+        ys = lax.scan(lambda c, xt: (torch.tanh(c + xt), c), x[0], x)[1]
+        return lax.linear_scan(torch.sigmoid(x), ys)
+
+    want_y, want_t = torch.func.jvp(f, (x,), (v,))
+    jf = tfun.jit(f, backend="aot_eager")
+    with fwAD.dual_level():
+        y, t = fwAD.unpack_dual(jf(fwAD.make_dual(x, v)))
+    assert t is not None
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(t, want_t)
+    torch.testing.assert_close(jf(x), want_y)  # compiled outside the level

@@ -450,11 +450,14 @@ class Jitted:
             if self._static_nums or self._static_names:
                 self._check_static_traced(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
-        if _context.in_functorch_transform() or _context.in_op_recording_mode():
+        if _context.in_functorch_transform() or _context.in_op_recording_mode() or _compat.forward_ad_level_active():
             # torch.func.grad(tfun.jit(f)): Dynamo cannot be entered from inside a torch.func
             # transform (pytorch#128711), so f runs eagerly there; values and gradients are
             # those of f. Put the transform inside instead: tfun.jit(tfun.grad(f)). Likewise
-            # inside an eager tfun.checkpoint, whose op-numbering mode must see f's ops.
+            # inside an eager tfun.checkpoint, whose op-numbering mode must see f's ops, and
+            # under an open `torch.autograd.forward_ad` dual level: compiled, torch's loop ops
+            # dropped the tangents of dual tensors without an error (`unpack_dual(y).tangent`
+            # None, hunt 27), where f itself carries them.
             if self._static_nums or self._static_names:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
