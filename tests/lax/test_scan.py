@@ -421,23 +421,28 @@ def test_an_integer_carry_under_export_is_differentiated_through_the_exported_mo
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
 @pytest.mark.parametrize("op", ["scan", "scan(length)", "map", "map(batch_size)"])
-def test_zero_length_outputs_join_the_graph(op):
-    """Hunt 25 (F10): with T=0 the stacked outputs of scan and map were fresh empty tensors
-    with no `grad_fn`, so `ys.sum().backward()` (or `torch.autograd.grad`) failed with torch's
-    "does not require grad", where torch's own ops on empty tensors (and tfun.grad) run and
-    give zero gradients."""
+def test_zero_length_outputs_join_the_graph(op, backend):
+    """Hunt 25 (F10), hunt 27 under tfun.jit: with T=0 the stacked outputs of scan and map were
+    fresh empty tensors with no `grad_fn`, so `ys.sum().backward()` (or `torch.autograd.grad`)
+    failed with torch's "does not require grad", where torch's own ops on empty tensors (and
+    tfun.grad) run and give zero gradients. `backend`: eagerly (None) or under tfun.jit."""
     h0 = torch.randn(3, dtype=torch.float64, requires_grad=True)
     xs = torch.randn(0, 3, dtype=torch.float64, requires_grad=True)
-    if op == "scan":
-        _, ys = lax.scan(lambda c, x: (c + x, (c * x, (c * x).to(torch.int64))), h0, xs)
-        ys = ys[0]
-    elif op == "scan(length)":
-        _, ys = lax.scan(lambda c, x: (c * 2, c.sin()), h0, None, length=0)
-    elif op == "map":
-        ys = lax.map(lambda x: x * h0, xs)
-    else:
-        ys = lax.map(lambda x: x.cos(), xs, batch_size=2)
+
+    def run(h0, xs):
+        if op == "scan":
+            _, ys = lax.scan(lambda c, x: (c + x, (c * x, (c * x).to(torch.int64))), h0, xs)
+            return ys[0]
+        if op == "scan(length)":
+            return lax.scan(lambda c, x: (c * 2, c.sin()), h0, None, length=0)[1]
+        if op == "map":
+            return lax.map(lambda x: x * h0, xs)
+        return lax.map(lambda x: x.cos(), xs, batch_size=2)
+
+    torch._dynamo.reset()
+    ys = run(h0, xs) if backend is None else tfun.jit(run, backend=backend)(h0, xs)
     assert ys.shape == (0, 3) and ys.requires_grad
     inputs = (h0,) if op == "scan(length)" else (xs,) if op == "map(batch_size)" else (h0, xs)
     grads = torch.autograd.grad(ys.sum(), inputs, allow_unused=op == "map")

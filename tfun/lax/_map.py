@@ -163,8 +163,10 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         # torch's map rejects zero rows: the output structure comes from one call on a zero row
         y = f(tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves]))
         y_leaves, y_td = tree_flatten(y)
-        ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_hop.as_tensor(v) for v in y_leaves)]
-        return tree_unflatten(y_td, ys)
+        y_leaves = [_hop.as_tensor(v) for v in y_leaves]
+        # joined to the graph of `xs` and of what `f` closes over (through this call), as
+        # eagerly: `.backward()` of the empty output failed under tfun.jit (hunt 27)
+        return tree_unflatten(y_td, empty_outputs(y_leaves, [*x_leaves, *y_leaves]))
 
     def body(x_flat: list[Any]) -> Any:
         state = _hop.torch_state()

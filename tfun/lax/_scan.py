@@ -776,8 +776,11 @@ def _scan_empty(f: Any, init: Any, xs: Any, x_leaves: list[Any], x_td: Any) -> t
     x0 = tree_unflatten(x_td, [x.new_zeros(x.shape[1:]) for x in x_leaves])
     _, y = f(init, x0)
     y_leaves, y_td = tree_flatten(y)
-    ys = [torch.empty((0, *t.shape), dtype=t.dtype, device=t.device) for t in (_hop.as_tensor(y) for y in y_leaves)]
-    return init, tree_unflatten(y_td, ys)
+    y_leaves = [_hop.as_tensor(t) for t in y_leaves]
+    # joined to the graph of the inputs and of what the body closes over (through its one
+    # traced call), as eagerly: `.backward()` of a T=0 output ran into torch's "does not
+    # require grad" under tfun.jit (hunt 27)
+    return init, tree_unflatten(y_td, empty_outputs(y_leaves, [*tree_flatten(init)[0], *x_leaves, *y_leaves]))
 
 
 __all__ = ["scan"]
