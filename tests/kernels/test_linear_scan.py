@@ -639,3 +639,22 @@ def test_torch_func_derivatives_under_jit(transform: str) -> None:
     torch._dynamo.reset()
     got = tfun.jit(program("triton"), backend="aot_eager")(b)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("transform", ["jacrev(jacfwd)", "grad(jvp)"])
+def test_reverse_over_forward_mode(transform: str) -> None:
+    """Hunt 27: eagerly, a reverse mode differentiating the kernel's forward-mode tangent
+    (`jacrev(jacfwd(f))`, `grad` of a `jvp`) raised torch.func's "must override the
+    setup_context staticmethod" (the Function's `jvp` called the op, whose own autograd
+    torch.func refuses). Against the pure-torch algorithm in float64."""
+    _quiet_jvp_decompositions()
+    a, b, h0 = (t.double() for t in _inputs(8))
+    v = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+
+    def run(impl: str):
+        f = lambda y: (linear_scan(torch.sigmoid(y), torch.cos(y), y[0] * 0.5, impl=impl) ** 2).sum()
+        if transform == "jacrev(jacfwd)":
+            return torch.func.jacrev(torch.func.jacfwd(f))(b)
+        return torch.func.grad(lambda y: torch.func.jvp(f, (y,), (v,))[1])(b)
+
+    torch.testing.assert_close(run("triton"), run("torch"))

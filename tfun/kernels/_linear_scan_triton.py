@@ -737,7 +737,11 @@ class _LinearScanFunction(torch.autograd.Function):
         if ta is not None:
             u = u + ta * _previous_states(h, h0, ctx.axis, ctx.reverse)
         th0 = torch.zeros_like(h0) if th0 is None else th0
-        return torch.ops.tfun.linear_scan(a, u.to(h.dtype), th0.to(h.dtype), ctx.axis, ctx.reverse)
+        # through `_scan` (this Function again, or the reference), not the raw op: a reverse
+        # mode around the forward one (`jacrev(jacfwd(f))`, `grad` of a `jvp`) differentiates
+        # the tangent, and torch.func refused the op's own autograd there ("must override the
+        # setup_context staticmethod", hunt 27)
+        return _scan(a, u.to(h.dtype), th0.to(h.dtype), ctx.axis, ctx.reverse)
 
 
 # ----------------------------------------------------------------------------------------------
