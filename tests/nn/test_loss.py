@@ -79,3 +79,35 @@ def test_errors():
         tfun.nn.chunked_cross_entropy(h.double(), w, t)
     with pytest.raises(ArgumentValueError, match=r"bias: expected shape \(5,\), got \(4,\)"):
         tfun.nn.chunked_cross_entropy(h, w, t, torch.randn(4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("transform", ["tfun.grad", "per-example", "tfun.jvp", "hessian"])
+def test_under_torch_func_transforms(transform, reduction):
+    """Hunt 27: under `tfun.grad`, `tfun.vmap(tfun.grad(...))`, `tfun.jvp` and `torch.func`
+    (eagerly) the loss raised torch.func's "must override the setup_context staticmethod" (its
+    Functions are old-style). There it is computed from plain differentiable ops per chunk;
+    against `F.cross_entropy` of the full logits, float64."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(7, 4, dtype=torch.float64, generator=g)
+    W = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    b = torch.randn(6, dtype=torch.float64, generator=g)
+    t = torch.tensor([0, 5, -100, 2, 3, 1, 4])
+    ours = lambda h, W: tfun.nn.chunked_cross_entropy(h, W, t, bias=b, chunk_size=3, reduction=reduction).sum()
+    full = lambda h, W: F.cross_entropy(h @ W.T + b, t, reduction=reduction).sum()
+    if transform == "tfun.grad":
+        run = lambda f: tfun.grad(f, argnums=(0, 1))(h, W)
+    elif transform == "per-example":  # each row's loss, differentiated w.r.t. W
+        keep = t != -100  # (a mean over no rows is nan in both)
+        one = {
+            ours: lambda W, hr, tr: tfun.nn.chunked_cross_entropy(hr[None], W, tr[None], bias=b, chunk_size=3, reduction=reduction).sum(),
+            full: lambda W, hr, tr: F.cross_entropy(hr[None] @ W.T + b, tr[None], reduction=reduction).sum(),
+        }
+        run = lambda f: tfun.vmap(tfun.grad(one[f]), in_axes=(None, 0, 0))(W, h[keep], t[keep])
+    elif transform == "tfun.jvp":
+        run = lambda f: tfun.jvp(f, (h, W), (torch.ones_like(h), torch.cos(W)))
+    else:
+        run = lambda f: torch.func.hessian(f, argnums=1)(h, W)
+    got, want = run(ours), run(full)
+    for a, c in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(want)):
+        torch.testing.assert_close(a, c)

@@ -8,7 +8,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import lax
+from .. import _context, lax
 from .._errors import ArgumentTypeError, ArgumentValueError, TensorMismatchError, format_message
 from ._common import check_tensor
 
@@ -146,6 +146,27 @@ class _ChunkedCENone(torch.autograd.Function):
         return gh, grad_w.to(weight.dtype), gb, None, None, None
 
 
+def _transformable(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int,
+                   ignore_index: int, reduction: str) -> Tensor:
+    """The loss from plain differentiable ops, one chunk's logits at a time in the forward
+    (autograd keeps each chunk's for the backward): what runs under torch.func transforms."""
+    ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    w = weight.to(ct)
+    b = bias.to(ct) if bias is not None else None
+    rows = []
+    for lo, hi in _chunks(hidden.shape[0], chunk_size):
+        h = hidden[lo:hi].to(ct)
+        logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+        rows.append(torch.nn.functional.cross_entropy(logits, target[lo:hi], ignore_index=ignore_index, reduction="none"))
+    losses = torch.cat(rows) if rows else hidden.new_zeros((0,), dtype=ct)
+    if reduction == "none":
+        return losses.to(hidden.dtype)
+    total = losses.sum()
+    if reduction == "mean":
+        total = total / (target != ignore_index).sum().to(ct)
+    return total.to(hidden.dtype)
+
+
 def chunked_cross_entropy(
     hidden: Float[Tensor, "*rows hidden"],
     weight: Float[Tensor, "vocab hidden"],
@@ -181,8 +202,11 @@ def chunked_cross_entropy(
       backward are unknown in the forward, so the gradients are formed in a second chunked
       pass during the backward instead (same memory, a second matmul per chunk).
 
-    **Returns:** the loss: a scalar, or `(*rows,)` with `reduction="none"`. It is
-    differentiable once (no double backward).
+    **Returns:** the loss: a scalar, or `(*rows,)` with `reduction="none"`. With `.backward()`
+    / `torch.autograd` it is differentiable once (no double backward). Under `torch.func`
+    transforms (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, `hessian`, eagerly) it is computed from
+    plain ops one chunk at a time, differentiable to any order; autograd then keeps each
+    chunk's logits for the backward, so the memory saving is that of the forward only.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         check_tensor(_OP, name, t)
@@ -221,6 +245,13 @@ def chunked_cross_entropy(
         )
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1)
+    if _context.in_functorch_transform():
+        # under torch.func (`tfun.grad`, `tfun.vmap`, `tfun.jvp`, jacrev, ... eagerly): plain
+        # differentiable ops per chunk, which every transform and derivative order goes
+        # through; the Functions below (old-style, gradients formed in the forward) were
+        # refused by torch.func ("must override the setup_context staticmethod", hunt 27)
+        out = _transformable(h2, weight, bias, t1, chunk_size, ignore_index, reduction)
+        return out.reshape(target.shape) if reduction == "none" else out
     if reduction == "none":
         return _ChunkedCENone.apply(h2, weight, bias, t1, chunk_size, ignore_index).reshape(target.shape)
     return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, reduction)
