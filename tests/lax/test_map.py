@@ -216,16 +216,18 @@ def test_batch_size_under_export_gives_eagers_values_and_gradients(strict):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
 
 
-def test_batch_size_under_jit_called_with_other_lengths_gives_eagers_values_and_gradients():
-    """A jitted `map(..., batch_size=3)` called with a second length, which tfun.jit compiles
-    with a symbolic length (hunt 24: refused with a JitError, `divmod` of a SymInt), and
-    with lengths that are and are not multiples of the batch size."""
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_batch_size_under_jit_called_with_other_lengths_gives_eagers_values_and_gradients(backend):
+    """A jitted `map(..., batch_size=3)` called with a second length (hunt 24: refused with a
+    JitError, `divmod` of a SymInt; hunts 24 and 26 under Inductor: its `KeyError` on a shape
+    symbol; the length is now static, a graph per length), and with lengths that are and are
+    not multiples of the batch size."""
     import tfun
 
     f = lambda W, xs: lax.map(lambda x: torch.tanh(x @ W), xs, batch_size=3)
-    jf = tfun.jit(f, backend="aot_eager")
+    jf = tfun.jit(f, backend=backend)
     torch._dynamo.reset()
-    for T in (5, 8, 3, 6, 5):
+    for T in (5, 8, 3, 6, 5) if backend == "aot_eager" else (5, 8):
         (W, xs), (W32, xs32) = _float64_and_float32((4, 4), (T, 4), seed=T)
         want, got = f(W, xs), jf(W32, xs32)
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)

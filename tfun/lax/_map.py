@@ -59,7 +59,11 @@ def map(f: Callable[[X], Y], xs: X, *, batch_size: int | None = None) -> Y:  # n
                 _hop.check_side_effects(op, "function", f)
                 if _hop.unrolled_steps():
                     return _unrolled_map(op, f, xs, n)  # (the same rows, one at a time)
-                return _batched_map(f, leaves, treedef, n, batch_size)
+                # a static length (`len(range(n))`: Dynamo specializes `range`, so each length
+                # is a graph of its own, as under jax.jit): with a symbolic one, Inductor failed
+                # to lower the batches' `(n // batch_size, batch_size, ...)` view (a jitted
+                # map's second length: "KeyError" on a shape symbol; hunts 24 and 26)
+                return _batched_map(f, leaves, treedef, len(range(n)), batch_size)
             # the rules hold for `f` as without batch_size (the scan below checks only its
             # own body, which calls `f` through vmap)
             rules = _rules.first_call(op, f, treedef, tuple((x.dtype, x.shape, x.device) for x in leaves), batch_size)
