@@ -93,6 +93,17 @@ def _chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(i, min(i + chunk_size, n)) for i in range(0, n, chunk_size)]
 
 
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int) -> Any:
+    """`(lo, hi, h, logits)` for each chunk of rows, in the computation dtype (float32 at
+    least): one chunk's logits at a time."""
+    ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    w = weight.to(ct)
+    b = bias.to(ct) if bias is not None else None
+    for lo, hi in _chunks(hidden.shape[0], chunk_size):
+        h = hidden[lo:hi].to(ct)
+        yield lo, hi, h, (torch.addmm(b, h, w.t()) if b is not None else h @ w.t())
+
+
 class _ChunkedCENone(torch.autograd.Function):
     """reduction="none": per-row losses. The backward's per-row weights (the incoming
     gradient) are unknown in the forward, so the backward scans the chunks again: it
@@ -103,13 +114,9 @@ class _ChunkedCENone(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int,
                 ignore_index: int) -> Tensor:
         ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        w = weight.to(ct)
-        b = bias.to(ct) if bias is not None else None
         losses = []
-        for lo, hi in _chunks(hidden.shape[0], chunk_size):
-            h = hidden[lo:hi].to(ct)
+        for lo, hi, _h, logits in _chunk_logits(hidden, weight, bias, chunk_size):
             t = target[lo:hi]
-            logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
             valid = t != ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
             row = torch.logsumexp(logits, dim=1) - logits.gather(1, safe_t).squeeze(1)
@@ -125,14 +132,11 @@ class _ChunkedCENone(torch.autograd.Function):
         hidden, weight, bias, target = ctx.saved_tensors
         ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
         w = weight.to(ct)
-        b = bias.to(ct) if bias is not None else None
         grad_w = torch.zeros_like(w)
         grad_b = torch.zeros(w.shape[0], dtype=ct, device=w.device)
         grad_h = []
-        for lo, hi in _chunks(hidden.shape[0], ctx.chunk_size):
-            h = hidden[lo:hi].to(ct)
+        for lo, hi, h, logits in _chunk_logits(hidden, weight, bias, ctx.chunk_size):
             t = target[lo:hi]
-            logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
             valid = t != ctx.ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
             p = torch.softmax(logits, dim=1)
@@ -151,12 +155,8 @@ def _transformable(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: 
     """The loss from plain differentiable ops, one chunk's logits at a time in the forward
     (autograd keeps each chunk's for the backward): what runs under torch.func transforms."""
     ct = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-    w = weight.to(ct)
-    b = bias.to(ct) if bias is not None else None
     rows = []
-    for lo, hi in _chunks(hidden.shape[0], chunk_size):
-        h = hidden[lo:hi].to(ct)
-        logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    for lo, hi, _h, logits in _chunk_logits(hidden, weight, bias, chunk_size):
         rows.append(torch.nn.functional.cross_entropy(logits, target[lo:hi], ignore_index=ignore_index, reduction="none"))
     losses = torch.cat(rows) if rows else hidden.new_zeros((0,), dtype=ct)
     if reduction == "none":
