@@ -37,10 +37,12 @@ lax = tfun.lax
 # torch 2.13 cannot compile a torch.func transform around a control-flow HOP (see
 # tests/test_jit_matrix.py), nor trace a custom rule inside one: `jit(vmap(f))` of a composed
 # case is refused with a JitError, except `remat_cond`'s and `custom_vjp_cond`'s (a batched
-# predicate: every branch inline, then a select), which compile and are compared.
+# predicate: every branch inline, then a select), and `remat_scan`'s (since tfun's vmap rule for
+# scan keeps the batch dimension first, `_compat.scan_vmap_fixes`), which compile and are compared.
 # (`jit(vmap(value_and_grad))` is refused for every case, plain ones included: see below.)
+_COMPILE_UNDER_VMAP = ("remat_cond", "custom_vjp_cond", "remat_scan")
 REFUSED: dict[tuple[str, str], type[TfunError]] = {
-    **{(name, "aot_eager+vmap"): JitError for name in COMPOSED_CASES if name not in ("remat_cond", "custom_vjp_cond")},
+    **{(name, "aot_eager+vmap"): JitError for name in COMPOSED_CASES if name not in _COMPILE_UNDER_VMAP},
     # forward mode through a custom_vjp function is refused eagerly, as in JAX
     ("custom_vjp_scan", "jvp"): TfunError,
 }
