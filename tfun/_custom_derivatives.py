@@ -960,7 +960,7 @@ class custom_vjp:
         fn: Any = _CustomVjpFunction
         if _context.is_tracing():
             if _context.functorch_active():
-                stack = _traced_transforms()
+                stack = _hop.traced_transforms()
                 if all(k == "Vmap" for k, _ in stack):
                     return _traced_vmap_rule_call(spec, self.fun, stack)
                 # Traced, the function has no `jvp` method to refuse forward mode with (see
@@ -1600,7 +1600,7 @@ class custom_jvp:
         fn: Any = _CustomJvpFunction
         if _context.is_tracing():
             if _context.functorch_active():
-                stack = _traced_transforms()
+                stack = _hop.traced_transforms()
                 if _forward_only(stack) or all(k == "Vmap" for k, _ in stack):
                     _require_functorch(
                         op,
@@ -1635,14 +1635,6 @@ def _jvp_wrapped_checkable(op: str, fun: Callable[..., Any], what: str) -> bool:
         error=TfunError,
     )
     return True
-
-
-@_hop.assume_constant
-def _traced_transforms() -> tuple[tuple[str, int], ...]:
-    """Trace time: the `torch.func` transforms that enclose the call being traced, as
-    `(kind, level)` pairs, outermost first (Dynamo pushes real interpreters for those it
-    traces)."""
-    return _context.transform_stack()
 
 
 def _forward_only(stack: tuple[tuple[str, int], ...]) -> bool:

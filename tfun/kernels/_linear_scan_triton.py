@@ -750,17 +750,10 @@ class _LinearScanFunction(torch.autograd.Function):
 
 def _traced_differentiating_transform() -> bool:
     """Trace time: whether a `torch.func` transform other than `vmap` (the op has a vmap rule)
-    encloses the call being traced: `jvp`, `jacfwd`, `grad`, `vjp`, `jacrev`, `hessian`. Read
-    through a Dynamo escape hatch (`_escape_transform_kinds`), where Dynamo pushes the real
-    interpreters of the transforms it traces."""
-    return _context.functorch_active() and any(kind != "Vmap" for kind in _escape_transform_kinds())
+    encloses the call being traced: `jvp`, `jacfwd`, `grad`, `vjp`, `jacrev`, `hessian`."""
+    from ..lax import _hop
 
-
-def _escape_transform_kinds() -> tuple[str, ...]:
-    return tuple(kind for kind, _ in _context.transform_stack())
-
-
-_escape_transform_kinds._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return _context.functorch_active() and any(kind != "Vmap" for kind, _ in _hop.traced_transforms())
 
 
 def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:

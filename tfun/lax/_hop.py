@@ -92,6 +92,7 @@ __all__ = [
     "remat_body",
     "in_body",
     "body_scope",
+    "traced_transforms",
     "register_remat",
     "escape_policy_key",
     "keyed_policy",
@@ -550,6 +551,15 @@ class body_scope:
 #: For each HOP body enclosing the code being traced, innermost last, the deepest `torch.func`
 #: level live where its trace began (0: none); and the trace the stack belongs to.
 _BODY_LEVELS: list[Any] = [[], None]
+
+
+@assume_constant
+def traced_transforms() -> tuple[tuple[str, int], ...]:
+    """Trace time: the `torch.func` transforms that enclose the call being traced, as
+    `(kind, level)` pairs, outermost first (`_context.transform_stack` through a Dynamo escape
+    hatch: plain Python at trace time, where Dynamo pushes the real interpreters of the
+    transforms it traces)."""
+    return _context.transform_stack()
 
 
 @assume_constant
