@@ -421,7 +421,7 @@ def test_an_integer_carry_under_export_is_differentiated_through_the_exported_mo
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("backend", [None, "aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("op", ["scan", "scan(length)", "map", "map(batch_size)"])
 def test_zero_length_outputs_join_the_graph(op, backend):
     """Hunt 25 (F10), hunt 27 under tfun.jit: with T=0 the stacked outputs of scan and map were
