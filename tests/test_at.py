@@ -150,3 +150,42 @@ def test_traced_scalar_tensor_indices_under_jit(index):
     (g,) = torch.autograd.grad(out.sum(), xj)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g, g_ref)
+
+
+class _LoopIndexed(torch.nn.Module):
+    """A fori_loop reading `xs[i]` and writing `out[i]` through tfun.at, as JAX code does."""
+
+    def forward(self, xs):
+        def body(i, c):
+            h, out = c
+            h = torch.tanh(h * 0.5 + tfun.at(xs)[i].get())
+            return h, tfun.at(out)[i].set(h.sum())
+
+        return tfun.lax.fori_loop(0, xs.shape[0], body, (torch.zeros_like(xs[0]), xs.new_zeros(xs.shape[0])))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_loop_index_reads_and_writes_under_export(strict, dynamic):
+    """`torch.export` of a fori_loop indexing with its loop counter through tfun.at, run at the
+    traced length and (with a `Dim`) at others: values and gradients equal eager float64.
+    Non-strict export read `xs[0]` at every step (values off by 3, no error): the clip bound
+    `max(n - 1, 0)`, Python's `max` of a symbolic size inside the loop body, came out 0 in the
+    exported graph (torch 2.13 and 2.14.1; `n - 1 if n > 0 else 0` is right)."""
+    from torch.export import Dim, export
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, generator=g)
+    shapes = ({0: Dim("T", min=2, max=64)},) if dynamic else None
+    module = export(_LoopIndexed(), (x,), dynamic_shapes=shapes, strict=strict).module()
+    for length in (7, 2, 11) if dynamic else (7,):
+        xs = torch.randn(length, 3, generator=g)
+        x64 = xs.double().requires_grad_()
+        want = _LoopIndexed()(x64)
+        xe = xs.clone().requires_grad_()
+        got = module(xe)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-6)
+        (sum((t.double() ** 2).sum() for t in got)).backward()
+        (sum((t**2).sum() for t in want)).backward()
+        torch.testing.assert_close(xe.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)

@@ -78,7 +78,9 @@ def _positions(shape: torch.Size, idx: Any, mode: str | None, *, gather: bool, d
         t = torch.as_tensor(c, device=device).to(torch.int64)
         t = torch.where(t < 0, t + n, t)
         if clip:
-            t = t.clamp(0, max(n - 1, 0))
+            # not `max(n - 1, 0)`: Python's `max` of a symbolic size inside a loop body came
+            # out 0 in a non-strict `torch.export` graph (torch 2.13, 2.14.1), silently
+            t = t.clamp(0, n - 1 if n > 0 else 0)
         else:
             t = torch.where((t >= 0) & (t < n), t, torch.full_like(t, n))  # n: the padding slot
             padded_dims.append(dim)
