@@ -19,6 +19,7 @@ from . import _compat
 
 __all__ = [
     "is_tracing",
+    "is_dynamo_tracing",
     "functorch_active",
     "forward_mode_active",
     "reverse_mode_active",
@@ -39,6 +40,7 @@ def _detect_is_compiling() -> Callable[[], bool]:
 
 
 _is_compiling: Callable[[], bool] = _detect_is_compiling()
+_is_dynamo_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None) or _is_compiling
 
 
 def is_tracing() -> bool:
@@ -49,6 +51,17 @@ def is_tracing() -> bool:
     the flag while it traces. About 0.1 us per call eagerly.
     """
     return _is_compiling()
+
+
+def is_dynamo_tracing() -> bool:
+    """True where Dynamo traces the code: under `torch.compile` (so `tfun.jit`) and strict
+    `torch.export`; False eagerly and at the top level of a non-strict export (which runs the
+    Python itself, with Dynamo only inside higher-order ops' bodies).
+
+    `torch.compiler.is_dynamo_compiling()` (Dynamo constant-folds it to True) where the release
+    has it, else `is_tracing()`.
+    """
+    return _is_dynamo_compiling()
 
 
 def functorch_active() -> bool:

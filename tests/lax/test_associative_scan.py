@@ -420,16 +420,18 @@ def test_complex_scan_gradients_under_jit_equal_eager(backend, length):
 
 
 @pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
 @pytest.mark.parametrize(("reverse", "axis"), [(False, 0), (True, 1)])
-def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_gradients(reverse, axis):
+def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_gradients(reverse, axis, strict):
     """Non-strict `torch.export` (the default) with a `Dim` along the scan axis (hunt 24,
     finding 4: a raw "unhashable type: SymInt" from the length check, then a graph that
     depends on the length; a `Dim` with min=2 was still refused with torch's "Constraints
     violated", hunt 26, F5): exported, the scan is sequential for every length (a `scan` in
     the graph), and the module gives the float64 eager values and gradients at lengths other
-    than the traced one, the shortest included. (Strict export is not covered: its Dynamo
-    answers `isinstance(size, int)` with True for a symbolic size, so tfun cannot tell the
-    length is a symbol, and export reports torch's "Constraints violated".)"""
+    than the traced one, the shortest included. Strict export too: its Dynamo answers
+    `isinstance(size, int)` with True for a symbolic size, so tfun could not tell the length
+    was a symbol and export failed with torch's AssertionError "Cannot create Dim with
+    inconsistent min=2, max=2"; under strict export every length is now scanned."""
     from torch.export import Dim
 
     affine = lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1])
@@ -443,7 +445,7 @@ def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_g
     T = Dim("T", min=2, max=64)
     ep = torch.export.export(
         M(), (torch.rand(shape(8)), torch.randn(shape(8))),
-        dynamic_shapes=({axis: T}, {axis: T}), strict=False,
+        dynamic_shapes=({axis: T}, {axis: T}), strict=strict,
     )
     assert "associative_scan" not in str(ep.graph) and "scan" in str(ep.graph)
     for T in (2, 3, 8, 21):

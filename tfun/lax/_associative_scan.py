@@ -307,13 +307,14 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
-    if _compat.is_exporting() and not isinstance(leaves[0].shape[axis], int):
+    if _compat.is_exporting() and (_context.is_dynamo_tracing() or not isinstance(leaves[0].shape[axis], int)):
         # a length that is a symbol (`torch.export` with a `Dim`): the log-depth algorithm's
         # graph depends on the length, so export would have to specialize it and refuse the
-        # Dim. (Strict export's Dynamo answers `isinstance(size, int)` with True for a symbolic
-        # size too, so there the Dim is still refused; a static length keeps the log-depth
-        # algorithm, which, unlike a `scan`, may read closed-over tensors under non-strict
-        # export.)
+        # Dim. Strict export's Dynamo answers `isinstance(size, int)` with True for a symbolic
+        # size too (torch's AssertionError "Cannot create Dim with inconsistent min=2, max=2"
+        # from its suggested fixes, hunt 26), so under strict export every length is scanned.
+        # A static length under non-strict export keeps the log-depth algorithm, which, unlike
+        # a `scan`, may read closed-over tensors there.
         return tree_unflatten(td, _sequential_scan(checked_combine, list(leaves), axis, reverse))
     if not hop:
         # Also inside a traced derivative that is differentiated again: plain ops have second
