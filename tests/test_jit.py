@@ -750,3 +750,26 @@ def test_dual_tensors_of_forward_ad_through_a_jitted_loop():
     torch.testing.assert_close(y, want_y)
     torch.testing.assert_close(t, want_t)
     torch.testing.assert_close(jf(x), want_y)  # compiled outside the level
+
+
+def test_retained_backward_after_a_compiled_backward_with_donated_buffers_off(monkeypatch):
+    """docs/faq.md: a compiled backward frees its saved tensors (torch's donated buffers), so
+    a later `.backward(retain_graph=True)` through the jitted function needs
+    `torch._functorch.config.donated_buffer = False` set before the first call; with it, two
+    backwards through one forward accumulate twice eager float64's gradient."""
+    import torch._functorch.config as functorch_config
+
+    monkeypatch.setattr(functorch_config, "donated_buffer", False)
+    f = lambda x: (lax.scan(lambda h, xt: (torch.tanh(h * 0.5 + xt), h.sum()), torch.zeros(3, dtype=x.dtype), x)[1] ** 2).sum()  # noqa: E731
+    torch._dynamo.reset()
+    jf = tfun.jit(f, backend="aot_eager")
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    jf(x).backward()  # a training step compiles the backward
+    x.grad = None
+    v = jf(x)
+    v.backward(retain_graph=True)
+    v.backward()
+    x64 = x.detach().double().requires_grad_()
+    (g,) = torch.autograd.grad(f(x64), x64)
+    torch.testing.assert_close(x.grad.double(), 2 * g, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
