@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -234,6 +234,7 @@ is_functionaltensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_
 is_functorch_wrapped_tensor: Callable[[torch.Tensor], bool] | None = getattr(_FUNCTORCH_C, "is_functorch_wrapped_tensor", None)
 get_unwrapped: Callable[[torch.Tensor], torch.Tensor] | None = getattr(_FUNCTORCH_C, "get_unwrapped", None)
 maybe_get_level: Callable[[torch.Tensor], int] | None = getattr(_FUNCTORCH_C, "maybe_get_level", None)
+maybe_get_bdim: Callable[[torch.Tensor], int] | None = getattr(_FUNCTORCH_C, "maybe_get_bdim", None)
 peek_interpreter_stack: Callable[[], Any] | None = getattr(_FUNCTORCH_C, "peek_interpreter_stack", None)
 
 _FUNCTORCH_WHERE = {
@@ -251,6 +252,7 @@ _FUNCTORCH_WHERE = {
     "is_functorch_wrapped_tensor": "torch._C._functorch.is_functorch_wrapped_tensor",
     "get_unwrapped": "torch._C._functorch.get_unwrapped",
     "maybe_get_level": "torch._C._functorch.maybe_get_level",
+    "maybe_get_bdim": "torch._C._functorch.maybe_get_bdim",
     "peek_interpreter_stack": "torch._C._functorch.peek_interpreter_stack",
 }
 
@@ -554,6 +556,100 @@ def scan_vmap_fixes() -> None:
 
 
 scan_vmap_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def scan_vmap_batch_first() -> bool:
+    """Whether scan's vmap rule is tfun's batch-first one (`scan_vmap_fixes` installs it where
+    torch's rule has the parameters it expects). With torch's own rule, a `cond` in a
+    differentiated loop body under `tfun.jit(tfun.vmap(f))` got wrong gradients from Inductor
+    (hunt 22), and tfun refuses it there (`tfun.lax._hop.refuse_cond_in_vmapped_grad_body`)."""
+    scan_vmap_fixes()
+    op = getattr(_scan_module(), "scan_op", None)
+    table = getattr(op, "functorch_table", None)
+    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
+    rule = table.get(vmap_key) if isinstance(table, dict) else None
+    return bool(getattr(rule, "_tfun_batch_first", False))
+
+
+scan_vmap_batch_first._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_COND_VMAP_PATCHED = False
+
+
+def cond_vmap_fixes() -> None:
+    """Replace torch's vmap rule for `torch.cond` with an unbatched predicate. Idempotent.
+
+    torch's rule (torch 2.11 - 2.14 at least) vmaps each branch over the operands' batch
+    dimensions with `torch.vmap(branch, in_dims)`, and `torch.cond` then checks that the two
+    branches' outputs agree stride for stride. Two valid programs fail there under
+    `tfun.jit(tfun.vmap(f))`, as torch's "sorted order of strides of the two branches' output
+    doesn't match" or "Expected at least one Tensor to vmap over" (hunt 26, F6):
+
+    - a branch whose output does not depend on a batched operand (`lambda h: h * 1` where `h`
+      is a scan carry still unbatched at the first step, and the other branch adds a batched
+      `x`): `torch.vmap` returns it broadcast (stride 0) beside the other's dense output;
+    - a cond whose operands are all unbatched, nested in a branch of a cond that is batched:
+      the rule runs under the vmap regardless and `torch.vmap` refuses in_dims all None.
+
+    The rule here is torch's for an unbatched predicate with two changes: with no batched
+    operand it runs the cond unbatched (its outputs stay unbatched, as under JAX's batching
+    rule), and every branch output is made contiguous after the vmap, so a broadcast output is
+    materialized as the batched value JAX's rule would produce. Values are unchanged. A batched
+    predicate still goes to torch's rule (tfun never passes one: it selects, `tfun.lax.cond`).
+    Installed where cond's vmap rule is in its `functorch_table` with torch 2.11 - 2.14's
+    parameters and `torch._functorch.vmap` has `_add_batch_dim` (feature-detected, not by
+    version); elsewhere torch's rule stays."""
+    global _COND_VMAP_PATCHED
+    if _COND_VMAP_PATCHED:
+        return
+    _COND_VMAP_PATCHED = True
+    try:
+        cond_module = importlib.import_module("torch._higher_order_ops.cond")
+    except ImportError:  # pragma: no cover
+        return
+    op = getattr(cond_module, "cond_op", None)
+    table = getattr(op, "functorch_table", None)
+    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
+    if not isinstance(table, dict) or vmap_key not in table or None in (is_batchedtensor, get_unwrapped, maybe_get_bdim, add_batch_dim):
+        return
+    rule = table[vmap_key]
+    if getattr(rule, "_tfun_dense_branches", False):
+        return
+    if list(inspect.signature(rule).parameters)[:5] != ["interpreter", "pred", "true_fn", "false_fn", "inputs"]:
+        return  # pragma: no cover - a torch whose rule takes other arguments: leave it as it is
+
+    def dense(branch: Any) -> Callable[..., Any]:
+        def dense_branch(*args: Any) -> Any:
+            out = branch(*args)
+            return tuple(o.contiguous() for o in out) if isinstance(out, (tuple, list)) else out.contiguous()
+
+        return dense_branch
+
+    @functools.wraps(rule)
+    def cond_batch_rule(interpreter: Any, pred: Any, true_fn: Any, false_fn: Any, inputs: Any) -> Any:
+        if isinstance(pred, torch.Tensor) and is_batchedtensor(pred):
+            return rule(interpreter, pred, true_fn, false_fn, inputs)
+        tensors = tuple(get_unwrapped(t) if is_batchedtensor(t) else t for t in inputs)
+        in_dims = tuple(maybe_get_bdim(t) if is_batchedtensor(t) else None for t in inputs)
+        if all(d is None for d in in_dims):
+            with interpreter.lower():
+                return op(pred, true_fn, false_fn, tensors)
+        with interpreter.lower():
+            result = op(
+                pred,
+                dense(torch.vmap(true_fn, in_dims=in_dims)),
+                dense(torch.vmap(false_fn, in_dims=in_dims)),
+                tensors,
+            )
+        result = result if isinstance(result, tuple) else (result,)
+        return tuple(add_batch_dim(r, 0, interpreter.level()) for r in result)
+
+    cond_batch_rule._tfun_dense_branches = True  # type: ignore[attr-defined]
+    table[vmap_key] = cond_batch_rule
+
+
+cond_vmap_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _SCAN_BACKWARD_DENSE = False

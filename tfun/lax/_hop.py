@@ -131,6 +131,7 @@ def is_tracing() -> bool:
 
 def torch_cond() -> Callable[..., Any]:
     _compat.cond_autograd_fixes()  # torch 2.13's backward fails on strided gradients (see there)
+    _compat.cond_vmap_fixes()  # under vmap: broadcast branch outputs, conds with nothing batched
     _compat.subgraph_input_asserts_off()  # per-call layout checks Inductor made when compiling
     return torch.cond
 
@@ -654,8 +655,14 @@ def refuse_cond_in_vmapped_grad_body(op: str, fn: Callable[..., Any]) -> None:
     Inside the body, whether anything it reads requires grad is not known at trace time, so
     grad mode decides, as for the scan lowering's own autograd precautions (`_scan`). A
     JitError with the alternatives instead of wrong numbers; under `torch.no_grad()` it
-    compiles (and is right: `tests/test_scan_in_place.py`)."""
-    if not (vmap_traced() and in_grad_body()):
+    compiles (and is right: `tests/test_scan_in_place.py`).
+
+    Where tfun's batch-first vmap rule for scan is installed (`_compat.scan_vmap_batch_first`:
+    torch 2.11 - 2.14) there is nothing to refuse: with it, values and every gradient equal eager
+    float64 under aot_eager and Inductor (`tests/lax/test_batching.py`, cond and switch in scan,
+    fori_loop and map bodies, nested, reverse, multi-output), so the refusal stays for a torch
+    whose scan rule tfun leaves as it is."""
+    if not (vmap_traced() and in_grad_body()) or _compat.scan_vmap_batch_first():
         return
     raise _errors.JitError(
         _errors.format_message(
