@@ -773,3 +773,23 @@ def test_retained_backward_after_a_compiled_backward_with_donated_buffers_off(mo
     (g,) = torch.autograd.grad(f(x64), x64)
     torch.testing.assert_close(x.grad.double(), 2 * g, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators")
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_a_differentiated_while_loop_with_a_complex_carry_is_a_jit_error_that_says_so(backend):
+    """Hunt 28 (F5): torch's while_loop autograd under tfun.jit fails on a complex carry
+    ("outs_to_grad length (1) != tangents length (0)"); the JitError said the backend had
+    failed and advised backend="aot_eager", the backend in use. It now names the complex carry
+    and what works; forward only, the jitted loop equals eager."""
+    x = torch.randn(6, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    a = torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)) * 0.5
+    f = lambda x, a: lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * a + 1), (0, x[0].clone()))  # noqa: E731
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match="while_loop .*has a complex carry") as info:
+        tfun.jit(f, backend=backend)(x.clone().requires_grad_(), a.clone().requires_grad_())
+    assert 'backend="aot_eager"' not in str(info.value)
+    assert "test_jit.py" in str(info.value) or "<lambda>" in str(info.value)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(tfun.jit(f, backend=backend)(x, a), f(x, a))

@@ -505,7 +505,7 @@ class Jitted:
                         revise="Call the function (or the part of it that fails) outside tfun.jit.",
                     )
                 ) from e
-            err = translate_error(e, self._fn_text, self._cache_size)
+            err = translate_error(e, self._fn_text, self._cache_size, backend=self._options.get("backend"))
             if err is e:
                 raise e
             if _is_side_effect_error(e):
@@ -954,8 +954,10 @@ def _refuse_double_backward(out: Any, fn_text: str) -> None:
             t.register_hook(hook)
 
 
-def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None) -> BaseException:
-    """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`."""
+def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None, backend: Any = None) -> BaseException:
+    """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`.
+    `backend`: the one tfun.jit compiled with (None: Inductor), so that the advice never names
+    the backend that just failed."""
     try:
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, TorchDynamoException
     except ImportError:  # pragma: no cover
@@ -1091,6 +1093,18 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "as real tensors (`(a + ib)(c + id) = (ac - bd) + i(ad + bc)`; tfun.nn's S5 and LRU do this "
             "under tfun.jit), or compute the gradient outside tfun.jit (eagerly it is right)."
         )
+    elif "outs_to_grad length" in str(e) and "!= tangents length" in str(e):
+        # torch's while_loop autograd counts the outputs to differentiate without complex ones
+        # and the tangents with them (a differentiated while_loop with a complex carry, hunt
+        # 28); tfun encodes integer outputs, so a real while_loop does not get here
+        revise = (
+            "A differentiated tfun.lax.while_loop (or a fori_loop with tensor bounds) has a complex carry, "
+            "whose derivative torch's while_loop autograd cannot compute under tfun.jit (torch "
+            f"{torch.__version__}), with any backend. Carry the real and imaginary parts as real tensors "
+            "(`(a + ib)(c + id) = (ac - bd) + i(ad + bc)`), use a fori_loop with Python-int bounds or a scan "
+            "(JAX's while_loop has no reverse-mode derivative either), or compute the gradient outside "
+            "tfun.jit (eagerly it is right)."
+        )
     elif "Expected at least one Tensor to vmap over" in str(e) or (
         "sorted order of strides of the two branches" in str(e) and "BatchedTensor(" in str(e)
     ):
@@ -1155,9 +1169,15 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         bullets = [_backend_failure(e)]
         revise = (
             "Tracing succeeded and the compiler backend failed on the traced graph: a limitation of the "
-            "installed torch, not of your code. Leave out the backend option that fails (Inductor's "
-            "cpp_wrapper fails on some loop programs: docs/performance.md), pass backend=\"aot_eager\" to "
-            "tfun.jit, or call the function outside tfun.jit."
+            "installed torch, not of your code. "
+            + (
+                "Call the function outside tfun.jit (it failed on the aot_eager backend, which only traces: "
+                "Inductor fails too)."
+                if backend == "aot_eager"
+                else "Leave out the backend option that fails (Inductor's cpp_wrapper fails on some loop "
+                "programs: docs/performance.md), pass backend=\"aot_eager\" to tfun.jit, or call the function "
+                "outside tfun.jit."
+            )
         )
     err = JitError(
         format_message(f"tfun.jit: could not compile `{fn_text}` as one graph:", bullets, revise=revise)
