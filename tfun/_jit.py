@@ -1073,8 +1073,8 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         # tensor a body or branch closes over is lifted by Dynamo unseen (`x[1]` read in a
         # branch whose operand is `x[0]`, two views of one input)
         revise = (
-            "Two inputs of a tfun.lax op share memory: views of one tensor (such as `x[0]` as an operand or "
-            "`init` and `x[1]` read inside the branch or body), which torch's control-flow ops refuse under "
+            "Two inputs of a tfun.lax op share memory: views of one tensor (such as `x[0]` as a cond operand "
+            "and `x[1]` read inside the branch), which torch's control-flow ops refuse under "
             f"tfun.jit (torch {torch.__version__}). Pass a copy for one of them (`x[0].clone()`), or pass the "
             "whole tensor as an operand and index it inside the function."
         )

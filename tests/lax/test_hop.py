@@ -526,8 +526,9 @@ def test_inductor_scan_outputs_differentiated_outside_and_recompiled():
 def test_scan_training_workarounds_only_when_needed():
     # under tfun.jit every body output is cloned (in every grad mode: torch's scan refuses a
     # body output that is a tensor the body closes over under no_grad too; Inductor drops the
-    # copies it does not need) and, under grad mode, every output that requires grad gets the
-    # contiguous-gradient hook; neither in an exported graph
+    # copies it does not need), and so is `init` (torch's scan refuses one the body closes
+    # over, hunt 28), and, under grad mode, every output that requires grad gets the
+    # contiguous-gradient hook; no hook in an exported graph
     W = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
 
     def f(h0, xs):
@@ -546,10 +547,10 @@ def test_scan_training_workarounds_only_when_needed():
 
     low = tfun.jit(f).lower(h0, xs)
     # (on torch 2.11 scan's backward densifies the gradients itself: no hook, see _compat)
-    assert n_clones(low.graph_module) == 2 and ("register_hook" in low.as_text()) != _compat.scan_backward_dense()
+    assert n_clones(low.graph_module) == 3 and ("register_hook" in low.as_text()) != _compat.scan_backward_dense()
     with torch.no_grad():
         low = tfun.jit(f).lower(h0, xs)
-    assert n_clones(low.graph_module) == 2 and "register_hook" not in low.as_text()
+    assert n_clones(low.graph_module) == 3 and "register_hook" not in low.as_text()
 
     for strict in (False, True):
         ep = torch.export.export(_Model(), (h0, xs), strict=strict)
@@ -559,8 +560,9 @@ def test_scan_training_workarounds_only_when_needed():
         # grad mode a branch output is always a copy (torch.cond refuses one that is a tensor
         # the branch closes over, which tfun cannot tell apart; see _cond._branch)
         assert bodies.count("aten.clone") == 3
-        # and the while_loop's copies of its two carry inputs (see _loops._lower_while_loop)
-        assert ep.graph_module.code.count("aten.clone") == 2
+        # and the copies of the while_loop's two carry inputs (see _loops._lower_while_loop)
+        # and of the scan's `init` (see _scan._lower_scan)
+        assert ep.graph_module.code.count("aten.clone") == 3
 
 
 # ----------------------------------------------------------------------------------------

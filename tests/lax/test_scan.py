@@ -450,3 +450,78 @@ def test_zero_length_outputs_join_the_graph(op, backend):
         assert g is None or torch.equal(g, torch.zeros_like(x))
     with torch.no_grad():  # no graph where autograd does not record
         assert not lax.map(lambda x: x * h0, xs).requires_grad
+
+
+_READS_ITS_OWN_INPUT = {
+    # a fixed-point iteration started at its input: z0 = x, z <- cos(z) / 2 + x
+    "fori_loop(init=x, body reads x)": lambda x, W: lax.fori_loop(0, 5, lambda i, z: torch.cos(z) * 0.5 + x, x),
+    # a matrix power series: init W, body reads W
+    "fori_loop(init=W, body reads W)": lambda x, W: lax.fori_loop(0, 4, lambda i, P: P @ W + W, W),
+    # init x[0], body reads x[1], xs x
+    "scan(init=x[0], body reads x[1])": lambda x, W: lax.scan(lambda c, xt: (c * 0.5 + x[1] + xt, c), x[0], x),
+    # each row scaled by the column sums
+    "map(xs=x, body reads x)": lambda x, W: lax.map(lambda r: r * x.sum(0), x),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("name", list(_READS_ITS_OWN_INPUT))
+def test_a_loop_whose_init_or_xs_the_body_also_reads_compiles(name, backend):
+    """Hunt 28 (F1): under tfun.jit, a loop whose `init` (map: `xs`) is a tensor its body also
+    closes over, or a view of one, was refused by torch ("scan might be aliasing the input or
+    the output", "Encountered aliasing during higher order op tracing"). Eagerly and in JAX
+    these are ordinary programs. Values and the gradients of both inputs against float64."""
+    f = _READS_ITS_OWN_INPUT[name]
+    g = torch.Generator().manual_seed(0)
+    x0, W0 = torch.randn(4, 3, generator=g), torch.randn(3, 3, generator=g) * 0.3
+    loss = lambda out: sum((t.double() ** 2).sum() for t in tfun.tree.tree_leaves(out))  # noqa: E731
+    x64, W64 = x0.double().requires_grad_(), W0.double().requires_grad_()
+    want = f(x64, W64)
+    gx, gW = torch.autograd.grad(loss(want), (x64, W64), allow_unused=True)
+    torch._dynamo.reset()
+    x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
+    got = tfun.jit(f, backend=backend)(x, W)
+    for a, b in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(want)):
+        torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-6)
+    loss(got).backward()
+    for grad, ref in ((x.grad, gx), (W.grad, gW)):
+        if ref is None:
+            assert grad is None or not grad.any()
+        else:
+            torch.testing.assert_close(grad.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+class _InitIsWhatTheBodyReads(torch.nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x, W):
+        return _READS_ITS_OWN_INPUT[self.name](x, W)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+@pytest.mark.parametrize("name", list(_READS_ITS_OWN_INPUT))
+def test_a_loop_whose_init_or_xs_the_body_also_reads_under_export(name, strict):
+    """Hunt 28 (F0): exported (strict and not), a fori_loop or scan whose `init` is a tensor
+    the body also reads ran with wrong values and no error (off by 0.13 to 20): torch's
+    exported scan passed that tensor as both `init` and an additional input (plain torch's
+    exported scan is wrong the same way). tfun passes a copy as `init`. Values and gradients
+    of the exported module against eager float64."""
+    g = torch.Generator().manual_seed(0)
+    x0, W0 = torch.randn(4, 3, generator=g), torch.randn(3, 3, generator=g) * 0.3
+    module = torch.export.export(_InitIsWhatTheBodyReads(name), (x0, W0), strict=strict).module()
+    loss = lambda out: sum((t.double() ** 2).sum() for t in tfun.tree.tree_leaves(out))  # noqa: E731
+    x64, W64 = x0.double().requires_grad_(), W0.double().requires_grad_()
+    want = _InitIsWhatTheBodyReads(name)(x64, W64)
+    refs = torch.autograd.grad(loss(want), (x64, W64), allow_unused=True)
+    x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
+    got = module(x, W)
+    for a, b in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(want)):
+        torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-6)
+    loss(got).backward()
+    for grad, ref in zip((x.grad, W.grad), refs):
+        if ref is None:
+            assert grad is None or not grad.any()
+        else:
+            torch.testing.assert_close(grad.double(), ref, rtol=1e-4, atol=1e-5)

@@ -192,6 +192,12 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
 
     key = _hop.escape_new_key()
     encode = _encodes_bits()
+    # copies: torch's map refuses `xs` that is also a tensor the function closes over, or a
+    # view of one ("Encountered aliasing during higher order op tracing": `map(lambda r: r *
+    # x.sum(0), x)`; hunt 28), and which tensors it closes over is not known here (Dynamo
+    # lifts them). One copy of `xs` per call (Inductor fuses it into the kernel that
+    # computes `xs` where there is one)
+    x_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in x_leaves]
     return _unmark(_hop.unpack(key, _hop.torch_map()(body, _hop.distinct(x_leaves))))  # e.g. xs=(x, x)
 
 

@@ -551,6 +551,12 @@ def _lower_scan(
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
     if encode:
         init_flat = [_to_floating(t) for t in init_flat]
+    # copies: torch's scan refuses an `init` that is also a tensor the body closes over, or a
+    # view of one ("scan might be aliasing the input or the output": `fori_loop(0, n, lambda i,
+    # z: f(z, x), x)`, `scan(step, x[0], x)` reading `x[1]`; hunt 28), and which tensors the
+    # body closes over is not known here (Dynamo lifts them). A carry-sized copy per call, as
+    # while_loop's; `xs` may alias them (torch's scan slices it)
+    init_flat = [t.clone() for t in init_flat] if n_c else init_flat
     operands = _hop.distinct(list(init_flat) + list(xs_flat))  # e.g. scan(cell, (h0, h0), xs)
     init_flat, xs_flat = operands[: len(init_flat)], operands[len(init_flat) :]
     carry_flat, (ys, _) = _hop.torch_scan()(body, init_flat, xs_flat, dim=0, reverse=reverse)
