@@ -107,20 +107,32 @@ def test_half_precision_scans_in_float32_eagerly_and_traced(dtype):
 # torch's export of a scan whose parameters require grad reads a non-leaf's `.grad` (torch's
 # own warning, about its own code)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
-@pytest.mark.parametrize("layer", ["S5", "LRU", "S4D-scan"])
-def test_export_with_a_dynamic_length(layer):
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export region:UserWarning")
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+@pytest.mark.parametrize("layer", ["S5", "LRU", "S4D-scan", "S4D-conv"])
+def test_export_with_a_dynamic_length(layer, strict):
     """`torch.export` with the length a `Dim` runs the scan as one loop (`_loop`), whose graph
     does not depend on the length (found by a correctness hunt, session 20: the chunked
     algorithm made export fail inside torch's constraint solver, "Cannot create Dim with
-    inconsistent min=0, max=-8"). The exported program against eager at three lengths."""
+    inconsistent min=0, max=-8"). Hunt 28: under strict export too (its Dynamo shows a
+    symbolic length as an int: "Constraints violated ... specialized it to be a constant"),
+    and S4D in its default conv mode (the kernel's block count specialized the length: "T <=
+    64", or torch's AssertionError at an example length of 100), which exports the recurrence.
+    The exported program against eager at four lengths, values and the input's gradient."""
     torch.manual_seed(0)
     m = {"S5": lambda: tfun.nn.S5(3, 4), "LRU": lambda: tfun.nn.LRU(3, 4),
-         "S4D-scan": lambda: tfun.nn.S4D(3, 4, mode="scan")}[layer]()
+         "S4D-scan": lambda: tfun.nn.S4D(3, 4, mode="scan"), "S4D-conv": lambda: tfun.nn.S4D(3, 4)}[layer]()
     length = torch.export.Dim("length", min=2, max=4096)
-    ep = torch.export.export(m, (torch.randn(2, 19, 3),), dynamic_shapes=({1: length},))
-    for t in (2, 19, 40):
-        x = torch.randn(2, t, 3)
-        torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-5, atol=1e-5)
+    ep = torch.export.export(m, (torch.randn(2, 100, 3),), dynamic_shapes=({1: length},), strict=strict)
+    for t in (2, 19, 65, 100):
+        x = torch.randn(2, t, 3, requires_grad=True)
+        x64 = x.detach().double().requires_grad_()
+        got, want = ep.module()(x), m.double()(x64)
+        m.float()
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+        (gx,) = torch.autograd.grad((got**2).sum(), x)
+        (wx,) = torch.autograd.grad((want**2).sum(), x64)
+        torch.testing.assert_close(gx.double(), wx, rtol=1e-3, atol=1e-4)
 
 
 def test_a_jitted_scan_at_a_second_length_under_inductor():

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .. import _compat
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, linear_recurrence
-from ._diagonal_scan import diagonal_scan
+from ._diagonal_scan import diagonal_scan, exported_length_may_be_symbolic
 
 
 def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -265,7 +265,9 @@ class S4D(_SSMBase):
         **Returns:** `(batch, length, d_model)`.
         """
         x = self._check_x(x)
-        if self._check_mode() == "conv":
+        # exported with a length that may be a `Dim`: the recurrence (the convolution kernel's
+        # block count would specialize the length, and export refuse the `Dim`; hunt 28)
+        if self._check_mode() == "conv" and not exported_length_may_be_symbolic(x.shape[1]):
             return _causal_conv(x, self.kernel(x.shape[1])) + self.D * x
         zr, zi, f_re, f_im = self._discrete_parts()
         b, length, h, n = *x.shape, zr.shape[-1]
