@@ -1491,3 +1491,44 @@ def test_mutating_body_is_still_refused_while_other_threads_run():
     finally:
         stop.set()
         t.join()
+
+
+_HISTORY: list = []
+_TOTAL = torch.zeros(3)
+
+
+def _log_step(h):
+    _HISTORY.append(h)
+    return torch.tanh(h)
+
+
+def _accumulate(h):
+    _TOTAL.add_(h)
+    return torch.tanh(h)
+
+
+_THROUGH_A_GLOBAL_HELPER = {
+    "scan body appends": (lambda xs: lax.scan(lambda c, x: (_log_step(c + x), None), torch.zeros(3), xs), "global `_HISTORY` (through `_log_step`)"),
+    "scan body writes in place": (lambda xs: lax.scan(lambda c, x: (_accumulate(c + x), None), torch.zeros(3), xs), "global `_TOTAL` (through `_accumulate`)"),
+    "fori_loop body appends": (lambda xs: lax.fori_loop(0, 3, lambda i, c: _log_step(c), xs[0].clone()), "global `_HISTORY` (through `_log_step`)"),
+    "cond branch appends": (lambda xs: lax.cond(xs.sum() > -100, lambda a: _log_step(a), lambda a: a, xs), "global `_HISTORY` (through `_log_step`)"),
+    "while body writes in place": (lambda xs: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, _accumulate(c[1])), (0, xs[0])), "global `_TOTAL` (through `_accumulate`)"),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_THROUGH_A_GLOBAL_HELPER))
+def test_a_side_effect_through_a_global_helper_function_is_found(name, jit):
+    """Hunt 28 (F2): a body calling a module-level helper function that appends to a global
+    list or writes a global tensor in place ran silently eagerly (the helper was not followed:
+    functions among a body's globals were skipped), and tfun.jit refused it in torch's words.
+    Now a SideEffectError naming the global and the helper, eagerly and under tfun.jit."""
+    f, what = _THROUGH_A_GLOBAL_HELPER[name]
+    xs = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    clear_cache()
+    torch._dynamo.reset()
+    run = tfun.jit(f, backend="aot_eager") if jit else f
+    with pytest.raises(SideEffectError) as info:
+        run(xs)
+    assert what in str(info.value) and "test_rules.py" in str(info.value)
+    _HISTORY.clear()

@@ -1019,8 +1019,20 @@ def _is_user_function(obj: Any) -> bool:
     return not (filename.startswith(_LIBRARY_PREFIXES) or "site-packages" in filename or filename.startswith("<frozen"))
 
 
+#: Code under these is a library's, not the user's: Python's, the installed packages', torch's
+#: and tfun's own (an editable install is outside site-packages; its module-level caches change
+#: on every call and are not the user's state).
 _LIBRARY_PREFIXES = tuple(
-    {p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"), os.path.dirname(torch.__file__)) if p}
+    {
+        p
+        for p in (
+            sysconfig.get_paths().get("stdlib"),
+            sysconfig.get_paths().get("purelib"),
+            os.path.dirname(torch.__file__),
+            os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        )
+        if p
+    }
 )
 
 
@@ -1132,7 +1144,9 @@ def roots_of(fn: Any) -> list[tuple[str, Any]]:
     for name in sorted(names):
         if name in g:
             v = g[name]
-            if not isinstance(v, _SKIP_TYPES):
+            # a helper function it names: followed by `Snapshot` (what the helper reaches,
+            # the function reaches too; a helper appending to a global list, hunt 28)
+            if not isinstance(v, _SKIP_TYPES) or _is_user_function(v):
                 roots.append((f"global `{name}`", v))
     for i, d in enumerate(fn.__defaults__ or ()):
         roots.append((f"default argument {i}", d))
