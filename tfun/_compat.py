@@ -464,6 +464,15 @@ def _scan_module() -> Any:
         return None
 
 
+def _vmap_rule(module: Any, op_name: str) -> tuple[Any, dict[Any, Any] | None, Any]:
+    """HOP `op_name` of `module`, its `functorch_table` when that holds a vmap rule (else
+    None), and functorch's vmap key: where tfun's vmap rules for scan and cond are installed."""
+    op = getattr(module, op_name, None)
+    table = getattr(op, "functorch_table", None)
+    key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
+    return op, (table if isinstance(table, dict) and key in table else None), key
+
+
 def scan_vmap_fixes() -> None:
     """Replace torch's vmap rule for scan by one that keeps the batch dimension first. Idempotent.
 
@@ -492,9 +501,7 @@ def scan_vmap_fixes() -> None:
     if _SCAN_VMAP_PATCHED:
         return
     _SCAN_VMAP_PATCHED = True
-    op = getattr(_scan_module(), "scan_op", None)
-    table = getattr(op, "functorch_table", None)
-    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
+    op, table, vmap_key = _vmap_rule(_scan_module(), "scan_op")
     try:
         functorch_vmap = importlib.import_module("torch._functorch.vmap")
     except ImportError:  # pragma: no cover
@@ -502,7 +509,7 @@ def scan_vmap_fixes() -> None:
     restore_vmap = getattr(functorch_vmap, "restore_vmap", None)
     wrap_batched = getattr(functorch_vmap, "wrap_batched", None)
     unwrap_batched = getattr(functorch_vmap, "unwrap_batched", None)
-    if not isinstance(table, dict) or vmap_key not in table or None in (restore_vmap, wrap_batched, unwrap_batched):
+    if table is None or None in (restore_vmap, wrap_batched, unwrap_batched):
         return
     rule = table[vmap_key]
     if getattr(rule, "_tfun_batch_first", False):
@@ -564,11 +571,8 @@ def scan_vmap_batch_first() -> bool:
     differentiated loop body under `tfun.jit(tfun.vmap(f))` got wrong gradients from Inductor
     (hunt 22), and tfun refuses it there (`tfun.lax._hop.refuse_cond_in_vmapped_grad_body`)."""
     scan_vmap_fixes()
-    op = getattr(_scan_module(), "scan_op", None)
-    table = getattr(op, "functorch_table", None)
-    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
-    rule = table.get(vmap_key) if isinstance(table, dict) else None
-    return bool(getattr(rule, "_tfun_batch_first", False))
+    _, table, vmap_key = _vmap_rule(_scan_module(), "scan_op")
+    return table is not None and bool(getattr(table[vmap_key], "_tfun_batch_first", False))
 
 
 scan_vmap_batch_first._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -608,10 +612,8 @@ def cond_vmap_fixes() -> None:
         cond_module = importlib.import_module("torch._higher_order_ops.cond")
     except ImportError:  # pragma: no cover
         return
-    op = getattr(cond_module, "cond_op", None)
-    table = getattr(op, "functorch_table", None)
-    vmap_key = getattr(getattr(_FUNCTORCH_C, "TransformType", None), "Vmap", None)
-    if not isinstance(table, dict) or vmap_key not in table or None in (is_batchedtensor, get_unwrapped, maybe_get_bdim, add_batch_dim):
+    op, table, vmap_key = _vmap_rule(cond_module, "cond_op")
+    if table is None or None in (is_batchedtensor, get_unwrapped, maybe_get_bdim, add_batch_dim):
         return
     rule = table[vmap_key]
     if getattr(rule, "_tfun_dense_branches", False):
