@@ -717,15 +717,15 @@ def test_refusals_of_torch_name_the_cause_and_the_fix():
     def one_branch_reads_x(x, i):  # the operand is unbatched, one branch closes over batched x
         return lax.cond(i > 0, lambda h: h * 0.5, lambda h: h + x, torch.zeros(3, dtype=x.dtype))
 
-    torch._dynamo.reset()
-    with pytest.raises(JitError, match="Make the operands batched"):
-        tfun.jit(tfun.vmap(one_branch_reads_x, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(0))
-    # what the message says to write compiles, with eager's values
+    # refused by torch's vmap rule for torch.cond ("Make the operands batched"), which
+    # `_compat.cond_vmap_fixes` replaces: it compiles, with eager's values, as does the form
+    # the old message said to write
     fixed = lambda x, i: lax.cond(i > 0, lambda h: h * 0.5, lambda h: h + x, torch.zeros_like(x))
-    torch._dynamo.reset()
-    for i in (0, 1):
-        got = tfun.jit(tfun.vmap(fixed, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(i))
-        torch.testing.assert_close(got, tfun.vmap(one_branch_reads_x, in_axes=(0, None))(x, torch.tensor(i)))
+    for f in (one_branch_reads_x, fixed):
+        torch._dynamo.reset()
+        for i in (0, 1):
+            got = tfun.jit(tfun.vmap(f, in_axes=(0, None)), backend="aot_eager")(x, torch.tensor(i))
+            torch.testing.assert_close(got, tfun.vmap(one_branch_reads_x, in_axes=(0, None))(x, torch.tensor(i)))
 
 
 def test_dual_tensors_of_forward_ad_through_a_jitted_loop():
@@ -752,23 +752,26 @@ def test_dual_tensors_of_forward_ad_through_a_jitted_loop():
     torch.testing.assert_close(jf(x), want_y)  # compiled outside the level
 
 
-def test_retained_backward_after_a_compiled_backward_with_donated_buffers_off(monkeypatch):
+def test_retained_backward_after_a_compiled_backward_with_donated_buffers_off():
     """docs/faq.md: a compiled backward frees its saved tensors (torch's donated buffers), so
     a later `.backward(retain_graph=True)` through the jitted function needs
     `torch._functorch.config.donated_buffer = False` set before the first call; with it, two
     backwards through one forward accumulate twice eager float64's gradient."""
     import torch._functorch.config as functorch_config
 
-    monkeypatch.setattr(functorch_config, "donated_buffer", False)
+    # torch's own `patch`, not pytest's monkeypatch: pytest 9 reads the old value from the
+    # module's `__dict__`, finds none (torch's config lives elsewhere) and, undoing, deletes
+    # the setting, which failed every later compile in the process
     f = lambda x: (lax.scan(lambda h, xt: (torch.tanh(h * 0.5 + xt), h.sum()), torch.zeros(3, dtype=x.dtype), x)[1] ** 2).sum()  # noqa: E731
     torch._dynamo.reset()
-    jf = tfun.jit(f, backend="aot_eager")
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    jf(x).backward()  # a training step compiles the backward
-    x.grad = None
-    v = jf(x)
-    v.backward(retain_graph=True)
-    v.backward()
+    with functorch_config.patch(donated_buffer=False):
+        jf = tfun.jit(f, backend="aot_eager")
+        jf(x).backward()  # a training step compiles the backward
+        x.grad = None
+        v = jf(x)
+        v.backward(retain_graph=True)
+        v.backward()
     x64 = x.detach().double().requires_grad_()
     (g,) = torch.autograd.grad(f(x64), x64)
     torch.testing.assert_close(x.grad.double(), 2 * g, rtol=1e-5, atol=1e-6)
