@@ -602,7 +602,7 @@ def cond_vmap_fixes() -> None:
     materialized as the batched value JAX's rule would produce. Values are unchanged. A batched
     predicate still goes to torch's rule (tfun never passes one: it selects, `tfun.lax.cond`).
     Installed where cond's vmap rule is in its `functorch_table` with torch 2.11 - 2.14's
-    parameters and `torch._functorch.vmap` has `_add_batch_dim` (feature-detected, not by
+    parameters and functorch's batching accessors exist (feature-detected, not by
     version); elsewhere torch's rule stays."""
     global _COND_VMAP_PATCHED
     if _COND_VMAP_PATCHED:

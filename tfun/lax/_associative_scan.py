@@ -307,7 +307,7 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
-    if _compat.is_exporting() and (_context.is_dynamo_tracing() or not isinstance(leaves[0].shape[axis], int)):
+    if _hop.exported_length_may_be_symbolic(leaves[0].shape[axis]):
         # a length that is a symbol (`torch.export` with a `Dim`): the log-depth algorithm's
         # graph depends on the length, so export would have to specialize it and refuse the
         # Dim. Strict export's Dynamo answers `isinstance(size, int)` with True for a symbolic

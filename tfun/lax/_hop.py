@@ -93,6 +93,7 @@ __all__ = [
     "in_body",
     "body_scope",
     "traced_transforms",
+    "exported_length_may_be_symbolic",
     "register_remat",
     "escape_policy_key",
     "keyed_policy",
@@ -957,11 +958,14 @@ def raise_result(result: Any) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def dynamo_outside() -> bool:
-    """True when the code around the HOP call is traced by Dynamo (torch.compile, strict
-    export); False when it runs as plain Python (non-strict export)."""
-    f = getattr(torch.compiler, "is_dynamo_compiling", None)
-    return bool(f()) if f is not None else True
+def exported_length_may_be_symbolic(length: Any) -> bool:
+    """Whether `torch.export` traces with a length that may be a `Dim`: a symbolic size under
+    non-strict export, and any size under strict export, whose Dynamo shows traced code a
+    symbolic size as an int. Algorithms whose graph depends on the length (associative_scan's
+    log-depth one, the SSM layers' chunked scan and S4D's convolution kernel) would make export
+    specialize it and refuse the `Dim` ("Constraints violated", "Cannot create Dim with
+    inconsistent min=2, max=2"; hunts 26 and 28): they take a loop instead."""
+    return _compat.is_exporting() and (_context.is_dynamo_tracing() or not isinstance(length, int))
 
 
 def carrier(td: Any, leaves: Sequence[Any]) -> Any:

@@ -659,7 +659,7 @@ def _unrolled_in_python(f: Callable[[Any, Any], Any], init: Any, xs: Any, length
 def check_export_constants(op: str, f: Any) -> None:
     """Under non-strict `torch.export`, refuse a scan body that reads a real tensor (see
     `_refuse_real_constants`); elsewhere nothing."""
-    if _hop.is_exporting() and not _hop.dynamo_outside():
+    if _hop.is_exporting() and not _context.is_dynamo_tracing():
         _refuse_real_constants(op, f)
 
 

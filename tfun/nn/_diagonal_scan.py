@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _compat, _context
-from ..lax import scan
+from .. import _context
+from ..lax import _hop, scan
 
 #: Steps per chunk of the traced algorithm (unrolled in the graph: `_CHUNK` multiply-adds per
 #: level of `ceil(log_CHUNK(T))` levels). 8 and 16 ran alike at T=256 and T=4096 on the CPU;
@@ -61,7 +61,7 @@ def diagonal_scan(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tenso
         hr, hi = diagonal_scan(zr.float(), zi.float(), ur.float(), ui.float())
         return hr.to(ur.dtype), hi.to(ui.dtype)
     if _context.is_tracing():
-        if exported_length_may_be_symbolic(ur.shape[1]):
+        if _hop.exported_length_may_be_symbolic(ur.shape[1]):
             return _loop(zr, zi, ur, ui)
         # `_chunked` nests one padded reshape per factor of `_CHUNK`, a depth that depends on
         # the length: with a symbolic length (tfun.jit's second length, which Dynamo makes
@@ -72,14 +72,6 @@ def diagonal_scan(zr: Tensor, zi: Tensor, ur: Tensor, ui: Tensor) -> tuple[Tenso
         length = len(range(ur.shape[1]))
         return _chunked(zr, zi, ur[:, :length], ui[:, :length])
     return _log_depth(zr, zi, ur, ui)
-
-
-def exported_length_may_be_symbolic(length: int) -> bool:
-    """Whether `torch.export` traces with a length that may be a `Dim`: a symbolic size under
-    non-strict export, and any size under strict export, whose Dynamo shows traced code a
-    symbolic size as an int (the chunked algorithm, or S4D's convolution kernel, would make
-    export specialize the length and refuse the `Dim`: "Constraints violated", hunt 28)."""
-    return _compat.is_exporting() and (_context.is_dynamo_tracing() or not isinstance(length, int))
 
 
 def _power(zr: Tensor, zi: Tensor, k: Tensor | float) -> tuple[Tensor, Tensor]:

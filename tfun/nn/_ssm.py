@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from .. import _compat
 from .._errors import ArgumentValueError
 from ._common import check_input, check_state, linear_recurrence
-from ._diagonal_scan import diagonal_scan, exported_length_may_be_symbolic
+from ..lax import _hop
+from ._diagonal_scan import diagonal_scan
 
 
 def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -267,7 +268,7 @@ class S4D(_SSMBase):
         x = self._check_x(x)
         # exported with a length that may be a `Dim`: the recurrence (the convolution kernel's
         # block count would specialize the length, and export refuse the `Dim`; hunt 28)
-        if self._check_mode() == "conv" and not exported_length_may_be_symbolic(x.shape[1]):
+        if self._check_mode() == "conv" and not _hop.exported_length_may_be_symbolic(x.shape[1]):
             return _causal_conv(x, self.kernel(x.shape[1])) + self.D * x
         zr, zi, f_re, f_im = self._discrete_parts()
         b, length, h, n = *x.shape, zr.shape[-1]
