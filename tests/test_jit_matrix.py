@@ -290,6 +290,24 @@ def bad_combine_structure(x):
     return lax.associative_scan(lambda a, b: (a + b, a), x)
 
 
+# Sizes: torch.cond accepts branches of different sizes (its output size becomes
+# data-dependent), so tfun compares the sizes the call being traced has (hunt 28 F3).
+def bad_cond_branch_shapes(x):
+    return lax.cond(x.sum() > 0, lambda y: y[:2], lambda y: y, x)
+
+
+def bad_cond_branch_dtypes(x):
+    return lax.cond(x.sum() > 0, lambda y: y.double(), lambda y: y, x)
+
+
+def bad_switch_branch_shapes(x):
+    return lax.switch(x.sum().long() % 3, [lambda y: y, lambda y: y[:2], lambda y: y], x)
+
+
+def bad_combine_shape(x):
+    return lax.associative_scan(lambda a, b: torch.cat([a + b, a[:1]]), x)
+
+
 def bad_fori_tensor_bounds_carry_dtype(x):
     # tensor bounds: traced, this runs on while_loop, whose body must not be the one named
     return lax.fori_loop(0, torch.tensor(3), lambda i, c: c.double(), x)
@@ -336,6 +354,10 @@ CORPUS = {
     "grad of non-scalar": (bad_grad_of_non_scalar, ArgumentTypeError),
     "switch branches differ": (bad_switch_branches, StructureMismatchError),
     "associative_scan combine structure": (bad_combine_structure, StructureMismatchError),
+    "cond branch shapes": (bad_cond_branch_shapes, TensorMismatchError),
+    "cond branch dtypes": (bad_cond_branch_dtypes, TensorMismatchError),
+    "switch branch shapes (traced index)": (bad_switch_branch_shapes, TensorMismatchError),
+    "associative_scan combine shape": (bad_combine_shape, TensorMismatchError),
     "fori_loop tensor bounds carry dtype": (bad_fori_tensor_bounds_carry_dtype, TensorMismatchError),
     "fori_loop state change": (bad_fori_state_change, SideEffectError),
     "scan y not a tensor": (bad_scan_y_not_a_tensor, ArgumentTypeError),
@@ -378,8 +400,7 @@ def test_error_corpus_same_error_eagerly_and_under_jit(case, backend):
 
 def test_combine_dtype_refused_eagerly_and_under_jit():
     """The combine function's dtype rule holds under tfun.jit too (it used to check only the
-    structure there). Traced, the sizes of the slices torch hands the combine function are
-    not known (they may be symbolic), so the messages agree up to the sizes."""
+    structure there), with the same message: the sizes written are those the traced call has."""
 
     def f(x):
         return lax.associative_scan(lambda a, b: (a + b).double(), x)
@@ -388,12 +409,67 @@ def test_combine_dtype_refused_eagerly_and_under_jit():
     jitted = _message(f, "aot_eager")
     assert type(eager) is TensorMismatchError
     assert type(jitted) is TensorMismatchError
+    assert str(jitted) == str(eager)
+    assert "elems: input is float32[1] on cpu, output is float64[1] on cpu" in str(jitted)
 
-    def unsized(msg):
-        return re.sub(r"\[[0-9?,]*\]", "[...]", msg)
 
-    assert unsized(str(jitted)) == unsized(str(eager))
-    assert "elems: input is float32[" in str(jitted) and "output is float64[" in str(jitted)
+_SIZED = ["cond branch shapes", "cond branch dtypes", "switch branch shapes (traced index)", "associative_scan combine shape", "carry dtype", "while carry shape"]
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("how", ["jit_dynamic", "export", "export_dim", "export_strict"])
+@pytest.mark.parametrize("case", _SIZED)
+def test_rule_errors_with_symbolic_sizes_and_under_export(case, how):
+    """With sizes that are symbols (`dynamic=True`, an export `Dim`) the rules compare the sizes
+    the traced call has, and the message writes them, as eagerly (hunt 28 F3: torch.cond took
+    branches of different sizes). Under non-strict `torch.export` (torch's default) the error is
+    tfun's own, as eagerly (hunt 28 F6); strict export has no tfun frame to raise it from, and
+    reports torch's `UncapturedHigherOrderOpError` carrying tfun's message."""
+    fn, cls = CORPUS[case]
+    eager = _message(fn, "eager")
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        if how == "jit_dynamic":
+            tfun.jit(fn, backend="aot_eager", dynamic=True)(x)
+        else:
+            dims = ({0: torch.export.Dim("T", min=2, max=64)},) if how == "export_dim" else None
+            torch.export.export(_Wrap(fn), (x,), strict=how == "export_strict", dynamic_shapes=dims)
+    if how == "export_strict":
+        assert type(info.value).__name__ == "UncapturedHigherOrderOpError"
+        assert str(eager).splitlines()[0] in str(info.value)
+        return
+    assert type(info.value) is cls, repr(info.value)
+    assert str(info.value) == str(eager)
+
+
+def test_comparing_symbolic_sizes_adds_no_guard():
+    """The sizes are read at trace time without a guard: one graph with a symbolic length
+    serves every length, with eager's values."""
+
+    def f(x):
+        return lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: torch.zeros(a.shape[0], 3) + a[:1], x)
+
+    counts = {"n": 0}
+
+    def backend(gm, inputs):
+        counts["n"] += 1
+        return gm.forward
+
+    torch._dynamo.reset()
+    j = tfun.jit(f, backend=backend, dynamic=True)
+    for n, sign in ((4, 1), (5, -1), (7, 1)):
+        x = sign * torch.rand(n, 3, dtype=torch.float64)
+        torch.testing.assert_close(j(x), f(x), rtol=0, atol=0)
+    assert counts["n"] == 1
 
 
 def test_graph_break_is_jit_error_with_user_line_and_cause():

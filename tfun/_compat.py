@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "current_interpreter", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -1004,6 +1004,45 @@ def fake_mode_of(values: Any) -> Any:
     """The fake-tensor mode of the fake tensors among `values` (a graph node's `val`s), or None."""
     detect = getattr(importlib.import_module("torch._guards"), "detect_fake_mode", None)
     return detect(values) if detect is not None else None
+
+
+def dynamo_comptime() -> Any:
+    """`torch._dynamo.comptime.comptime`: `comptime(fn)` in code that Dynamo traces runs
+    `fn(ctx)` at trace time, with `ctx` reading the traced frame's variables (their fake
+    tensors and symbolic sizes). None where this torch lacks it. Imports Dynamo: called at
+    trace time only (`_hop.trace_sizes`)."""
+    return _private("torch._dynamo.comptime", "comptime")
+
+
+def _size_hint(s: Any) -> int | None:
+    """A size as the int it has in the call being traced: a symbolic size's hint, None for
+    one without (a data-dependent size)."""
+    if isinstance(s, int):
+        return s
+    node = getattr(s, "node", None)
+    has_hint = getattr(node, "has_hint", None)
+    if has_hint is None or not has_hint():
+        return None
+    hint = node.hint
+    return int(hint) if hint is not None else None
+
+
+def sizes_now(x: Any) -> tuple[int | None, ...] | None:
+    """The sizes of tensor `x` in the call being traced (`_size_hint` of each); None for a
+    value that is not a tensor. Plain Python: not for code that Dynamo traces (there,
+    `comptime_local_sizes`)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    return tuple(_size_hint(s) for s in x.shape)
+
+
+def comptime_local_sizes(ctx: Any, name: str) -> tuple[int | None, ...] | None:
+    """In a `dynamo_comptime` callback: `sizes_now` of the traced frame's local `name`."""
+    var = ctx.get_local(name)
+    if not issubclass(var.python_type(), torch.Tensor):
+        return None
+    size = var.size()
+    return tuple(_size_hint(s) for s in size)
 
 
 def is_exporting() -> bool:

@@ -284,6 +284,23 @@ def leaf_desc_text(d: Any) -> str:
     return tensor_text(*d)
 
 
+def _leaf_descs_agree(x: Any, y: Any) -> bool:
+    """Leaf descriptions `x` and `y` agree: equal, where a None size (one not known at trace
+    time) agrees with any size."""
+    if x == y:
+        return True
+    if len(x) != 3 or len(y) != 3 or x[0] != y[0] or x[2] != y[2] or len(x[1]) != len(y[1]):
+        return False
+    return all(a is None or b is None or a == b for a, b in zip(x[1], y[1]))
+
+
+def descriptions_agree(a: Any, b: Any) -> bool:
+    """Descriptions `(skeleton, leaf descriptions)` agree: the same skeleton, and leaves that
+    agree (`_leaf_descs_agree`)."""
+    (ska, la), (skb, lb) = a, b
+    return ska == skb and len(la) == len(lb) and all(_leaf_descs_agree(x, y) for x, y in zip(la, lb))
+
+
 def description_mismatch(
     op: str, what: str, root: str, names: tuple[str, str], a: Any, b: Any, function: str | None, revise: str
 ) -> tuple[bool, str]:
@@ -298,12 +315,14 @@ def description_mismatch(
         return True, structure_message(op, what, bullets, function, revise)
     bullets = []
     for p, x, y in zip(skeleton_leaf_paths(ska), la, lb):
-        if x == y:
+        if _leaf_descs_agree(x, y):
             continue
         if len(x) == 1 or len(y) == 1:
             diffs = ["kind"]
         else:
             diffs = [n for n, u, v in zip(("dtype", "shape", "device"), x, y) if u != v]
+            if "shape" in diffs and _leaf_descs_agree((None, x[1], None), (None, y[1], None)):
+                diffs.remove("shape")  # only sizes not known differ
         bullets.append(tensor_bullet(root, p, names, leaf_desc_text(x), leaf_desc_text(y), diffs))
     return False, tensor_message(op, what, bullets, function, revise)
 

@@ -294,16 +294,11 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
                 op, what, "elems", names, _hop.describe(td_in, a), _hop.describe(out_td, out_leaves), fn, _REVISE_COMBINE
             )
         out_leaves = [_hop.as_tensor(t, r) for t, r in zip(out_leaves, a)]
-        if any(
-            isinstance(t, torch.Tensor) and (t.dtype != r.dtype or t.device != r.device or t.dim() != r.dim())
-            for t, r in zip(out_leaves, a)
-        ):
-            # the dtype, device and rank rules of the eager check (sizes may be symbolic
-            # here: they are neither compared nor written)
-            _hop.raise_mismatch(
-                op, what, "elems", names, _hop.describe(td_in, a, False), _hop.describe(out_td, out_leaves, False), fn,
-                _REVISE_COMBINE,
-            )
+        # the eager check's rules, with the sizes as this call has them (symbolic sizes are
+        # neither compared nor written in traced code: `_hop.trace_sizes`; hunt 28 F3)
+        described_in, described_out = _hop.describe(td_in, a), _hop.describe(out_td, out_leaves)
+        if not _rules.descriptions_agree(described_in, described_out):
+            _hop.raise_mismatch(op, what, "elems", names, described_in, described_out, fn, _REVISE_COMBINE)
         # a HOP body may not return an alias of its inputs; plain ops may
         return _hop.unalias(out_leaves, list(a) + list(b)) if hop else out_leaves
 
@@ -321,7 +316,9 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # derivatives, torch's HOPs none (see _hop.unroll_scope).
         return tree_unflatten(td, _log_depth_scan(combine, list(leaves), [axis] * n, reverse))
     _hop.begin_lowering()
-    out = _hop.torch_associative_scan()(combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode="pointwise")
+    out = _hop.call_hop(
+        _hop.torch_associative_scan(), combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode="pointwise"
+    )
     return tree_unflatten(td, list(out))
 
 

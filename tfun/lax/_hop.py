@@ -167,6 +167,27 @@ def torch_associative_scan() -> Callable[..., Any]:
     return _as
 
 
+def call_hop(hop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`hop(*args, **kwargs)`, a call of one of torch's control-flow HOPs (above).
+
+    Under non-strict `torch.export` this code runs as plain Python and Dynamo traces only the
+    HOP's bodies: a tfun error raised in a body (a rule it breaks) reached the user as torch's
+    `UncapturedHigherOrderOpError` (hunt 28 F6). Here it is raised as itself, with Dynamo's
+    error as its cause, as eagerly and under `tfun.jit` (which translates at its own boundary).
+    Where Dynamo traces this code (`tfun.jit`, strict export) the call is traced as it is:
+    strict export reports torch's error, whose text carries tfun's message.
+    """
+    if _context.is_dynamo_tracing():
+        return hop(*args, **kwargs)
+    try:
+        return hop(*args, **kwargs)
+    except Exception as e:
+        found = unwrap_dynamo_error(e)
+        if found is None or found is e:
+            raise
+        raise found from e
+
+
 #: Counters of trace-time events, read before and after a traced call to learn what it did.
 #: Counted at trace time, in plain Python (Dynamo constants, `_escape_count`): as a traced
 #: global write it would be a side effect, which HOP bodies (nested control flow) may not have.
@@ -820,7 +841,7 @@ def escape_exchange(key: int, label: str, desc: Any, code: Any, op: str, what: s
         _EXCHANGE.popitem(last=False)
     d[label] = desc
     for other, odesc in d.items():
-        if other != label and odesc != desc:
+        if other != label and not _rules.descriptions_agree(odesc, desc):
             names = (f"{other} output", f"{label} output")
             return _mismatch(op, what, root, names, odesc, desc, code, revise)
     return None
@@ -899,20 +920,72 @@ def skeleton(td: Any) -> Any:
     return (td.type, tuple(td.entries()), tuple(skeleton(c) for c in td.children()))
 
 
-def _leaf_desc(x: Any, shapes: bool) -> Any:
+def _leaf_desc(x: Any, sizes: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        if shapes:
-            shape = tuple(s if type(s) is int else None for s in x.shape)
-        else:
-            shape = (None,) * x.dim()
-        return (x.dtype, shape, x.device)
+        return (x.dtype, tuple(sizes) if sizes is not None else (None,) * x.dim(), x.device)
     return (type(x),)
 
 
-def describe(td: Any, leaves: Sequence[Any], shapes: bool = True) -> Any:
-    """`shapes=False` where sizes may be symbolic (a body traced by the Dynamo run that
-    non-strict export starts): they cannot be passed to an escape hatch as constants."""
-    return (skeleton(td), tuple(_leaf_desc(x, shapes) for x in leaves))
+def describe(td: Any, leaves: Sequence[Any], sizes: Sequence[Any] | None = None) -> Any:
+    """A description of the pytree `td` with `leaves` made of constants, in plain Python and
+    in code that Dynamo traces alike (an escape hatch's argument): each tensor's sizes as the
+    call being traced has them (`trace_sizes`, or `sizes` where the caller has them); a None
+    size is one not known, which agrees with any (`_rules.descriptions_agree`)."""
+    if sizes is None:
+        sizes = trace_sizes(leaves)
+    return (skeleton(td), tuple(_leaf_desc(x, n) for x, n in zip(leaves, sizes)))
+
+
+# Sizes at trace time. Traced code cannot tell a symbolic size from an int (Dynamo answers
+# `type(s) is int` for both), and a symbolic size cannot be passed to an escape hatch, nor
+# compared without a guard that would specialize it. Dynamo's `comptime` runs a callback at
+# trace time that reads a traced variable's fake tensor: its sizes as this call has them (a
+# symbol's hint) go to `_SIZES`, and `_escape_take_sizes` hands them to the traced code as
+# constants. They describe the call being traced, as eager sizes do, and add no guard. (So
+# two sizes that are different expressions equal in the traced call, `s0` and 4 at s0 = 4,
+# agree; a graph with a symbolic length traced at that length would not refuse them at
+# another, where eager would. Not the case of a static first compile, nor of the symbolic
+# recompile that tfun.jit makes at a second length, which is traced at that length.)
+_COMPTIME: Any = None  # `_compat.dynamo_comptime()`, set at the first trace (`_escape_load_comptime`)
+_SIZES: dict[int, list[Any]] = {}
+
+
+@assume_constant
+def _escape_load_comptime() -> bool:
+    global _COMPTIME
+    if _COMPTIME is None:
+        _COMPTIME = _compat.dynamo_comptime()
+    return _COMPTIME is not None
+
+
+def _comptime_record_sizes(ctx: Any) -> None:
+    """The `comptime` callback of `trace_sizes`: reads its locals `key` and `leaf`."""
+    key = ctx.get_local("key").as_python_constant()
+    _SIZES.setdefault(key, []).append(_compat.comptime_local_sizes(ctx, "leaf"))
+    while len(_SIZES) > 256:  # traces that failed between recording and taking
+        del _SIZES[next(iter(_SIZES))]
+
+
+@assume_constant
+def _escape_take_sizes(key: int) -> tuple[Any, ...]:
+    return tuple(_SIZES.pop(key, ()))
+
+
+def trace_sizes(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """For each of `leaves`, its sizes as ints (this call's, a symbol's hint; None for a
+    size with none, e.g. data-dependent), or None for a leaf that is not a tensor: constants
+    in code that Dynamo traces, for `describe`. Sizes that cannot be read (a
+    torch without `comptime`) are None."""
+    if not _context.is_dynamo_tracing():
+        return tuple(_compat.sizes_now(x) for x in leaves)
+    unknown = tuple((None,) * x.dim() if isinstance(x, torch.Tensor) else None for x in leaves)
+    if not _escape_load_comptime():  # pragma: no cover - every supported torch has comptime
+        return unknown
+    key = escape_new_key()
+    for leaf in leaves:
+        _COMPTIME(_comptime_record_sizes)
+    sizes = _escape_take_sizes(key)
+    return sizes if len(sizes) == len(leaves) else unknown
 
 
 def code_of(fn: Any) -> Any:

@@ -463,7 +463,7 @@ def _lower_while_loop(
         # copies it does not need (`remove_noop_ops`)
         return tuple(_hop.unalias(new, flat, clone_all=not _hop.is_exporting()))
 
-    out = _hop.torch_while_loop()(c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
+    out = _hop.call_hop(_hop.torch_while_loop(), c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
     return tree_unflatten(td, list(out))
 
 

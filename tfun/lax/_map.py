@@ -198,7 +198,7 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
     # lifts them). One copy of `xs` per call (Inductor fuses it into the kernel that
     # computes `xs` where there is one)
     x_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in x_leaves]
-    return _unmark(_hop.unpack(key, _hop.torch_map()(body, _hop.distinct(x_leaves))))  # e.g. xs=(x, x)
+    return _unmark(_hop.unpack(key, _hop.call_hop(_hop.torch_map(), body, _hop.distinct(x_leaves))))  # e.g. xs=(x, x)
 
 
 __all__ = ["map"]
