@@ -1748,3 +1748,66 @@ def test_a_rule_in_a_loop_body_whose_fwd_returns_an_input_as_a_residual_compiles
     W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.6
     x = torch.randn(7, 3, dtype=torch.float64, generator=g)
     _check_jitted_gradients(_LOOPS[loop], cf, oracle, x, W, how)
+
+
+def _rule_100_vjp():
+    @tfun.custom_vjp
+    def g(x):
+        return torch.sin(x)
+
+    def g_fwd(x):
+        if x.sum() > 0:  # Python control flow on a tensor: refused by tfun.jit
+            return torch.sin(x), x
+        return torch.sin(x), x
+
+    g.defvjp(g_fwd, lambda r, ct: (100.0 * ct,))
+    return g
+
+
+def _rule_100_jvp(branch_on_value):
+    @tfun.custom_jvp
+    def f(x):
+        return torch.sin(x)
+
+    def f_jvp(primals, tangents):
+        if branch_on_value and primals[0].sum() > 0:
+            return f(primals[0]), 100.0 * tangents[0]
+        return f(primals[0]), 100.0 * tangents[0]
+
+    f.defjvp(f_jvp)
+    return f
+
+
+_FAILING_TRACES = {
+    "custom_vjp fwd branches on a value, jit(grad)": lambda x: tfun.jit(
+        tfun.grad(lambda y: _rule_100_vjp()(y).sum()), backend="aot_eager"
+    )(x),
+    "custom_jvp rule branches on a value, jit(grad)": lambda x: tfun.jit(
+        tfun.grad(lambda y: _rule_100_jvp(True)(y).sum()), backend="aot_eager"
+    )(x),
+    "the same in a scan body": lambda x: tfun.jit(
+        tfun.grad(lambda y: tfun.lax.scan(lambda c, a: (_rule_100_jvp(True)(c) + a, None), y, y[None])[0].sum()),
+        backend="aot_eager",
+    )(x),
+}
+
+
+@pytest.mark.parametrize("failure", list(_FAILING_TRACES))
+def test_a_failed_trace_inside_a_custom_function_leaves_every_rule_in_use(failure):
+    """A trace that fails inside a custom function's forward (a JitError the user catches)
+    never runs the exits of the scopes it entered. Their state is the trace's own: afterwards,
+    eagerly and under tfun.jit, custom rules are still used (hunt 29 F0: every rule in the
+    process was ignored, the primal differentiated instead, without an error)."""
+    torch.manual_seed(0)
+    x = torch.tensor([0.3, -1.2], dtype=torch.float64)
+    want = torch.full((2,), 100.0, dtype=torch.float64)
+    with pytest.raises(tfun.errors.JitError):
+        _FAILING_TRACES[failure](x)
+    g, f = _rule_100_vjp(), _rule_100_jvp(False)
+    torch.testing.assert_close(tfun.grad(lambda y: g(y).sum())(x), want)
+    torch.testing.assert_close(tfun.grad(lambda y: f(y).sum())(x), want)
+    torch.testing.assert_close(tfun.jvp(f, (x,), (torch.ones(2, dtype=torch.float64),))[1], want)
+    xb = x.clone().requires_grad_()
+    f(xb).sum().backward()
+    torch.testing.assert_close(xb.grad, want)
+    torch.testing.assert_close(tfun.jit(tfun.grad(lambda y: f(y).sum()), backend="aot_eager")(x), want)

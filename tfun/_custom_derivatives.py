@@ -14,6 +14,8 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,35 +43,54 @@ __all__ = ["custom_vjp", "custom_jvp"]
 
 
 _STATE = threading.local()
+# [weakref to the trace, its state]: the state of the trace running now (`_state`)
+_TRACE_STATE: list[Any] = [None, None]
 
 
-# The state below is trace-time state: under `tfun.jit`, Dynamo runs these functions as plain
-# Python (a constant result) instead of tracing them. Traced, a write to `_STATE` inside an
-# `autograd.Function` (tfun's rule) is a side effect Dynamo refuses ("HOP: Unsafe side
+# The state below is also trace-time state: under `tfun.jit`, Dynamo runs these functions as
+# plain Python (a constant result) instead of tracing them. Traced, a write to `_STATE` inside
+# an `autograd.Function` (tfun's rule) is a side effect Dynamo refuses ("HOP: Unsafe side
 # effect", torch 2.11), and a value Dynamo read before another write could be stale.
+#
+# While Dynamo traces, the state is that trace's own (keyed by `_context.current_trace`): a
+# trace that fails, or that Dynamo restarts, never runs the `__exit__` of the scopes it
+# entered, and its depth must not outlive it. Kept in the thread's state, one failed
+# `tfun.jit` inside a custom function's `fwd` left every custom rule in the process ignored,
+# eagerly too: gradients of the primal instead of the rule's, without an error (hunt 29 F0).
+
+
+def _state() -> Any:
+    trace = _context.current_trace()
+    if trace is None:
+        return _STATE
+    if _TRACE_STATE[0] is None or _TRACE_STATE[0]() is not trace:
+        _TRACE_STATE[:] = [weakref.ref(trace), types.SimpleNamespace()]
+    return _TRACE_STATE[1]
 
 
 def _depth() -> int:
-    return getattr(_STATE, "depth", 0)
+    return getattr(_state(), "depth", 0)
 
 
 def _add_depth(delta: int) -> None:
-    _STATE.depth = getattr(_STATE, "depth", 0) + delta
+    state = _state()
+    state.depth = getattr(state, "depth", 0) + delta
 
 
 def _push_transposing(level: int) -> None:
-    stack = getattr(_STATE, "transposing", None)
+    state = _state()
+    stack = getattr(state, "transposing", None)
     if stack is None:
-        stack = _STATE.transposing = []
+        stack = state.transposing = []
     stack.append(level)
 
 
 def _pop_transposing() -> None:
-    _STATE.transposing.pop()
+    _state().transposing.pop()
 
 
 def _transposing_level() -> int | None:
-    stack = getattr(_STATE, "transposing", None)
+    stack = getattr(_state(), "transposing", None)
     return stack[-1] if stack else None
 
 
