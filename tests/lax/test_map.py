@@ -233,3 +233,25 @@ def test_batch_size_under_jit_called_with_other_lengths_gives_eagers_values_and_
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
         for g, w in zip(torch.autograd.grad(got.sum(), (W32, xs32)), torch.autograd.grad(want.sum(), (W, xs))):
             torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("scalar", [1.0, 3, True, np.float32(2.5)], ids=["float", "int", "bool", "np.float32"])
+def test_scalar_outputs_with_batch_size_are_the_tensors_they_are_without(scalar, how):
+    """A Python or numpy scalar output (allowed: docs/concepts/rules.md) gives with
+    `batch_size` the tensor it gives without, as in JAX (hunt 29 F1: torch.func.vmap's raw
+    "must only return Tensors")."""
+    import tfun
+
+    xs = torch.arange(7.0, dtype=torch.float64)
+
+    def f(batch_size):
+        return lax.map(lambda r: (r * 2, scalar), xs, batch_size=batch_size)
+
+    want = f(None)
+    run = f if how == "eager" else tfun.jit(f, backend="aot_eager", static_argnums=0)
+    for batch_size in (3, 7, 10):
+        got = run(batch_size)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -132,7 +132,9 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
         y_leaves, y_def = tree_flatten(y)
         if not out_def:
             out_def.append(y_def)
-        return tuple(y_leaves)
+        # a Python (or numpy) scalar leaf as the tensor it becomes without batch_size
+        # (`_scan.stack_outputs`): torch.func.vmap takes only tensors (hunt 29 F1)
+        return tuple(v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in y_leaves)
 
     vf = torch.func.vmap(flat_f)
     # (`//` and `%`, not `divmod`, which Dynamo does not take for a symbolic `n`: a jitted map
