@@ -1811,3 +1811,44 @@ def test_a_failed_trace_inside_a_custom_function_leaves_every_rule_in_use(failur
     f(xb).sum().backward()
     torch.testing.assert_close(xb.grad, want)
     torch.testing.assert_close(tfun.jit(tfun.grad(lambda y: f(y).sum()), backend="aot_eager")(x), want)
+
+
+def _dict_in_vjp():
+    @tfun.custom_vjp
+    def v(d):
+        return d["a"] * d["b"] + d["c"]["e"]
+
+    def bwd(r, ct):
+        return ({"a": ct * r["b"] * 100.0, "b": ct * r["a"], "c": {"e": 3.0 * ct}},)
+
+    v.defvjp(lambda d: (v(d), d), bwd)
+    return lambda y: v({"a": y, "b": y * 2, "c": {"e": y.sin()}}).sum()
+
+
+def _dict_out_jvp():
+    @tfun.custom_jvp
+    def j(a):
+        return {"z": torch.sin(a), "w": {"u": a * a}}
+
+    j.defjvp(lambda pr, tg: (j(pr[0]), {"z": tg[0] * 100.0, "w": {"u": 7.0 * tg[0]}}))
+    return lambda y: (j(y)["z"] + j(y)["w"]["u"]).sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("how", ["jit(grad)", "jit+backward"])
+@pytest.mark.parametrize("case", ["custom_vjp taking dicts", "custom_jvp returning dicts"])
+def test_rules_with_dict_arguments_and_outputs_under_jit(case, how, backend):
+    """Dict arguments of a custom_vjp and dict outputs of a custom_jvp, differentiated under
+    tfun.jit, use the rule as eagerly (hunt 29 F2: Dynamo's optree support failed to rebuild
+    a dict of constants, "unhashable type: 'list'" / "length mismatch")."""
+    loss = _dict_in_vjp() if case.startswith("custom_vjp") else _dict_out_jvp()
+    x = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    want = tfun.grad(loss)(x)
+    if how == "jit(grad)":
+        got = tfun.jit(tfun.grad(loss), backend=backend)(x)
+    else:
+        xb = x.clone().requires_grad_()
+        tfun.jit(loss, backend=backend)(xb).backward()
+        got = xb.grad
+    torch.testing.assert_close(got, want)
+    assert want.abs().max() > 50  # the rule's gradient, not the primal's
