@@ -689,3 +689,20 @@ def test_vjp_inside_vmap_inside_jit_matches_eager():
     loop = lambda w, x: lax.scan(lambda c, _: (torch.sin(c * w), None), x, None, length=2)[0].sum()
     with pytest.raises(JitError):
         tfun.jit(per_example(loop), backend="aot_eager")(w, xs)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_jacrev_of_an_integer_output_is_a_tfun_error(dtype, how):
+    """As in JAX (a TypeError), and as `tfun.grad` does: torch.func's raw RuntimeError before
+    (hunt 29 F7)."""
+    from tfun.errors import ArgumentTypeError
+
+    def f(x):
+        return (x > 0).to(dtype), x * 2
+
+    run = tfun.jacrev(f) if how == "eager" else tfun.jit(tfun.jacrev(f), backend="aot_eager")
+    with pytest.raises(ArgumentTypeError, match=r"tfun.jacrev: every output must be a floating-point tensor") as info:
+        run(torch.tensor([0.5, -1.0, 2.0]))
+    assert isinstance(info.value, TypeError)
+    assert "output[0]: a tensor of shape (3,)" in str(info.value)

@@ -1163,6 +1163,14 @@ def _check_jac_outputs(op: str, fun: Callable[..., Any], out: Any, forward: bool
         bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and not o.is_complex()]
         head = f"{op}: with holomorphic=True every output must be complex."
         revise = "Return complex tensors, or pass holomorphic=False for a function with real outputs."
+    elif not forward and any(isinstance(o, torch.Tensor) and not is_inexact(o) for _, o in pl):
+        # (torch.func.vjp's raw RuntimeError otherwise, hunt 29 F7; JAX: a TypeError)
+        bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and not is_inexact(o)]
+        head = f"{op}: every output must be a floating-point tensor, as in JAX (an integer or bool output has no derivative)."
+        revise = (
+            "Return floating-point tensors (`.to(torch.get_default_dtype())`), or return the integer outputs "
+            "as auxiliary data (`has_aux=True`)."
+        )
     elif not forward:
         bad = [(p, o) for p, o in pl if isinstance(o, torch.Tensor) and o.is_complex()]
         head = f"{op}: without holomorphic=True every output must be real, as in JAX."
