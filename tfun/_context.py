@@ -159,10 +159,15 @@ def functorch_level(t: torch.Tensor) -> int:
     return -1 if get is None else int(get(t))
 
 
+_TRACING_CONTEXT: list[Callable[[], object | None]] = []  # `TracingContext.try_get`, once imported
+
+
 def current_trace() -> object | None:
     """The compilation being traced (Dynamo's `TracingContext`, one per traced graph, a new
     one when Dynamo restarts a trace), or None: the key of trace-time state that must not
     outlive its trace (a trace that raises skips its cleanup). Plain Python at trace time:
-    traced code must call it through a Dynamo escape hatch."""
-    guards = importlib.import_module("torch._guards")
-    return guards.TracingContext.try_get()
+    traced code must call it through a Dynamo escape hatch. Also asked eagerly, once per
+    custom function call (`_custom_derivatives._state`): the lookup is kept."""
+    if not _TRACING_CONTEXT:
+        _TRACING_CONTEXT.append(importlib.import_module("torch._guards").TracingContext.try_get)
+    return _TRACING_CONTEXT[0]()

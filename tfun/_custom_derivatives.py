@@ -557,20 +557,11 @@ class _CotangentMismatchError(TensorMismatchError, ValueError):
     also a `ValueError`, the class JAX raises there."""
 
 
-def _structure_of(part: Any) -> Any:
-    """A tree of the structure of partition `part` (its leaves stand for nothing), for
-    `_check_cotangents`. Traced, its tensor positions hold empty tensors: Dynamo's optree
-    support fails to rebuild a dict whose leaves are all constants ("unhashable type: 'list'",
-    hunt 29 F2: a custom_vjp taking a dict, differentiated under tfun.jit)."""
-    if _context.is_tracing():
-        return part.combine([torch.empty(0) for _ in part.dynamic])
-    return tree_unflatten(part.treedef, list(range(len(part.leaves))))
-
-
 def _skeleton(treedef: Any, n: int) -> Any:
-    """A tree of structure `treedef` with `n` leaves that stand for nothing (as
-    `_structure_of`: empty tensors where traced; hunt 29 F2, a custom_jvp returning a dict:
-    "length mismatch")."""
+    """A tree of structure `treedef` with `n` leaves that stand for nothing, for
+    `_check_cotangents`. Traced, the leaves are empty tensors: Dynamo's optree support fails to
+    rebuild a dict whose leaves are all constants (hunt 29 F3: a custom_vjp taking a dict,
+    "unhashable type: 'list'", a custom_jvp returning one, "length mismatch")."""
     if _context.is_tracing():
         return tree_unflatten(treedef, [torch.empty(0) for _ in range(n)])
     return tree_unflatten(treedef, list(range(n)))
@@ -796,7 +787,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         meta_per_leaf: list[Any] = [None] * len(spec.diff.leaves)
         for k, m in zip(spec.tensor_pos, spec.in_meta):
             meta_per_leaf[k] = m
-        expected = _structure_of(spec.diff)
+        expected = _skeleton(spec.diff.treedef, len(spec.diff.leaves))
         flat = _check_cotangents(
             op,
             spec.bwd,

@@ -556,10 +556,7 @@ def _lower_selected(
         state = _hop.torch_state()
         out = fn(*tree_unflatten(op_td, guarded))
         _hop.check_state(op, label, fn, state)
-        leaves, td = _checked_leaves(op, fn, key, label, out)
-        if outs and any(a.shape != b.shape for a, b in zip(outs[0], leaves)):  # (sizes: not in `describe`)
-            pair = (f"{names[0]} output", f"{label} output")
-            _rules.check_tensors(op, "branch outputs", outs[0], leaves, td, root="output", names=pair, fn=fn, revise=_REVISE_BRANCHES)
+        leaves, td = _checked_leaves(op, fn, key, label, out)  # (sizes too: `_hop.trace_sizes`)
         # an output that is one of its (guarded) operands: that operand itself, as eagerly
         outs.append([next((o for o, g in zip(flat, guarded) if leaf is g), leaf) for leaf in leaves])
         out_td = td

@@ -926,14 +926,12 @@ def _leaf_desc(x: Any, sizes: Any) -> Any:
     return (type(x),)
 
 
-def describe(td: Any, leaves: Sequence[Any], sizes: Sequence[Any] | None = None) -> Any:
+def describe(td: Any, leaves: Sequence[Any]) -> Any:
     """A description of the pytree `td` with `leaves` made of constants, in plain Python and
     in code that Dynamo traces alike (an escape hatch's argument): each tensor's sizes as the
-    call being traced has them (`trace_sizes`, or `sizes` where the caller has them); a None
-    size is one not known, which agrees with any (`_rules.descriptions_agree`)."""
-    if sizes is None:
-        sizes = trace_sizes(leaves)
-    return (skeleton(td), tuple(_leaf_desc(x, n) for x, n in zip(leaves, sizes)))
+    call being traced has them (`trace_sizes`); a None size is one not known, which agrees
+    with any (`_rules.descriptions_agree`)."""
+    return (skeleton(td), tuple(_leaf_desc(x, n) for x, n in zip(leaves, trace_sizes(leaves))))
 
 
 # Sizes at trace time. Traced code cannot tell a symbolic size from an int (Dynamo answers
