@@ -1255,6 +1255,102 @@ def test_numpy_scalars_as_operands_are_accepted():
     )
 
 
+# A numpy scalar or 0-d array wherever an op takes a Python scalar, as JAX accepts it (hunt 29
+# F4: refused, "must be an integer scalar, but got a int64"). Each program is run with the numpy
+# value and with the Python scalar it holds; the results must be equal, with equal dtypes.
+_X3 = torch.arange(3.0)
+_NUMPY_STATIC = {
+    "switch index np.int64": lambda v: lax.switch(v, [lambda x: x, lambda x: 2 * x, lambda x: 3 * x], _X3),
+    "switch index clamped": lambda v: lax.switch(v, [lambda x: x, lambda x: 2 * x], _X3),
+    "cond pred np.bool_": lambda v: lax.cond(v, lambda x: x + 1, lambda x: x - 1, _X3),
+    "cond pred number": lambda v: lax.cond(v, lambda x: x + 1, lambda x: x - 1, _X3),
+    "scan length": lambda v: lax.scan(lambda c, _: (c + 1, c), _X3, None, length=v),
+    "fori_loop bounds": lambda v: lax.fori_loop(v, v + 3, lambda i, c: c + i, _X3),
+    "fori_loop upper, unroll": lambda v: lax.fori_loop(0, v, lambda i, c: c * 2, _X3, unroll=True),
+    "scan unroll": lambda v: lax.scan(lambda c, x: (c + x, c), _X3, torch.ones(5, 3), unroll=v),
+    "map batch_size": lambda v: lax.map(lambda a: a * 2, torch.arange(10.0).reshape(5, 2), batch_size=v),
+    "associative_scan axis": lambda v: lax.associative_scan(torch.add, torch.arange(10.0).reshape(2, 5), axis=v),
+    "while_loop cond_fun": lambda v: lax.while_loop(lambda c: v, lambda c: c + 1, _X3),
+}
+_NUMPY_VALUES = {
+    "switch index np.int64": (np.int64(2), 2),
+    "switch index clamped": (np.array(7, dtype=np.int32), 7),
+    "cond pred np.bool_": (np.bool_(False), False),
+    "cond pred number": (np.float32(0.5), 0.5),
+    "scan length": (np.int64(4), 4),
+    "fori_loop bounds": (np.int32(1), 1),
+    "fori_loop upper, unroll": (np.uint8(3), 3),
+    "scan unroll": (np.int64(2), 2),
+    "map batch_size": (np.array(2), 2),
+    "associative_scan axis": (np.int16(-1), -1),
+    "while_loop cond_fun": (np.bool_(False), False),
+}
+
+
+@pytest.mark.parametrize("case", list(_NUMPY_STATIC))
+def test_numpy_scalars_where_python_scalars_are_taken_as_in_jax(case):
+    program, (numpy_value, python_value) = _NUMPY_STATIC[case], _NUMPY_VALUES[case]
+    got, expected = program(numpy_value), program(python_value)
+    for g, e in zip(tfun.tree.tree_leaves(got), tfun.tree.tree_leaves(expected)):
+        assert g.dtype == e.dtype and torch.equal(g, e), (case, got, expected)
+
+
+_NUMPY_TRACED = {
+    "switch": lambda x, v: lax.switch(v, [lambda x: x, lambda x: 2 * x], x),
+    "cond": lambda x, v: lax.cond(v, lambda x: x + 1, lambda x: x - 1, x),
+    "fori_loop": lambda x, v: lax.fori_loop(0, v, lambda i, c: c * 2, x),
+}
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("switch", np.int64(1)),
+        ("switch", np.array(3, dtype=np.int32)),
+        ("cond", np.bool_(True)),
+        ("cond", np.int64(1)),
+        ("fori_loop", np.int64(2)),
+        ("fori_loop", np.array(3, dtype=np.int32)),
+    ],
+)
+def test_numpy_arguments_of_jit_are_traced_as_in_jax(name, value):
+    program = _NUMPY_TRACED[name]
+    x = torch.arange(3.0)
+    jitted = tfun.jit(program, backend="aot_eager")
+    clear_cache()
+    assert torch.equal(jitted(x, value), program(x, value.item()))
+    # another value gives its own result (the value is not baked into the graph)
+    other = np.zeros((), dtype=value.dtype)[()] if isinstance(value, np.generic) else np.zeros((), dtype=value.dtype)
+    assert torch.equal(jitted(x, other), program(x, other.item()))
+
+
+def test_numpy_static_argument_of_jit_is_a_python_scalar():
+    seen = []
+
+    def f(x, n):
+        seen.append(type(n))
+        return lax.scan(lambda c, _: (c + 1, c), x, None, length=n)[1]
+
+    x = torch.zeros(2)
+    out = tfun.jit(f, static_argnums=1, backend="aot_eager")(x, np.int64(3))
+    assert torch.equal(out, f(x, 3)) and seen[0] is int
+
+
+@pytest.mark.parametrize("arg", ["length", "batch_size", "axis", "unroll"])
+def test_traced_numpy_value_where_a_static_one_is_needed_is_a_tfun_error(arg):
+    # JAX: a concretization error; Dynamo traces every numpy value, so tfun says how to keep it static
+    programs = {
+        "length": lambda x, v: lax.scan(lambda c, _: (c + 1, c), x, None, length=v)[0],
+        "batch_size": lambda x, v: lax.map(lambda a: a * 2, x.reshape(3, 1), batch_size=v),
+        "axis": lambda x, v: lax.associative_scan(torch.add, x, axis=v),
+        "unroll": lambda x, v: lax.scan(lambda c, y: (c + y, c), x[0], x, unroll=v)[0],
+    }
+    with pytest.raises(ArgumentTypeError) as info:
+        tfun.jit(programs[arg], backend="aot_eager")(torch.zeros(3), np.int64(1))
+    assert f"{arg} must be known while tracing, but it is a numpy value" in str(info.value)
+    assert "static_argnums" in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------
 # Issue 14: JAX's weak types (a Python scalar takes the other side's dtype)
 # ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, _context, _cuda_graphs, _funcinfo, _jit_options
+from . import _compat, _context, _cuda_graphs, _funcinfo, _jit_options, _rules
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
 from ._tree import tree_flatten
@@ -572,6 +572,11 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
     not kept alive by Dynamo's reference to the globals of the code it compiled.)
     """
     n_static = len(static_pos)
+
+    # A static numpy scalar is passed as the Python scalar it holds: Dynamo traces a numpy value
+    # (from a closure or a global too) as an array over a tensor, so it would not be static.
+    static_pos = {j: _rules.from_numpy(v) if _is_numpy_scalar(v) else v for j, v in static_pos.items()}
+    static_kw = {k: _rules.from_numpy(v) if _is_numpy_scalar(v) else v for k, v in static_kw.items()}
     numbers = (int, float, bool)
     scalar_pos = {j: v for j, v in static_pos.items() if type(v) in numbers}
     other_pos = {j: v for j, v in static_pos.items() if j not in scalar_pos}
@@ -601,6 +606,10 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
         "_tfun_trace_settings": _trace_settings,
     }
     return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
+
+
+def _is_numpy_scalar(v: Any) -> bool:
+    return type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0
 
 
 #: Numbers the code objects of static specializations (see `Jitted._compile`).

@@ -23,6 +23,7 @@ import dis
 import functools
 import logging
 import os
+import sys
 import sysconfig
 import threading
 import types
@@ -119,7 +120,9 @@ def tensor_text(dtype: torch.dtype, dims: Sequence[int | None], device: Any) -> 
 
 
 def scalar_text(tp: type) -> str:
-    """A non-tensor leaf of type `tp` in messages: `a Python int`, `a str`."""
+    """A non-tensor leaf of type `tp` in messages: `a Python int`, `a str`, `a numpy.int64`."""
+    if tp.__module__ == "numpy":
+        return f"a numpy.{tp.__name__}"
     for py, text in ((bool, "a Python bool"), (int, "a Python int"), (float, "a Python float")):
         if issubclass(tp, py):
             return text
@@ -129,7 +132,40 @@ def scalar_text(tp: type) -> str:
 def describe_leaf(x: Any) -> str:
     if _is_tensorlike(x):
         return tensor_text(x.dtype, x.shape, x.device)
+    if _is_ndarray(x):
+        return f"a numpy array of dtype {x.dtype} and shape {tuple(x.shape)}"
     return scalar_text(type(x))
+
+
+def from_numpy(x: Any) -> Any:
+    """A numpy scalar or 0-d array where an op takes a Python scalar or a 0-d tensor (a `cond`
+    predicate, a `switch` index, a loop bound), as JAX accepts it. Eagerly it becomes the
+    Python scalar it holds, and takes that path. Under `tfun.jit` Dynamo traces every numpy
+    value as an array over a tensor (an argument, a closure, a global alike), so it becomes
+    that tensor, as `jax.jit` traces a numpy argument. Anything else is returned unchanged."""
+    if type(x).__module__ != "numpy" or getattr(x, "ndim", None) != 0:
+        return x
+    if not _context.is_tracing():
+        return x.item()
+    return torch.as_tensor(x)
+
+
+def static_from_numpy(op: str, arg: str, x: Any) -> Any:
+    """`from_numpy` for an argument that must be known while tracing (a `length`, an `axis`,
+    a `batch_size`, `unroll`): eagerly the Python scalar a numpy one holds; under tracing a
+    tfun error, since Dynamo has made it a traced value (JAX: a concretization error)."""
+    if type(x).__module__ != "numpy" or getattr(x, "ndim", None) != 0:
+        return x
+    if not _context.is_tracing():
+        return x.item()
+    raise ArgumentTypeError(
+        format_message(
+            f"{op}: {arg} must be known while tracing, but it is a numpy value, which tfun.jit (Dynamo) traces "
+            "as an array.",
+            revise=f"Pass {arg} as a Python int (`int(n)`), or mark the argument it comes from static "
+            "(`tfun.jit(f, static_argnums=...)`: a static numpy scalar reaches `f` as the Python scalar it holds).",
+        )
+    )
 
 
 def describe_node(spec: PyTreeSpec) -> str:
@@ -550,7 +586,9 @@ def check_concrete(op: str, what: str, value: Any, fn: Callable[..., Any] | None
 
 
 def check_scalar_predicate(op: str, what: str, pred: Any, fn: Callable[..., Any] | None = None) -> Any:
-    """A boolean scalar: Python bool, or a 0-d bool tensor. Returns it unchanged."""
+    """A boolean scalar: Python bool, or a 0-d bool tensor (a numpy bool as the Python bool
+    it holds). Returns it."""
+    pred = from_numpy(pred)
     if isinstance(pred, bool):
         return pred
     check_concrete(op, what, pred, fn)
@@ -577,11 +615,17 @@ def check_scalar_predicate(op: str, what: str, pred: Any, fn: Callable[..., Any]
 
 
 def check_int(op: str, arg: str, value: Any, *, minimum: int | None = None) -> int:
+    given = value
+    value = static_from_numpy(op, arg, value)
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 0
+            and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        ):
             value = int(value)
         else:
-            raise ArgumentTypeError(f"{op}: {arg} must be a Python int, but got {describe_leaf(value)}.")
+            raise ArgumentTypeError(f"{op}: {arg} must be a Python int, but got {describe_leaf(given)}.")
     if minimum is not None and value < minimum:
         raise ArgumentValueError(f"{op}: {arg} must be >= {minimum}, but got {value}.")
     return value

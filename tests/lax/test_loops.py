@@ -402,3 +402,17 @@ def test_fori_loop_bounded_by_a_dynamic_size_under_export():
         grads = torch.autograd.grad(got.sum(), (got_in[0], got_in[2]))
         for gr, w in zip(grads, torch.autograd.grad(want.sum(), (want_in[0], want_in[2]))):
             torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_fori_loop_index_is_a_strong_int64_tensor_documented_weak_index():
+    from tfun.errors import TensorMismatchError
+
+    # docs/porting.md, row `weak-index`: JAX's `i` is weakly typed; tfun's is a 0-d int64 tensor,
+    # so a 0-d int32 carry widens (refused, naming the carry) and the documented idiom keeps it.
+    c0 = torch.tensor(0, dtype=torch.int32)
+    with pytest.raises(TensorMismatchError, match=r"carry: input is int32\[\] on cpu, output is int64\[\]"):
+        lax.fori_loop(0, 3, lambda i, c: c + i, c0)
+    out = lax.fori_loop(0, 3, lambda i, c: c + i.to(c.dtype), c0)
+    assert out.dtype == torch.int32 and int(out) == 3
+    # a carry with dimensions keeps its dtype (a 0-d tensor does not promote it)
+    assert lax.fori_loop(0, 3, lambda i, c: c + i, torch.zeros(2, dtype=torch.int32)).dtype == torch.int32

@@ -149,7 +149,10 @@ def _run_branch(
 
 def _as_pred(op: str, pred: Any) -> Any:
     """JAX's `cond` predicate: a scalar bool, or a real scalar number meaning `pred != 0`
-    (so NaN is true), exactly as JAX converts it; a complex or non-numeric pred is refused."""
+    (so NaN is true), exactly as JAX converts it; a complex or non-numeric pred is refused.
+    A numpy scalar is taken as the Python scalar it holds."""
+    given = pred
+    pred = _rules.from_numpy(pred)
     if isinstance(pred, bool):
         return pred
     if isinstance(pred, (int, float)):
@@ -179,7 +182,7 @@ def _as_pred(op: str, pred: Any) -> Any:
     raise ArgumentTypeError(
         format_message(
             f"{op}: pred must be a boolean or a real number (JAX: \"Pred type must be either boolean or number\"): "
-            f"a Python bool, int or float, or a tensor of shape (), but got {_rules.describe_leaf(pred)}.",
+            f"a Python bool, int or float, or a tensor of shape (), but got {_rules.describe_leaf(given)}.",
             revise="Pass a bool tensor of shape (), e.g. `x > 0`.",
         )
     )
@@ -339,12 +342,14 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
         raise ArgumentValueError(f"{op}: branches must not be empty.")
     for i, b in enumerate(branches):
         _rules.check_callable(op, f"branches[{i}]", b)
+    given = index
+    index = _rules.from_numpy(index)
     if isinstance(index, bool) or not isinstance(index, (int, torch.Tensor)):
-        raise ArgumentTypeError(f"{op}: index must be an integer scalar, but got {_rules.describe_leaf(index)}.")
+        raise ArgumentTypeError(f"{op}: index must be an integer scalar, but got {_rules.describe_leaf(given)}.")
     if isinstance(index, torch.Tensor) and (index.dim() != 0 or index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
         raise ArgumentTypeError(
             f"{op}: index must be an integer scalar (an integer tensor of shape ()), but it is "
-            f"{_rules.describe_leaf(index)}."
+            f"{_rules.describe_leaf(given)}."
         )
     operands = _normalize_operands(op, operands)
     n = len(branches)

@@ -189,18 +189,18 @@ def _loop_bound(op: str, name: str, v: Any) -> Any:
         # a size that is a symbol (`xs.shape[0]` under non-strict torch.export with a `Dim`):
         # a static bound whose value the graph keeps symbolic (Dynamo shows it as an int)
         return v
+    given = v
+    # numpy bounds: JAX takes them (a concrete one is the int it holds; a traced one, a tensor)
+    v = _rules.from_numpy(v)
     if isinstance(v, bool) or not isinstance(v, (int, torch.Tensor)):
-        kind = getattr(getattr(v, "dtype", None), "kind", None)
-        if type(v).__module__ == "numpy" and kind is not None and kind in "iu":
-            return int(v)
         raise ArgumentTypeError(
             f"{op}: lower and upper must be integers (a Python int or an integer tensor of shape ()), but "
-            f"{name} is {_rules.describe_leaf(v)}."
+            f"{name} is {_rules.describe_leaf(given)}."
         )
     if isinstance(v, torch.Tensor) and (v.dim() != 0 or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
         raise ArgumentTypeError(
             f"{op}: lower and upper must be integers (a Python int or an integer tensor of shape ()), but "
-            f"{name} is {_rules.describe_leaf(v)}."
+            f"{name} is {_rules.describe_leaf(given)}."
         )
     return v
 
@@ -252,7 +252,7 @@ def fori_loop(
     lower = _loop_bound(op, "lower", lower)
     upper = _loop_bound(op, "upper", upper)
     if unroll is not None:
-        check_unroll(op, unroll)
+        unroll = check_unroll(op, unroll)
     tensors: list[torch.Tensor] = [v for v in (lower, upper) if isinstance(v, torch.Tensor)]
     dtype = torch.int64
     device = torch.device("cpu")

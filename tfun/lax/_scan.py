@@ -25,16 +25,19 @@ REVISE_CARRY = (
 )
 
 
-def check_unroll(op: str, unroll: Any) -> None:
-    """JAX's rule: a bool, or a non-negative int (0 and `True` both mean "unroll fully")."""
+def check_unroll(op: str, unroll: Any) -> int | bool:
+    """JAX's rule: a bool, or a non-negative int (0 and `True` both mean "unroll fully").
+    Returns it (a numpy one as the Python scalar it holds)."""
+    unroll = _rules.static_from_numpy(op, "unroll", unroll)
     if isinstance(unroll, bool):
-        return
+        return unroll
     if not isinstance(unroll, numbers.Integral):
         raise ArgumentTypeError(
             f"{op}: unroll must be a non-negative int or a bool, but got {_rules.describe_leaf(unroll)}."
         )
     if unroll < 0:
         raise ArgumentValueError(f"{op}: unroll must be a bool or a non-negative int, but got {unroll}.")
+    return int(unroll)
 
 
 def xs_leaves(op: str, xs: Any, arg: str = "xs") -> tuple[list[torch.Tensor], PyTreeSpec]:
@@ -261,7 +264,7 @@ def scan(
     """
     op = "tfun.lax.scan"
     _rules.check_callable(op, "f", f)
-    check_unroll(op, unroll)
+    unroll = check_unroll(op, unroll)
     weak: dict[int, Any] = {}
     carry_leaves, carry_def = _rules.as_tensor_leaves(op, "init", init, weak)
     init = tree_unflatten(carry_def, carry_leaves)
