@@ -16,6 +16,7 @@ import tfun
 from tfun import lax
 from tfun import _compat
 from tfun.lax import _weak
+from tfun.errors import JitError
 
 DTYPES = [
     torch.int8,
@@ -307,3 +308,41 @@ def test_a_complex_init_beside_bfloat16_is_complex64_as_in_jax(jax, dtype, loop,
     theirs = np.asarray(fns[loop](jax.lax, _jnp(jax, x)))
     assert ours.dtype == torch.complex64 and str(theirs.dtype) == "complex64"
     np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-6)
+
+
+# Hunt 30 F1: a loop with a Python scalar in its init, nested in another op's body, under
+# tfun.jit: the weak-type run cannot be traced there. It was a JitError blaming a side effect
+# the user's code does not have; now a JitError that says why and how to give the dtype, and
+# the program with the dtype given compiles and equals eager.
+_NESTED_WEAK = {
+    "while (0, x) in cond": lambda x, z: lax.cond(
+        x.sum() > 0,
+        lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (z(0), x))[1],
+        lambda x: x, x),
+    "fori(.., 0.0) in scan": lambda x, z: lax.scan(
+        lambda c, t: (c + lax.fori_loop(0, 3, lambda i, a: a + (t * i).sum(), z(0.0)), None),
+        x.sum(), torch.ones(2, 3))[0],
+    "scan(.., 0.0) in map": lambda x, z: lax.map(
+        lambda r: lax.scan(lambda a, u: (a + u, None), z(0.0), r)[0], x.reshape(3, 1)),
+    "fori(.., 0.0) in while": lambda x, z: lax.while_loop(
+        lambda c: c[0] < 2,
+        lambda c: (c[0] + 1, c[1] + lax.fori_loop(0, 3, lambda i, a: a + (c[1] * i).sum(), z(0.0))),
+        (torch.tensor(0), x))[1],
+}
+
+
+@pytest.mark.parametrize("case", list(_NESTED_WEAK))
+def test_weak_init_of_a_loop_nested_in_a_body_under_jit(case):
+    program = _NESTED_WEAK[case]
+    x = torch.tensor([0.5, -1.0, 2.0])
+    python_scalar = lambda v: v  # noqa: E731
+    given_dtype = lambda v: torch.tensor(v)  # noqa: E731
+    with pytest.raises(JitError) as info:
+        tfun.jit(lambda x: program(x, python_scalar), backend="aot_eager")(x)
+    msg = str(info.value)
+    assert "holds a Python scalar (weakly typed, as in JAX)" in msg and "torch.tensor(0.0)" in msg
+    assert "side effect" not in msg and "test_weak.py" in msg
+    want = program(x, python_scalar)  # eagerly the Python scalar works
+    assert torch.equal(program(x, given_dtype), want)
+    got = tfun.jit(lambda x: program(x, given_dtype), backend="aot_eager")(x)
+    assert torch.equal(got, want)
