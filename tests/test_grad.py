@@ -706,3 +706,32 @@ def test_jacrev_of_an_integer_output_is_a_tfun_error(dtype, how):
         run(torch.tensor([0.5, -1.0, 2.0]))
     assert isinstance(info.value, TypeError)
     assert "output[0]: a tensor of shape (3,)" in str(info.value)
+
+
+# (jacfwd and hessian of a loop under tfun.jit are refused: docs/porting.md, jit-jacfwd-of-loop)
+@pytest.mark.parametrize(
+    "transform, jit", [("jvp", False), ("jvp", True), ("jacfwd", False), ("hessian", False)],
+    ids=["jvp", "jit-jvp", "jacfwd", "hessian"],
+)
+def test_forward_mode_at_an_expanded_primal(transform, jit):
+    """Hunt 30 F2: an expanded (stride-0) primal, such as a broadcast bias, was torch's raw
+    "more than one element of the written-to tensor refers to a single memory location"
+    (forward mode copies the tangent into the primal's layout). JAX takes any array; the
+    result is the one at the contiguous copy, through a loop too."""
+    base = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    x = base.expand(2, 3)
+    t = torch.linspace(-1, 1, 6, dtype=torch.float64).reshape(2, 3)
+
+    def f(x):
+        if jit:  # (jvp around a loop is refused under tfun.jit: same row)
+            return tfun.lax.select(x > 0, torch.sin(x), x * x) * 2
+        return tfun.lax.scan(lambda c, r: (c * torch.sin(r), c), torch.ones(3, dtype=x.dtype), x)[0] * 2
+
+    run = {
+        "jvp": lambda x: tfun.jvp(f, (x,), (t,))[1],
+        "jacfwd": lambda x: tfun.jacfwd(f)(x),
+        "hessian": lambda x: tfun.hessian(lambda x: f(x).sum())(x),
+    }[transform]
+    want = run(x.contiguous())
+    got = (tfun.jit(run, backend="aot_eager") if jit else run)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -824,7 +824,7 @@ def jvp(
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], list[Any]]:
         return _call_flat(op, fun, has_aux, box, prim, diff)
 
-    diff_primals = tuple(prim.dynamic)
+    diff_primals = tuple(_without_overlap(x) for x in prim.dynamic)
     _forward_ad_ready()
     if diff_primals:
         out_l, tan_l, aux_l = torch.func.jvp(f_flat, diff_primals, tuple(diff_tangents), has_aux=True)  # type: ignore[misc]
@@ -1191,6 +1191,16 @@ def _check_jac_outputs(op: str, fun: Callable[..., Any], out: Any, forward: bool
         )
 
 
+def _without_overlap(x: torch.Tensor) -> torch.Tensor:
+    """A primal for torch's forward mode, which copies the tangent into the primal's layout
+    and refuses one whose elements share memory (an expanded, stride-0 view: "more than one
+    element of the written-to tensor refers to a single memory location"). Such a primal is
+    made contiguous (same values; JAX takes any array, hunt 30 F2); others are kept as they are."""
+    if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        return x.contiguous()
+    return x
+
+
 def _basis(like: torch.Tensor) -> torch.Tensor:
     """The standard basis of `like`'s space, stacked: shape `(numel,) + like.shape`."""
     n = like.numel()
@@ -1201,7 +1211,7 @@ def _jacfwd_flat(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> 
     """`jac[k][i]` (output k by input i, shape `out_k.shape + in_i.shape`) by forward mode:
     one `vmap` over the basis tangents of each input. Works for complex values."""
     _forward_ad_ready()
-    leaves = tuple(leaves)
+    leaves = tuple(_without_overlap(x) for x in leaves)
     outs, aux = f_flat(*leaves)
     cols: list[list[torch.Tensor]] = []  # cols[i][k]
     for i, x in enumerate(leaves):
