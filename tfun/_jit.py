@@ -509,7 +509,8 @@ class Jitted:
             if err is e:
                 raise e
             if _is_side_effect_error(e):
-                err = _diagnose_eagerly(self._fun, args, kwargs, err)
+                weak = _weak_init_in_a_body(e)
+                err = _diagnose_eagerly(self._fun, args, kwargs, err) if weak is None else weak
             raise err from getattr(err, "dynamo_error", e)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -892,6 +893,41 @@ def _in_chain(e: BaseException, *texts: str) -> bool:
 
 def _is_side_effect_error(e: BaseException) -> bool:
     return _in_chain(e, *_SIDE_EFFECT_MARKERS)
+
+
+def _weak_init_in_a_body(e: BaseException) -> JitError | None:
+    """The error for Dynamo's "unsafe side effect" refusal of tfun's weak-type run
+    (`_hop.promote_weak_init`: a `TorchFunctionMode`, which torch.compile refuses inside some
+    control-flow bodies) of a loop whose `init` holds a Python scalar, nested in another op's
+    body; None if the refusal came from elsewhere. Hunt 30 F1: it was reported as a side
+    effect of the user's code, with advice that did not apply."""
+    seen = set()
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        stack = list(getattr(c, "real_stack", None) or ())
+        for k, fr in enumerate(stack):
+            if fr.name == "promote_weak_init" and fr.filename.endswith("_hop.py") and k > 0:
+                op = f"tfun.lax.{stack[k - 1].name}"
+                user = next(
+                    (f"{u.filename}:{u.lineno}" for u in reversed(stack[:k])
+                     if not any(s in _os.path.abspath(u.filename) for s in _INTERNAL)),
+                    None,
+                )
+                return JitError(
+                    format_message(
+                        f"{op}: its initial value holds a Python scalar (weakly typed, as in JAX), and the loop runs "
+                        "inside the body of another control-flow op under tfun.jit. tfun gives such a scalar the "
+                        "dtype the loop's body returns for it, by one run of the body under JAX's promotion rules "
+                        "(a TorchFunctionMode), and torch.compile refused that run there."
+                        + ("" if user is None else f"\n  * the loop is called at {user}"),
+                        revise="Give the scalar its dtype: `torch.tensor(0.0)`, or `torch.zeros((), dtype=...)` of "
+                        "the dtype the loop carries (eagerly, and in a loop at the top level of tfun.jit, the "
+                        "Python scalar works).",
+                    )
+                )
+        c = c.__cause__ or c.__context__
+    return None
 
 
 def _diagnose_eagerly(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> BaseException:

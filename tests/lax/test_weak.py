@@ -311,9 +311,10 @@ def test_a_complex_init_beside_bfloat16_is_complex64_as_in_jax(jax, dtype, loop,
 
 
 # Hunt 30 F1: a loop with a Python scalar in its init, nested in another op's body, under
-# tfun.jit: the weak-type run cannot be traced there. It was a JitError blaming a side effect
-# the user's code does not have; now a JitError that says why and how to give the dtype, and
-# the program with the dtype given compiles and equals eager.
+# tfun.jit: torch.compile refuses the weak-type run (a TorchFunctionMode) in these bodies. It
+# was a JitError blaming a side effect the user's code does not have; now a JitError that says
+# why and how to give the dtype, and the program with the dtype given compiles and equals eager.
+# (JAX's testNestedWhile, a while_loop counter in a while_loop body, compiles: tests/jax_port.)
 _NESTED_WEAK = {
     "while (0, x) in cond": lambda x, z: lax.cond(
         x.sum() > 0,

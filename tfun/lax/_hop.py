@@ -1304,23 +1304,6 @@ def promote_weak_init(
     refused side effect is reported from it, before it could happen twice."""
     if not weak:
         return c_leaves
-    if _context.is_tracing() and in_body() and rules is not None:
-        # torch.compile refuses a TorchFunctionMode entered inside a HOP body ("mutating a
-        # variable from outside the scope of this HOP"), and without the mode the dtype would
-        # be torch's promotion, not JAX's (eager's): refused, with the fix (hunt 30 F1)
-        op, role, fn, _ = rules
-        raise _errors.JitError(
-            _errors.format_message(
-                f"{op}: its initial value holds a Python scalar (weakly typed, as in JAX), and this loop runs "
-                "inside the body of another control-flow op (a cond/switch branch, a loop or map body) under "
-                "tfun.jit. tfun gives such a scalar the dtype the body returns for it by one run of the body "
-                f"under JAX's promotion rules, a run torch.compile cannot trace inside another op's body.",
-                function=_funcinfo.describe(fn),
-                revise="Give the scalar its dtype: `torch.tensor(0.0)`, or `torch.zeros((), dtype=...)` of the "
-                "dtype the loop carries (a Python scalar works eagerly and in a loop at the top level of "
-                "tfun.jit).",
-            )
-        )
     from ._weak import WeakMode
 
     n = len(c_leaves)
