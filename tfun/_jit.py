@@ -895,6 +895,17 @@ def _is_side_effect_error(e: BaseException) -> bool:
     return _in_chain(e, *_SIDE_EFFECT_MARKERS)
 
 
+def _chain_text(e: BaseException) -> str:
+    """The messages of `e` and of the exceptions it was raised from or during."""
+    seen, parts = set(), []
+    c: BaseException | None = e
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        parts.append(str(c))
+        c = c.__cause__ or c.__context__
+    return "\n".join(parts)
+
+
 def _weak_init_in_a_body(e: BaseException) -> JitError | None:
     """The error for Dynamo's "unsafe side effect" refusal of tfun's weak-type run
     (`_hop.promote_weak_init`: a `TorchFunctionMode`, which torch.compile refuses inside some
@@ -1061,6 +1072,17 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "A loop body closes over a size computed from a dynamic shape (such as `h.shape[0] // 4`): "
             "compute it inside the body from a tensor it receives (`x.shape[0] // 4`, or `chunk`), or "
             "pass dynamic=False to tfun.jit to compile each shape on its own."
+        )
+    if "derivative for aten::detach_copy is not implemented" in _chain_text(e):
+        # torch's scan HOP nested in a loop body, differentiated because its body reads a tensor
+        # that requires grad (a module parameter): torch 2.13 cannot trace it (hunt 30 F3)
+        revise = (
+            "A loop (scan, or fori_loop with static bounds) inside another loop's body is differentiated "
+            "(its body reads a tensor that requires grad, such as a module parameter), which torch "
+            f"{torch.__version__}'s scan cannot trace. For inference, call the function under "
+            "`torch.no_grad()` or pass detached parameters; to differentiate, unroll the inner loop "
+            "(`unroll=True`: its steps then run in the outer body, as a one-step loop's do), or take the "
+            "gradient eagerly."
         )
     if "Batching rule not implemented for aten::sym_size" in str(e):
         # tfun.vmap inside tfun.jit with symbolic sizes (a second call with another shape): torch

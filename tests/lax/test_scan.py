@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 import tfun
 from tfun import lax
-from tfun.errors import ArgumentTypeError
+from tfun.errors import ArgumentTypeError, JitError
 from tfun.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 # ----------------------------------------------------------------------------------------
@@ -525,3 +525,69 @@ def test_a_loop_whose_init_or_xs_the_body_also_reads_under_export(name, strict):
             assert grad is None or not grad.any()
         else:
             torch.testing.assert_close(grad.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def _nested_program(inner_len, unroll):
+    torch.manual_seed(0)
+    W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # a parameter the inner body reads
+
+    def f(x):
+        def outer(h, xt):
+            steps = xt.reshape(1, 3).expand(inner_len, 3)
+            h = lax.scan(lambda c, t: (torch.tanh(c @ W + t), c.sum()), h, steps, unroll=unroll)[0]
+            return h, h.sum()
+
+        return lax.scan(outer, torch.zeros(3, dtype=torch.float64), x)[1]
+
+    return f, W
+
+
+@pytest.mark.parametrize("inner_len, unroll", [(1, 1), (3, True), (4, 4)])
+def test_a_scan_nested_in_a_body_unrolled_or_of_one_step_is_differentiated_under_jit(inner_len, unroll):
+    """Hunt 30 F3: a scan in a scan body whose body reads a parameter was refused under tfun.jit
+    (torch 2.13 cannot trace its HOP differentiated there), even with one step (scanning
+    `tfun.nn.LSTM.step`). One step, or every step unrolled, now runs in the outer body's graph:
+    values and the parameter's gradient are eager's."""
+    f, W = _nested_program(inner_len, unroll)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    want = f(x)
+    (want_g,) = torch.autograd.grad(want.sum(), W)
+    got = tfun.jit(f, backend="aot_eager")(x)
+    (got_g,) = torch.autograd.grad(got.sum(), W)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_g, want_g)
+
+
+def test_a_differentiated_scan_nested_in_a_body_is_refused_with_the_way_out():
+    f, W = _nested_program(3, 1)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(JitError) as info:
+        tfun.jit(f, backend="aot_eager")(x)
+    msg = str(info.value)
+    assert "inside another loop's body is differentiated" in msg and "unroll=True" in msg
+    assert "torch.no_grad()" in msg and "no printing or .item()" not in msg
+    with torch.no_grad():  # the way out for inference
+        torch.testing.assert_close(tfun.jit(f, backend="aot_eager")(x), f(x))
+
+
+def test_scanning_a_recurrent_layer_step_under_jit_with_gradients():
+    """The practical form of hunt 30 F3: a generation loop over `tfun.nn.LSTM.step` (one
+    step is a one-step scan), compiled, with the parameters' gradients."""
+    torch.manual_seed(0)
+    lstm = tfun.nn.LSTM(3, 4, batch_first=True, dtype=torch.float64)
+
+    def generate(x):
+        def body(state, xt):
+            y, state = lstm.step(xt, state)
+            return state, y
+
+        return lax.scan(body, lstm.init_state(2, dtype=torch.float64), x.transpose(0, 1))[1]
+
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    want = generate(x)
+    want_g = torch.autograd.grad(want.square().sum(), list(lstm.parameters()))
+    got = tfun.jit(generate, backend="aot_eager")(x)
+    got_g = torch.autograd.grad(got.square().sum(), list(lstm.parameters()))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b)

@@ -320,6 +320,13 @@ def scan(
 
             init = tree_unflatten(carry_def, _hop.batch_carry_like_body(tree_flatten(init)[0], body_carry, (x0,)))
         k = unroll_steps(unroll, n)
+        if _hop.in_body() and isinstance(n, int) and n >= 1 and (n == 1 or k >= n):
+            # One step, or every step unrolled, inside another op's body: the steps run in the
+            # body's graph, no HOP. Same values; and torch 2.13 cannot differentiate a scan HOP
+            # nested in a loop body (Dynamo's "derivative for aten::detach_copy is not
+            # implemented" where the inner body reads a tensor that requires grad), which
+            # refused scanning `tfun.nn.LSTM.step` (a one-step scan) under tfun.jit (hunt 30 F3)
+            return _steps_in_python(f, n, bool(reverse))(init, xs)
         if k > 1:
             # a static length (`len(range(n))`: Dynamo specializes `range`, so each length is a
             # graph of its own, as under jax.jit): with a symbolic one, Inductor failed to lower
