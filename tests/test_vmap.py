@@ -373,3 +373,21 @@ def test_per_example_gradients_under_jit_check_out_axes_as_eagerly():
     with pytest.raises(ArgumentValueError, match=r"out_axes 1 is out of range for an output with 1 dimensions") as traced:
         tfun.jit(g, backend="aot_eager")(b, _XS)
     assert str(traced.value).splitlines()[0] == str(eager.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("pred", ["python", "unbatched tensor", "switch", "vmap(grad)"])
+def test_jit_vmap_cond_with_an_unbatched_predicate_at_a_second_length(pred):
+    """Hunt 30 F5: at a second sequence length Dynamo makes the size symbolic and lifts it into
+    torch.cond's operands, and tfun's cond batching rule (`_compat`) passed that SymInt to
+    `is_batchedtensor`: a raw TypeError. Every length now gives eager's values."""
+    w = torch.tensor(0.5)
+    p = True if pred == "python" else w > 0
+    f = lambda r: tfun.lax.cond(p, lambda r: r.sin() * w, lambda r: r.cos(), r)  # noqa: E731
+    if pred == "switch":
+        f = lambda r: tfun.lax.switch(1, [lambda r: r.sin(), lambda r: r.cos() * w, lambda r: r], r)  # noqa: E731
+    if pred == "vmap(grad)":
+        f = tfun.grad(lambda r: tfun.lax.cond(w > 0, lambda r: (r.sin() * w).sum(), lambda r: r.cos().sum(), r))
+    g = tfun.jit(tfun.vmap(f), backend="aot_eager")
+    for shape in [(2, 5, 3), (2, 7, 3), (3, 4, 3)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(g(x), tfun.vmap(f)(x))

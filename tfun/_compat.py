@@ -632,8 +632,11 @@ def cond_vmap_fixes() -> None:
     def cond_batch_rule(interpreter: Any, pred: Any, true_fn: Any, false_fn: Any, inputs: Any) -> Any:
         if isinstance(pred, torch.Tensor) and is_batchedtensor(pred):
             return rule(interpreter, pred, true_fn, false_fn, inputs)
-        tensors = tuple(get_unwrapped(t) if is_batchedtensor(t) else t for t in inputs)
-        in_dims = tuple(maybe_get_bdim(t) if is_batchedtensor(t) else None for t in inputs)
+        # (an operand may be a SymInt: a symbolic size Dynamo lifts into torch.cond's operands,
+        # which `is_batchedtensor` refuses, hunt 30 F5)
+        batched = tuple(isinstance(t, torch.Tensor) and is_batchedtensor(t) for t in inputs)
+        tensors = tuple(get_unwrapped(t) if b else t for t, b in zip(inputs, batched))
+        in_dims = tuple(maybe_get_bdim(t) if b else None for t, b in zip(inputs, batched))
         if all(d is None for d in in_dims):
             with interpreter.lower():
                 return op(pred, true_fn, false_fn, tensors)
