@@ -391,3 +391,31 @@ def test_jit_vmap_cond_with_an_unbatched_predicate_at_a_second_length(pred):
     for shape in [(2, 5, 3), (2, 7, 3), (3, 4, 3)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(g(x), tfun.vmap(f)(x))
+
+
+_EMPTY_BATCH = {
+    "scan": lambda r: tfun.lax.scan(lambda c, t: (c + t, c), torch.tensor(0.0), r),
+    "associative_scan": lambda r: tfun.lax.associative_scan(torch.add, r),
+    "linear_scan": lambda r: tfun.lax.linear_scan(r.sigmoid(), r),
+    "while_loop": lambda r: tfun.lax.while_loop(lambda c: c.sum() < 5, lambda c: c + 1, r),
+    "item (runs one example)": lambda r: r * float(torch.ones(()).item()),
+    "out_axes None": None,
+}
+
+
+@pytest.mark.parametrize("case", list(_EMPTY_BATCH))
+def test_vmap_over_an_empty_batch(case):
+    """Hunt 30 F4: a mapped axis of size 0 (an empty last minibatch) was torch's raw IndexError
+    or reshape error for scan, associative_scan and linear_scan. As jax.vmap: empty outputs with
+    the per-example shapes of a batch of one, and zero gradients for the inputs."""
+    z = torch.zeros(0, 4, requires_grad=True)
+    if case == "out_axes None":
+        out = tfun.vmap(lambda r, w: (r * w, w * 2), in_axes=(0, None), out_axes=(0, None))(z, torch.ones(4))
+        assert out[0].shape == (0, 4) and torch.equal(out[1], torch.full((4,), 2.0))
+        return
+    f = _EMPTY_BATCH[case]
+    want = [o.shape for o in tfun.tree.tree_leaves(tfun.vmap(f)(torch.zeros(1, 4)))]
+    out = tfun.tree.tree_leaves(tfun.vmap(f)(z))
+    assert [o.shape for o in out] == [(0, *s[1:]) for s in want]
+    (g,) = torch.autograd.grad(sum(o.sum() for o in out if o.is_floating_point()), z, allow_unused=True)
+    assert g is not None and g.shape == (0, 4)

@@ -255,7 +255,10 @@ def vmap(
             return leaves
 
         try:
-            out_leaves = torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*mapped_vals)  # type: ignore[arg-type]
+            if next(iter(distinct), axis_size) == 0 and not _context.is_tracing():
+                out_leaves = _empty_batch(f_flat, mapped_vals, in_dims, out_dims)
+            else:
+                out_leaves = torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*mapped_vals)  # type: ignore[arg-type]
         except ValueError as e:
             if "when out_dim is None" not in str(e):
                 raise
@@ -271,6 +274,45 @@ def vmap(
 
     vmapped.__dict__.pop("_tfun_grad_spec", None)  # (copied from `fun` by functools.wraps)
     return vmapped
+
+
+def _empty_batch(
+    f_flat: Callable[..., list[Any]], mapped_vals: list[torch.Tensor], in_dims: list[int], out_dims: list[Any]
+) -> list[Any]:
+    """The outputs of a vmap whose mapped axis has size 0, as JAX gives them: empty, with the
+    per-example shapes and dtypes of a batch of one example, found on fake tensors (nothing
+    runs on values); torch's batching rules fail on size 0 (`r[0]`, `torch.cat`, `reshape(...,
+    -1)`: hunt 30 F4). Where fake tensors cannot follow the function (`.item()`), or an output
+    is not mapped (`out_axes` None: its value is needed), the example runs for real, on zeros.
+    Floating outputs stay connected to the mapped inputs that require grad (zero gradients)."""
+    from ._rules import AbstractEvalUnavailable, abstract_eval
+
+    ones = tuple(v.new_zeros((*v.shape[:d], 1, *v.shape[d + 1 :])) for v, d in zip(mapped_vals, in_dims))
+
+    def run(*vals: torch.Tensor) -> list[Any]:
+        out_dims.clear()  # (f_flat fills it on each call)
+        return torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*vals)  # type: ignore[arg-type]
+
+    try:
+        outs, _ = abstract_eval(run, ones)
+        fake = True
+    except AbstractEvalUnavailable:
+        outs, fake = run(*ones), False
+    if fake and any(ax is None for ax in out_dims):
+        outs = run(*ones)
+    link = [v.sum() * 0 for v in mapped_vals if v.requires_grad and (v.is_floating_point() or v.is_complex())]
+    result = []
+    for o, ax in zip(outs, out_dims):
+        if ax is None:
+            result.append(o)
+            continue
+        shape = list(o.shape)
+        shape[ax] = 0
+        e = torch.empty(shape, dtype=o.dtype, device=o.device)
+        if link and (e.is_floating_point() or e.is_complex()):
+            e = e + sum(link)
+        result.append(e)
+    return result
 
 
 def _rewrites_per_example(spec: GradSpec, out_axes: Any) -> bool:
