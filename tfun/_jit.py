@@ -1156,9 +1156,11 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "a complex carry, or a complex intermediate such as `torch.view_as_complex(...)` or "
             "`torch.complex(re, im)` with a real carry. torch's loop autograd re-traces the body with views "
             f"turned into copies, and those copies{culprit} have no derivative for complex outputs under tfun.jit "
-            f"(torch {torch.__version__}). Write the body's complex arithmetic on real and imaginary parts "
-            "as real tensors (`(a + ib)(c + id) = (ac - bd) + i(ad + bc)`; tfun.nn's S5 and LRU do this "
-            "under tfun.jit), or compute the gradient outside tfun.jit (eagerly it is right)."
+            f"(torch {torch.__version__}). The loop is differentiated when its body reads a tensor that requires "
+            "grad (a module parameter, such as those a `tfun.nn` layer's `step` reads): for inference, call the "
+            "function under `torch.no_grad()`. To differentiate, write the body's complex arithmetic on real and "
+            "imaginary parts as real tensors (`(a + ib)(c + id) = (ac - bd) + i(ad + bc)`, as the `forward` of "
+            "tfun.nn's S5 and LRU does), or compute the gradient outside tfun.jit (eagerly it is right)."
         )
     elif "outs_to_grad length" in str(e) and "!= tangents length" in str(e):
         # torch's while_loop autograd counts the outputs to differentiate without complex ones

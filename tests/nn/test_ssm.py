@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from typeguard import TypeCheckError
 
 import tfun
-from tfun.errors import ArgumentValueError, TensorMismatchError
+from tfun.errors import ArgumentValueError, JitError, TensorMismatchError
 
 from ._typecheck import checked
 
@@ -409,3 +409,25 @@ def test_step_mode_in_half_precision(layer, dtype):
             assert y.dtype == dtype and s.dtype == torch.complex64
             err = ((y.double() - w).abs().max() / w.abs().max()).item()
             assert err < 3e-2, f"{layer} {path}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["S4D", "S5", "LRU"])
+def test_a_compiled_generation_loop_over_step(name):
+    """Scanning a complex SSM's `step` under tfun.jit: with trainable parameters the scan is
+    differentiated and torch cannot trace its complex body (a JitError whose advice names
+    `torch.no_grad()`, hunt 30); under `torch.no_grad()` it compiles and equals eager."""
+    torch.manual_seed(0)
+    m = {"S4D": lambda: tfun.nn.S4D(3, 4), "S5": lambda: tfun.nn.S5(3, 4), "LRU": lambda: tfun.nn.LRU(3, 4)}[name]()
+
+    def gen(x):
+        def body(s, xt):
+            y, s = m.step(xt, s)
+            return s, y
+
+        return tfun.lax.scan(body, m.init_state(2), x.transpose(0, 1))[1]
+
+    x = torch.randn(2, 5, 3)
+    with pytest.raises(JitError, match=r"for inference, call the function under `torch.no_grad\(\)`"):
+        tfun.jit(gen, backend="aot_eager")(x)
+    with torch.no_grad():
+        torch.testing.assert_close(tfun.jit(gen, backend="aot_eager")(x), gen(x))
