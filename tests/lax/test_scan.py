@@ -10,7 +10,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
+from tests.helpers import (
+    DTYPES,
+    Point,
+    as_tensor,
+    assert_grads_close,
+    assert_jit_value_and_grad_match_eager,
+    assert_matches_jax,
+    assert_tree_allclose,
+    materialize,
+    structures,
+)
 import tfun
 from tfun import lax
 from tfun.errors import ArgumentTypeError, JitError
@@ -549,13 +559,7 @@ def test_a_scan_nested_in_a_body_unrolled_or_of_one_step_is_differentiated_under
     `tfun.nn.LSTM.step`). One step, or every step unrolled, now runs in the outer body's graph:
     values and the parameter's gradient are eager's."""
     f, W = _nested_program(inner_len, unroll)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    want = f(x)
-    (want_g,) = torch.autograd.grad(want.sum(), W)
-    got = tfun.jit(f, backend="aot_eager")(x)
-    (got_g,) = torch.autograd.grad(got.sum(), W)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_g, want_g)
+    assert_jit_value_and_grad_match_eager(f, (torch.randn(5, 3, dtype=torch.float64),), W)
 
 
 def test_a_differentiated_scan_nested_in_a_body_is_refused_with_the_way_out():
@@ -584,10 +588,4 @@ def test_scanning_a_recurrent_layer_step_under_jit_with_gradients():
         return lax.scan(body, lstm.init_state(2, dtype=torch.float64), x.transpose(0, 1))[1]
 
     x = torch.randn(2, 6, 3, dtype=torch.float64)
-    want = generate(x)
-    want_g = torch.autograd.grad(want.square().sum(), list(lstm.parameters()))
-    got = tfun.jit(generate, backend="aot_eager")(x)
-    got_g = torch.autograd.grad(got.square().sum(), list(lstm.parameters()))
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_g, want_g):
-        torch.testing.assert_close(a, b)
+    assert_jit_value_and_grad_match_eager(lambda x: generate(x).square(), (x,), list(lstm.parameters()))
