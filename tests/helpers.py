@@ -196,15 +196,15 @@ __all__ = [
 ]
 
 
-def assert_jit_value_and_grad_match_eager(f: Any, args: tuple[Any, ...], wrt: Any) -> None:
-    """`tfun.jit(f, backend="aot_eager")(*args)` and the gradient of its sum in `wrt` (a tensor
-    or a list of them) equal `f`'s run eagerly."""
+def assert_jit_value_and_grad_match_eager(f: Any, args: tuple[Any, ...], wrt: Any, backend: str = "aot_eager") -> None:
+    """`tfun.jit(f, backend=backend)(*args)` ("inductor": tfun.jit's default) and the gradient of
+    its sum in `wrt` (a tensor or a list of them) equal `f`'s run eagerly."""
     import tfun
 
     wrt = list(wrt) if isinstance(wrt, (list, tuple)) else [wrt]
     want = f(*args)
     want_g = torch.autograd.grad(want.sum(), wrt)
-    got = tfun.jit(f, backend="aot_eager")(*args)
+    got = (tfun.jit(f) if backend == "inductor" else tfun.jit(f, backend=backend))(*args)
     got_g = torch.autograd.grad(got.sum(), wrt)
     torch.testing.assert_close(got, want)
     for a, b in zip(got_g, want_g):

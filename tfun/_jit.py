@@ -576,8 +576,8 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
 
     # A static numpy scalar is passed as the Python scalar it holds: Dynamo traces a numpy value
     # (from a closure or a global too) as an array over a tensor, so it would not be static.
-    static_pos = {j: _rules.from_numpy(v) if _is_numpy_scalar(v) else v for j, v in static_pos.items()}
-    static_kw = {k: _rules.from_numpy(v) if _is_numpy_scalar(v) else v for k, v in static_kw.items()}
+    static_pos = {j: _rules.from_numpy(v) for j, v in static_pos.items()}
+    static_kw = {k: _rules.from_numpy(v) for k, v in static_kw.items()}
     numbers = (int, float, bool)
     scalar_pos = {j: v for j, v in static_pos.items() if type(v) in numbers}
     other_pos = {j: v for j, v in static_pos.items() if j not in scalar_pos}
@@ -607,10 +607,6 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
         "_tfun_trace_settings": _trace_settings,
     }
     return types.FunctionType(tfun_jit_call.__code__, g, "tfun_jit_call", None, tfun_jit_call.__closure__)
-
-
-def _is_numpy_scalar(v: Any) -> bool:
-    return type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0
 
 
 #: Numbers the code objects of static specializations (see `Jitted._compile`).
@@ -687,18 +683,24 @@ def _internal_prefixes() -> tuple[str, ...]:
 _INTERNAL = _internal_prefixes()
 
 
+def _innermost_user_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of `stack` in the user's code (not torch's, tfun's or the stdlib's)."""
+    for fr in reversed(list(stack)):
+        if fr.filename.startswith("<frozen"):
+            continue
+        if not any(s in _os.path.abspath(fr.filename) for s in _INTERNAL):
+            return fr
+    return None
+
+
 def _user_frame(e: BaseException) -> str | None:
     seen = set()
     c: BaseException | None = e
     while c is not None and id(c) not in seen:
         seen.add(id(c))
-        stack = getattr(c, "real_stack", None)
-        if stack:
-            for fr in reversed(list(stack)):
-                if fr.filename.startswith("<frozen"):
-                    continue
-                if not any(s in _os.path.abspath(fr.filename) for s in _INTERNAL):
-                    return f"{fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
+        fr = _innermost_user_frame(getattr(c, "real_stack", None) or ())
+        if fr is not None:
+            return f"{fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
         c = c.__cause__ or c.__context__
     return None
 
@@ -895,17 +897,6 @@ def _is_side_effect_error(e: BaseException) -> bool:
     return _in_chain(e, *_SIDE_EFFECT_MARKERS)
 
 
-def _chain_text(e: BaseException) -> str:
-    """The messages of `e` and of the exceptions it was raised from or during."""
-    seen, parts = set(), []
-    c: BaseException | None = e
-    while c is not None and id(c) not in seen:
-        seen.add(id(c))
-        parts.append(str(c))
-        c = c.__cause__ or c.__context__
-    return "\n".join(parts)
-
-
 def _weak_init_in_a_body(e: BaseException) -> JitError | None:
     """The error for Dynamo's "unsafe side effect" refusal of tfun's weak-type run
     (`_hop.promote_weak_init`: a `TorchFunctionMode`, which torch.compile refuses inside some
@@ -920,11 +911,8 @@ def _weak_init_in_a_body(e: BaseException) -> JitError | None:
         for k, fr in enumerate(stack):
             if fr.name == "promote_weak_init" and fr.filename.endswith("_hop.py") and k > 0:
                 op = f"tfun.lax.{stack[k - 1].name}"
-                user = next(
-                    (f"{u.filename}:{u.lineno}" for u in reversed(stack[:k])
-                     if not any(s in _os.path.abspath(u.filename) for s in _INTERNAL)),
-                    None,
-                )
+                fr_user = _innermost_user_frame(stack[:k])
+                user = None if fr_user is None else f"{fr_user.filename}:{fr_user.lineno}"
                 return JitError(
                     format_message(
                         f"{op}: its initial value holds a Python scalar (weakly typed, as in JAX), and the loop runs "
@@ -1073,7 +1061,7 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "compute it inside the body from a tensor it receives (`x.shape[0] // 4`, or `chunk`), or "
             "pass dynamic=False to tfun.jit to compile each shape on its own."
         )
-    if "derivative for aten::detach_copy is not implemented" in _chain_text(e):
+    if _in_chain(e, "derivative for aten::detach_copy is not implemented"):
         # torch's scan HOP nested in a loop body, differentiated because its body reads a tensor
         # that requires grad (a module parameter): torch 2.13 cannot trace it (hunt 30 F3)
         revise = (

@@ -255,7 +255,7 @@ def vmap(
             return leaves
 
         try:
-            if next(iter(distinct), axis_size) == 0 and not _context.is_tracing():
+            if next(iter(distinct), axis_size) == 0:
                 out_leaves = _empty_batch(f_flat, mapped_vals, in_dims, out_dims)
             else:
                 out_leaves = torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*mapped_vals)  # type: ignore[arg-type]
@@ -283,8 +283,8 @@ def _empty_batch(
     per-example shapes and dtypes of a batch of one example, found on fake tensors (nothing
     runs on values); torch's batching rules fail on size 0 (`r[0]`, `torch.cat`, `reshape(...,
     -1)`: hunt 30 F4). Where fake tensors cannot follow the function (`.item()`), or an output
-    is not mapped (`out_axes` None: its value is needed), the example runs for real, on zeros.
-    Floating outputs stay connected to the mapped inputs that require grad (zero gradients)."""
+    is not mapped (`out_axes` None: its value is needed), the example runs for real, on zeros;
+    traced (`tfun.jit`), it is traced. Floating outputs stay connected to the mapped inputs that require grad (zero gradients)."""
     from ._rules import AbstractEvalUnavailable, abstract_eval
 
     ones = tuple(v.new_zeros((*v.shape[:d], 1, *v.shape[d + 1 :])) for v, d in zip(mapped_vals, in_dims))
@@ -293,11 +293,14 @@ def _empty_batch(
         out_dims.clear()  # (f_flat fills it on each call)
         return torch.func.vmap(f_flat, in_dims=tuple(in_dims), out_dims=out_dims)(*vals)  # type: ignore[arg-type]
 
-    try:
-        outs, _ = abstract_eval(run, ones)
-        fake = True
-    except AbstractEvalUnavailable:
+    if _context.is_tracing():  # (Dynamo specializes a size of 0: this graph is for it) the example is traced
         outs, fake = run(*ones), False
+    else:
+        try:
+            outs, _ = abstract_eval(run, ones)
+            fake = True
+        except AbstractEvalUnavailable:
+            outs, fake = run(*ones), False
     if fake and any(ax is None for ax in out_dims):
         outs = run(*ones)
     link = [v.sum() * 0 for v in mapped_vals if v.requires_grad and (v.is_floating_point() or v.is_complex())]

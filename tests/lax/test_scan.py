@@ -552,14 +552,17 @@ def _nested_program(inner_len, unroll):
     return f, W
 
 
-@pytest.mark.parametrize("inner_len, unroll", [(1, 1), (3, True), (4, 4)])
-def test_a_scan_nested_in_a_body_unrolled_or_of_one_step_is_differentiated_under_jit(inner_len, unroll):
+@pytest.mark.parametrize(
+    "inner_len, unroll, backend",
+    [(1, 1, "aot_eager"), (3, True, "aot_eager"), (4, 4, "aot_eager"), pytest.param(3, True, "inductor", marks=pytest.mark.heavy)],
+)
+def test_a_scan_nested_in_a_body_unrolled_or_of_one_step_is_differentiated_under_jit(inner_len, unroll, backend):
     """Hunt 30 F3: a scan in a scan body whose body reads a parameter was refused under tfun.jit
     (torch 2.13 cannot trace its HOP differentiated there), even with one step (scanning
     `tfun.nn.LSTM.step`). One step, or every step unrolled, now runs in the outer body's graph:
     values and the parameter's gradient are eager's."""
     f, W = _nested_program(inner_len, unroll)
-    assert_jit_value_and_grad_match_eager(f, (torch.randn(5, 3, dtype=torch.float64),), W)
+    assert_jit_value_and_grad_match_eager(f, (torch.randn(5, 3, dtype=torch.float64),), W, backend=backend)
 
 
 def test_a_differentiated_scan_nested_in_a_body_is_refused_with_the_way_out():

@@ -320,7 +320,7 @@ def scan(
 
             init = tree_unflatten(carry_def, _hop.batch_carry_like_body(tree_flatten(init)[0], body_carry, (x0,)))
         k = unroll_steps(unroll, n)
-        if _hop.in_body() and isinstance(n, int) and n >= 1 and (n == 1 or k >= n):
+        if _hop.in_body() and isinstance(n, int) and 1 <= n <= k:
             # One step, or every step unrolled, inside another op's body: the steps run in the
             # body's graph, no HOP. Same values; and torch 2.13 cannot differentiate a scan HOP
             # nested in a loop body (Dynamo's "derivative for aten::detach_copy is not
