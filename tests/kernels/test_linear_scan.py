@@ -599,7 +599,7 @@ def test_hessian_vector_product_under_jit() -> None:
     There the traced derivative is differentiated again and the pure-torch reference runs, as
     tfun's loops unroll; the result equals the reference's own."""
     a, b, h0 = (t.double() for t in _inputs(6))
-    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64, device=b.device)).reshape(b.shape)
 
     def hvp(impl):
         f = lambda a, b: (linear_scan(a, b, h0, impl=impl) * w).sum()
@@ -620,7 +620,7 @@ def test_torch_func_derivatives_under_jit(transform: str) -> None:
     runs; each result equals the eager float64 reference's own."""
     _quiet_jvp_decompositions()
     a, b, h0 = (t.double() for t in _inputs(7))
-    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+    w = torch.cos(torch.arange(b.numel(), dtype=torch.float64, device=b.device)).reshape(b.shape)
 
     def program(impl: str):
         f = lambda b: linear_scan(torch.sigmoid(b), torch.cos(b) * w, h0, impl=impl)
@@ -649,7 +649,7 @@ def test_reverse_over_forward_mode(transform: str) -> None:
     torch.func refuses). Against the pure-torch algorithm in float64."""
     _quiet_jvp_decompositions()
     a, b, h0 = (t.double() for t in _inputs(8))
-    v = torch.cos(torch.arange(b.numel(), dtype=torch.float64)).reshape(b.shape)
+    v = torch.cos(torch.arange(b.numel(), dtype=torch.float64, device=b.device)).reshape(b.shape)
 
     def run(impl: str):
         f = lambda y: (linear_scan(torch.sigmoid(y), torch.cos(y), y[0] * 0.5, impl=impl) ** 2).sum()
