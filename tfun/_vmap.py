@@ -105,7 +105,10 @@ def vmap(
             format_message(f"tfun.vmap: axis_size must be None or a non-negative int, got {axis_size!r}.")
         )
 
-    @functools.wraps(fun)
+    # updated=(): `fun`'s attributes stay its own (a `tfun.grad` function's `_tfun_grad_spec` is
+    # not the vmapped function's), and nothing is copied that Dynamo would have to undo
+    # (torch 2.11 cannot trace `dict.pop`)
+    @functools.wraps(fun, updated=())
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         fn_desc = describe(fun)
         if isinstance(in_axes, tuple) and len(in_axes) != len(args):
@@ -272,7 +275,6 @@ def vmap(
             ) from None
         return tree_unflatten(box["out_td"], out_leaves)
 
-    vmapped.__dict__.pop("_tfun_grad_spec", None)  # (copied from `fun` by functools.wraps)
     return vmapped
 
 

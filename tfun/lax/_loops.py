@@ -284,8 +284,11 @@ def fori_loop(
         if tracing:
             _hop.check_side_effects(op, "body_fun", body_fun)
         if not tensors:
-            # (`torch.sym_max`, not `int()`: a symbolic bound stays a symbol, see `_loop_bound`)
-            n = torch.sym_max(upper - lower, 0)
+            # (`torch.sym_max` for a symbolic bound, not `int()`: it stays a symbol, see
+            # `_loop_bound`; Python's `max` for ints, which Dynamo 2.11 cannot trace through
+            # `torch.sym_max`: "torch.* op returned non-Tensor")
+            span = upper - lower
+            n = max(span, 0) if isinstance(span, int) else torch.sym_max(span, 0)
 
             def step(v: Any, i: Any) -> Any:
                 # checked here, so that a bad carry is reported as fori_loop's, with body_fun named

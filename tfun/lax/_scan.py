@@ -170,8 +170,8 @@ def zero_length_outputs(
 def empty_outputs(y_leaves: Sequence[Any], inputs: Sequence[Any]) -> list[torch.Tensor]:
     """The stacked outputs of a loop of zero steps: empty tensors shaped like the fake
     `y_leaves` with a leading 0. Where autograd records and one of `inputs` requires grad,
-    each floating output joins the graph through an empty slice of that input (a zero
-    derivative, no arithmetic), as torch's own ops on empty tensors do, so that
+    each floating output joins the graph through that input times zero (a zero derivative),
+    as torch's own ops on empty tensors do, so that
     `ys.sum().backward()` runs rather than failing on an output with no `grad_fn`."""
     ys = [_rules.empty_like_fake(y, 0) for y in y_leaves]
     if not torch.is_grad_enabled():
@@ -179,7 +179,11 @@ def empty_outputs(y_leaves: Sequence[Any], inputs: Sequence[Any]) -> list[torch.
     linked = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not linked:
         return ys
-    anchor = sum(x.reshape(-1)[:0].sum() for x in linked)
+    # `x.sum() * 0`, not an empty slice's sum: the slice's backward (a masked fill) fails to
+    # compile in Inductor 2.11's C++ backend in float64 ("cannot convert 'double' to
+    # VectorizedN<double, 2>"). Its value (NaN where `x` has an infinity) reaches no element:
+    # every `y` is empty.
+    anchor = sum(x.sum() * 0 for x in linked)
     return [y + anchor.to(y.dtype) if y.is_floating_point() or y.is_complex() else y for y in ys]
 
 
