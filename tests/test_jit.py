@@ -185,6 +185,35 @@ def test_a_compile_worker_failure_names_what_the_worker_raised():
     assert "the worker raised triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource" in msg
 
 
+def test_a_triton_compilation_error_in_a_worker_gives_the_failing_line_and_the_reason():
+    """Triton's `CompilationError` puts its position on the exception line ("at 61:50:") and
+    the kernel's source, a caret and the reason on the lines after: nn.MinGRU and nn.Mamba
+    under Inductor on an H200 (torch 2.11) were refused with the position alone. The error
+    names the failing source line and the reason."""
+
+    class SubprocException(Exception):
+        pass
+
+    def failing_backend(gm, example_inputs):
+        raise SubprocException(
+            "An exception occurred in a subprocess:\n\nTraceback (most recent call last):\n"
+            '  File "worker.py", line 3, in compile\n    run()\n'
+            "triton.compiler.errors.CompilationError: at 2:12:\n"
+            "def triton_red_fused_0(in_ptr0):\n"
+            "    tmp3 = tl.associative_scan(tmp2, 1, _combine)\n"
+            "           ^\n"
+            "NotImplementedError('associative_scan of a tuple with a reduction')\n"
+        )
+
+    with pytest.raises(JitError) as info:
+        tfun.jit(lambda x: x * 2, backend=failing_backend)(torch.ones(2))
+    msg = str(info.value)
+    assert (
+        "the worker raised triton.compiler.errors.CompilationError: at 2:12: | tmp3 = tl.associative_scan(tmp2, 1, "
+        "_combine) | NotImplementedError('associative_scan of a tuple with a reduction')"
+    ) in msg
+
+
 def test_a_failure_tracing_a_loop_for_autograd_says_every_backend_fails_and_gives_the_details():
     """A backend failure raised in torch's own tracing of a control-flow op (torch's
     `_higher_order_ops`, which AOTAutograd runs for aot_eager too) does not suggest aot_eager,

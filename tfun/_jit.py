@@ -711,6 +711,19 @@ def _backend_raised(e: BaseException) -> tuple[BaseException, list[traceback.Fra
     return inner, traceback.extract_tb(inner.__traceback__)
 
 
+def _worker_details(lines: list[str], last: str) -> str:
+    """What follows a worker's exception line that ends in a colon: Triton's `CompilationError`
+    ("at 61:50:", then up to 12 lines of the kernel's source, a caret under the failing
+    column, then the reason): the failing source line and the reason. Without them a user (and
+    a GPU session reading check_cuda's table) sees only a position in generated code."""
+    if not last.endswith(":"):
+        return ""
+    rest = lines[len(lines) - lines[::-1].index(last) :]
+    caret = next((i for i, ln in enumerate(rest) if set(ln) == {"^"}), None)
+    picked = ([rest[caret - 1]] if caret else []) + rest[(caret + 1 if caret is not None else 0) :][:3]
+    return "".join(f" | {ln[:300]}" for ln in picked)
+
+
 def _backend_failure(e: BaseException) -> str:
     """What a compiler backend raised and where (its innermost frame), for a `BackendCompilerFailed`."""
     inner, frames = _backend_raised(e)
@@ -724,7 +737,7 @@ def _backend_failure(e: BaseException) -> str:
     if len(lines) > 1 and any(ln.startswith("Traceback (most recent call last)") for ln in lines):
         last = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
         if last is not None and last != lines[0]:
-            text += f"; the worker raised {last[:300]}"
+            text += f"; the worker raised {last[:300]}" + _worker_details(lines, last)
     elif len(lines) > 1 and lines[0].endswith(":"):
         # a headline whose details follow ("Expected init and carry to have same metadata but
         # found:" then one line per difference): the details are the message
