@@ -1142,6 +1142,7 @@ def while_loop_autograd_fixes() -> None:
     _wrap_backward_once(
         "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _differentiate_every_carry, lambda backward: False
     )
+    _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _zero_trip_grads, lambda backward: False)
 
 
 def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -1172,6 +1173,43 @@ def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., An
         return backward(ctx, *grads)
 
     return backward_every_carry
+
+
+def _zero_trip_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` that is right for a loop whose body never ran.
+
+    torch's forward stacks each step's carries, and for a loop of zero steps it stacks the
+    initial carry once (so the stack is never empty); its backward then runs one reverse step
+    per row, so a loop that ran zero times gets one step of the body's derivative: the initial
+    carry's gradient was the body's vector-Jacobian product instead of the incoming gradient,
+    and every closed-over tensor (a weight) got a nonzero gradient instead of zero. Silently
+    wrong under `tfun.jit` with gradients, on every torch tfun supports (2.11 through 2.14.1),
+    for a `while_loop` whose condition is false at the start (an iteration that has already
+    converged) and a `fori_loop` with tensor bounds and `lower >= upper` (hunt 31, F1). The
+    wrapper evaluates the loop's condition at the initial carry and, where it is false, takes
+    the zero-step loop's gradients instead: each carry's incoming gradient, zeros for the
+    closed-over inputs (`torch.where`, so a traced backward needs no data-dependent branch).
+    torch's phantom step still runs, on the initial carry; what it computes is discarded."""
+
+    def backward_zero_trip(ctx: Any, *grads: Any) -> Any:
+        out = list(backward(ctx, *grads))
+        carries, extra = tuple(ctx.carries), tuple(ctx.additional_inputs)
+        with torch.no_grad():
+            ran = ctx.fw_cond_fn(*carries, *extra)
+        if not isinstance(ran, torch.Tensor):
+            if bool(ran):
+                return tuple(out)
+            ran = torch.tensor(False)
+        first = len(out) - len(carries) - len(extra)  # after the cond_fn/body_fn/count slots
+        for k, g in enumerate(out[first:]):
+            if not isinstance(g, torch.Tensor):
+                continue
+            incoming = grads[k] if k < len(carries) and isinstance(grads[k], torch.Tensor) else None
+            zero_trip = incoming.to(g.dtype) if incoming is not None else torch.zeros_like(g)
+            out[first + k] = torch.where(ran.to(g.device), g, zero_trip)
+        return tuple(out)
+
+    return backward_zero_trip
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).

@@ -330,6 +330,49 @@ def test_fori_loop_body_closing_over_its_tensor_bound_under_jit():
         torch.testing.assert_close(j(torch.tensor(n), x), ref.float())
 
 
+_ZERO_TRIP_LOOPS = {
+    # (loop, steps it runs): W is closed over, x the initial carry
+    "while_false_at_start": (lambda W, x: lax.while_loop(lambda h: h.sum() > 100.0, lambda h: torch.tanh(h @ W), x), 0),
+    "while_counter_0": (lambda W, x: lax.while_loop(lambda c: c[0] < 0, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (0, x))[1], 0),
+    "fori_tensor_bounds_5_2": (lambda W, x: lax.fori_loop(torch.tensor(5), torch.tensor(2), lambda i, h: torch.tanh(h @ W), x), 0),
+    "fori_numpy_bounds_3_3": (lambda W, x: lax.fori_loop(np.int64(3), np.int64(3), lambda i, h: torch.tanh(h @ W) + i, x), 0),
+    "while_counter_1": (lambda W, x: lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (0, x))[1], 1),
+    "while_counter_2": (lambda W, x: lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (0, x))[1], 2),
+}
+
+
+@pytest.mark.parametrize("mode", ["tfun.grad", "backward"])
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)]
+)
+@pytest.mark.parametrize("name", list(_ZERO_TRIP_LOOPS))
+def test_gradient_of_a_loop_that_runs_zero_times_under_jit(name, backend, mode):
+    """Hunt 31 (F1), silent wrong gradients: torch's while_loop backward runs one step of the
+    body's derivative for a loop that ran zero times (its forward stacks the initial carry
+    once), so under `tfun.jit` the initial carry's gradient was the body's vector-Jacobian
+    product and the closed-over `W` got a nonzero gradient, where the loop is the identity
+    (torch 2.11, 2.13, 2.14.1; eager was right). Against eager float64, with one- and
+    two-step loops beside them; tensor and numpy `fori_loop` bounds are traced under jit."""
+    loop, steps = _ZERO_TRIP_LOOPS[name]
+    g = torch.Generator().manual_seed(1)
+    W, x = torch.randn(3, 3, generator=g) * 0.5, torch.randn(3, generator=g)
+    f = lambda W, x: (loop(W, x) * torch.arange(1.0, 4.0, dtype=x.dtype)).sum()
+    want_v, want_g = tfun.value_and_grad(f, argnums=(0, 1))(W.double(), x.double())
+    if steps == 0:  # the loop is the identity
+        torch.testing.assert_close(want_g[0], torch.zeros_like(want_g[0]))
+    torch._dynamo.reset()
+    if mode == "tfun.grad":
+        got_v, got_g = tfun.jit(tfun.value_and_grad(f, argnums=(0, 1)), backend=backend)(W, x)
+    else:
+        Wr, xr = W.clone().requires_grad_(), x.clone().requires_grad_()
+        got_v = tfun.jit(f, backend=backend)(Wr, xr)
+        got_v.backward()
+        got_g = (Wr.grad, xr.grad)
+    torch.testing.assert_close(got_v.double(), want_v, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_g, want_g):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 _STEPS = {
     "jacrev": lambda c: c + tfun.jacrev(lambda z: (z**3).sum())(c) * 0.1,
     "vmap_of_grad": lambda c: c + tfun.vmap(tfun.grad(lambda z: z**3))(c) * 0.1,
