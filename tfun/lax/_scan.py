@@ -520,12 +520,23 @@ def _lower_scan(
     check_export_constants(op, f)
     encode = _encodes_bits()  # (also under export: an exported program is differentiated too)
     c_dtypes = [t.dtype for t in c_leaves]
+    # 4. Inductor (2.11-2.14.1) cannot compile a scan with a complex carry, `xs` or `ys`: its
+    #    pass that rewrites scan as a while_loop leaves such a scan alone, then asserts ("scan
+    #    is not lowered to while_loop"; the generation loop over `S4D/S5/LRU.step`, hunt 31).
+    #    Without grad mode they cross the HOP as `view_as_real` pairs (a view, exact); with
+    #    it, complex leaves are refused (`tfun.jit`'s complex-loop-body message).
+    split = for_inductor and not torch.is_grad_enabled()
+    c_cplx = [split and t.is_complex() for t in c_leaves]
+    x_cplx = [split and t.is_complex() for t in x_leaves]
     batching = _hop.vmap_traced()
 
     def body(carry_flat: list[Any], x_flat: list[Any]) -> Any:
         raw_ins = list(carry_flat) + list(x_flat)
         if encode:
             carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat[:n_c], c_dtypes)] + list(carry_flat[n_c:])
+        if split:
+            carry_flat = _from_real(carry_flat, c_cplx)
+            x_flat = _from_real(x_flat, x_cplx)
         c_td_in = tree_structure(c_carrier)
         carry = tree_unflatten(c_td_in, list(carry_flat)[:n_c])
         x = tree_unflatten(tree_structure(x_carrier), list(x_flat)[:n_x])
@@ -543,6 +554,9 @@ def _lower_scan(
         if encode:
             new_leaves = [_to_floating(t) for t in new_leaves]
             y_leaves = [_to_floating(t) if isinstance(t, torch.Tensor) else t for t in y_leaves]
+        if split:
+            new_leaves = _to_real(new_leaves, c_cplx)
+            y_leaves = _to_real(y_leaves, [isinstance(t, torch.Tensor) and t.is_complex() for t in y_leaves])
         ins = raw_ins + list(carry_flat) + list(x_flat)
         # every output a copy under tfun.jit, in every grad mode: torch's scan refuses a body
         # output that is a tensor the body closes over (`lambda c, x: (c + x, V)`) under
@@ -554,6 +568,8 @@ def _lower_scan(
         ys_out = outs[k:]
         if encode:  # the original dtype travels as the key of a marker dict (see _unmark)
             ys_out = [_mark(t, d) for t, d in zip(ys_out, y_dtypes)]
+        if split:  # (likewise a complex y's)
+            ys_out = [{_COMPLEX_KEY: t} if d is not None and d.is_complex else t for t, d in zip(ys_out, y_dtypes)]
         # torch's scan needs at least one y: stack a dummy 0-d tensor when y has no leaves
         extra = [] if y_leaves else [torch.zeros((), device=raw_ins[0].device)]
         return list(outs[:k]), (_hop.pack(key, y_td, ys_out), extra)
@@ -565,6 +581,9 @@ def _lower_scan(
     xs_flat = list(x_leaves) if x_leaves else [torch.zeros((length,), device=dev)]
     if encode:
         init_flat = [_to_floating(t) for t in init_flat]
+    if split:
+        init_flat = _to_real(init_flat, c_cplx) if n_c else init_flat
+        xs_flat = _to_real(xs_flat, x_cplx) if x_leaves else xs_flat
     # copies: torch's scan refuses an `init` that is also a tensor the body closes over, or a
     # view of one ("scan might be aliasing the input or the output": `fori_loop(0, n, lambda i,
     # z: f(z, x), x)`, `scan(step, x[0], x)` reading `x[1]`; hunt 28), and which tensors the
@@ -577,8 +596,10 @@ def _lower_scan(
     carry_flat = list(carry_flat)[:n_c]
     if encode:
         carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat, c_dtypes)]
+    if split:
+        carry_flat = _from_real(carry_flat, c_cplx)
     ys = _hop.unpack(key, ys)
-    if encode:
+    if encode or split:
         ys = _unmark(ys)
     if for_inductor:
         carry_flat = [_contiguous_grad(t) for t in carry_flat]
@@ -763,8 +784,23 @@ def _mark_bits(leaves: list[Any], td: Any) -> tuple[list[Any], Any]:
     return tree_flatten(tree_unflatten(td, [_mark(_to_floating(x), x.dtype) for x in leaves]))
 
 
+_COMPLEX_KEY = "__tfun_complex__"  # the marker dict of a complex y crossing as real pairs
+
+
+def _to_real(leaves: list[Any], which: list[bool]) -> list[Any]:
+    """The leaves flagged in `which` (complex tensors) as their `view_as_real` pairs."""
+    return [torch.view_as_real(t.resolve_conj().contiguous()) if w else t for t, w in zip(leaves, which)] + list(
+        leaves[len(which) :]
+    )
+
+
+def _from_real(leaves: list[Any], which: list[bool]) -> list[Any]:
+    """Inverse of `_to_real` (the leaves past `which` are left as they are)."""
+    return [torch.view_as_complex(t.contiguous()) if w else t for t, w in zip(leaves, which)] + list(leaves[len(which) :])
+
+
 def _is_marked(x: Any) -> bool:
-    return type(x) is dict and len(x) == 1 and next(iter(x)).startswith(_BITS_KEY)
+    return type(x) is dict and len(x) == 1 and next(iter(x)).startswith((_BITS_KEY, _COMPLEX_KEY))
 
 
 def _unmark(tree: Any) -> Any:
@@ -774,7 +810,10 @@ def _unmark(tree: Any) -> Any:
     for x in parts:
         if _is_marked(x):
             ((key, t),) = x.items()
-            x = _from_floating(t, getattr(torch, key[len(_BITS_KEY) :]))
+            if key == _COMPLEX_KEY:
+                x = torch.view_as_complex(t.contiguous())
+            else:
+                x = _from_floating(t, getattr(torch, key[len(_BITS_KEY) :]))
         out.append(x)
     return tree_unflatten(td, out)
 
