@@ -163,10 +163,9 @@ def test_a_warning_raised_as_an_error_while_compiling_says_so():
         assert tfun.jit(lambda x: x * 2, backend=warning_backend)(torch.ones(2)).tolist() == [2.0, 2.0]
 
 
-def test_a_compile_worker_failure_names_what_the_worker_raised():
-    """Inductor re-raises a failure in a compile worker as `SubprocException`, whose first line
-    says only that a subprocess failed (nn.MinGRU and nn.Mamba on CUDA with torch 2.11): the
-    error adds the worker's own last line."""
+def _compile_worker_failure(worker_tail: str) -> str:
+    """tfun.jit's message for a backend that fails as Inductor does when a compile worker
+    fails: a `SubprocException` whose text is the worker's traceback, ending in `worker_tail`."""
 
     class SubprocException(Exception):
         pass
@@ -174,13 +173,19 @@ def test_a_compile_worker_failure_names_what_the_worker_raised():
     def failing_backend(gm, example_inputs):
         raise SubprocException(
             "An exception occurred in a subprocess:\n\nTraceback (most recent call last):\n"
-            '  File "worker.py", line 3, in compile\n    run()\n'
-            "triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource\n"
+            '  File "worker.py", line 3, in compile\n    run()\n' + worker_tail
         )
 
     with pytest.raises(JitError) as info:
         tfun.jit(lambda x: x * 2, backend=failing_backend)(torch.ones(2))
-    msg = str(info.value)
+    return str(info.value)
+
+
+def test_a_compile_worker_failure_names_what_the_worker_raised():
+    """Inductor re-raises a failure in a compile worker as `SubprocException`, whose first line
+    says only that a subprocess failed (nn.MinGRU and nn.Mamba on CUDA with torch 2.11): the
+    error adds the worker's own last line."""
+    msg = _compile_worker_failure("triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource\n")
     assert "the compiler backend failed: SubprocException: An exception occurred in a subprocess:" in msg
     assert "the worker raised triton.compiler.errors.CompilationError: at 12:8: shared memory out of resource" in msg
 
@@ -190,24 +195,13 @@ def test_a_triton_compilation_error_in_a_worker_gives_the_failing_line_and_the_r
     the kernel's source, a caret and the reason on the lines after: nn.MinGRU and nn.Mamba
     under Inductor on an H200 (torch 2.11) were refused with the position alone. The error
     names the failing source line and the reason."""
-
-    class SubprocException(Exception):
-        pass
-
-    def failing_backend(gm, example_inputs):
-        raise SubprocException(
-            "An exception occurred in a subprocess:\n\nTraceback (most recent call last):\n"
-            '  File "worker.py", line 3, in compile\n    run()\n'
-            "triton.compiler.errors.CompilationError: at 2:12:\n"
-            "def triton_red_fused_0(in_ptr0):\n"
-            "    tmp3 = tl.associative_scan(tmp2, 1, _combine)\n"
-            "           ^\n"
-            "NotImplementedError('associative_scan of a tuple with a reduction')\n"
-        )
-
-    with pytest.raises(JitError) as info:
-        tfun.jit(lambda x: x * 2, backend=failing_backend)(torch.ones(2))
-    msg = str(info.value)
+    msg = _compile_worker_failure(
+        "triton.compiler.errors.CompilationError: at 2:12:\n"
+        "def triton_red_fused_0(in_ptr0):\n"
+        "    tmp3 = tl.associative_scan(tmp2, 1, _combine)\n"
+        "           ^\n"
+        "NotImplementedError('associative_scan of a tuple with a reduction')\n"
+    )
     assert (
         "the worker raised triton.compiler.errors.CompilationError: at 2:12: | tmp3 = tl.associative_scan(tmp2, 1, "
         "_combine) | NotImplementedError('associative_scan of a tuple with a reduction')"
