@@ -465,3 +465,29 @@ def test_torch_autograd_inside_the_function_is_a_tfun_error_that_says_what_works
     want = torch.autograd.grad(f(x, W), (x, W))
     for a, b in zip(torch.autograd.grad(tfun.checkpoint(f)(x, W), (x, W)), want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable"])
+@pytest.mark.parametrize("how", ["tfun.grad", ".backward()", "per-example tfun.vmap(tfun.grad)"])
+def test_reverse_mode_around_a_vmap_of_a_checkpoint_with_a_policy(policy, how):
+    """Hunt 31, finding 2: a gradient taken around `tfun.vmap` of a checkpoint with a saving
+    policy raised torch's "flat_bdims must not be None" (the saved products left the Function
+    as outputs whose cotangents the generated batching rule cannot take). Under a vmap the
+    policy is not applied (everything recomputed): the same gradients as without it."""
+    pol = None if policy is None else getattr(tfun.checkpoint_policies, policy)
+    W0, xb = t(3, 3, seed=6) * 0.5, t(4, 5, 3, seed=7)
+    plain = lambda W, x: (torch.tanh(x @ W) @ W).sum()
+    ckpt = lambda W, x: tfun.checkpoint(lambda h: torch.tanh(h @ W) @ W, policy=pol)(x).sum()
+    if how == "per-example tfun.vmap(tfun.grad)":
+        want = torch.stack([torch.func.grad(plain)(W0, x) for x in xb])
+        got = tfun.vmap(tfun.grad(ckpt), in_axes=(None, 0))(W0, xb)
+    else:
+        want = torch.func.grad(lambda W: sum(plain(W, x) for x in xb))(W0)
+        loss = lambda W: tfun.vmap(ckpt, in_axes=(None, 0))(W, xb).sum()
+        if how == "tfun.grad":
+            got = tfun.grad(loss)(W0)
+        else:
+            Wr = W0.clone().requires_grad_()
+            loss(Wr).backward()
+            got = Wr.grad
+    torch.testing.assert_close(got, want)

@@ -30,7 +30,7 @@ import torch.func
 import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 
-from . import _context
+from . import _compat, _context
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from ._funcinfo import describe
 from ._grad import describe_value, is_inexact
@@ -452,6 +452,11 @@ def _reverse_transform_traced() -> bool:
     return _context.reverse_mode_active()
 
 
+def _vmap_traced() -> bool:
+    """Trace time: whether a `torch.func` vmap encloses the call being traced."""
+    return any(kind == "Vmap" for kind, _ in _hop.traced_transforms())
+
+
 def _traced_checkpoint(
     fun: Callable[..., Any],
     args: tuple[Any, ...],
@@ -471,6 +476,8 @@ def _traced_checkpoint(
     is called as it is (same values and gradients, no rematerialization)."""
     if _reverse_transform_traced():
         return fun(*args)
+    if policy is not None and not _compat.selective_checkpoint_vmaps() and _vmap_traced():
+        policy = None  # (everything recomputed: the same values and gradients)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     # torch's checkpoint op refuses control-flow ops inside it. Whether `fun` contains any is
@@ -707,7 +714,9 @@ def checkpoint(
       `dots_with_no_batch_dims_saveable`), or any callable
       `policy(func, *args, **kwargs) -> bool`. Only matrix products can be saved
       (see `checkpoint_policies`, also for what a policy is asked under `tfun.jit`);
-      everything else is recomputed.
+      everything else is recomputed. Under `tfun.vmap` (eagerly, and under `tfun.jit` on
+      torch 2.11) the policy is not applied: everything is recomputed, with the same
+      values and gradients.
     - `static_argnums`: positions of arguments passed through untouched (not flattened,
       not differentiated): Python values, functions, configuration.
     - `preserve_rng_state`: save the CPU random generator state and the CUDA generator
@@ -778,6 +787,12 @@ def checkpoint(
         # discovery run: no graph; finds closed-over tensors (and, outside torch.func, is the forward)
         spec.rng = _RngState(ins) if preserve_rng_state else None
         plain = not _context.functorch_active()
+        if not plain and _context.vmap_active():
+            # Under a vmap, the policy's saved products would leave the Function as extra
+            # outputs, whose absent cotangents torch's generated batching rule cannot take
+            # ("flat_bdims must not be None" in a reverse mode around the vmap; hunt 31,
+            # finding 2): everything is recomputed there (the same values and gradients).
+            spec.policy = None
         mode = _Mode(inputs=ins, discover=True, policy=policy if plain else None)
         try:
             with torch.no_grad(), mode:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
 
 _FWD_READY = False
 
@@ -1365,6 +1365,26 @@ def dynamo_inspects_wrapped_functions() -> bool:
     wrapper = getattr(functions, "WrapperUserFunctionVariable", None)
     base = getattr(functions, "BaseUserFunctionVariable", None)
     return wrapper is None or base is None or issubclass(wrapper, base)
+
+
+def selective_checkpoint_vmaps() -> bool:
+    """Whether torch's selective activation checkpointing (`torch.utils.checkpoint` with a
+    `context_fn`, which a `tfun.checkpoint` policy lowers to under `tfun.jit`) can run under
+    a `vmap` that Dynamo traces. torch 2.11's non-reentrant checkpoint saves its inputs through
+    `_NoopSaveInputs`, an `autograd.Function` with no batching rule: under
+    `tfun.jit(tfun.vmap(tfun.grad(f)))` that is a compile error ("You tried to vmap over
+    _NoopSaveInputs"); later releases dropped it. Where False, `tfun.checkpoint` recomputes
+    everything under a traced vmap (the same values and gradients; hunt 31, finding 3)."""
+    return _SELECTIVE_CHECKPOINT_VMAPS
+
+
+def _selective_checkpoint_vmaps() -> bool:
+    saver = getattr(importlib.import_module("torch.utils.checkpoint"), "_NoopSaveInputs", None)
+    return saver is None or bool(getattr(saver, "generate_vmap_rule", False)) or "vmap" in vars(saver)
+
+
+# (read once: the function above is called in traced code)
+_SELECTIVE_CHECKPOINT_VMAPS = _selective_checkpoint_vmaps()
 
 
 def _cpp_tile2d_probe() -> tuple[bool, bool] | None:

@@ -93,6 +93,12 @@ def reverse_mode_active() -> bool:
     return _transform_on_stack("Grad")
 
 
+def vmap_active() -> bool:
+    """Whether a `torch.func.vmap` (`tfun.vmap`) is live on this thread's interpreter stack.
+    Traced code must call it through a Dynamo escape hatch, as `reverse_mode_active`."""
+    return _transform_on_stack("Vmap")
+
+
 def transform_stack() -> tuple[tuple[str, int], ...]:
     """The live `torch.func` transforms on this thread as `(kind, level)` pairs, outermost
     first (`(("Vmap", 1), ("Jvp", 2))` inside `vmap(jvp(f))`); `()` where none is. Traced

@@ -1175,7 +1175,19 @@ def _vectorized_fwd(spec: _VjpSpec, randomness: Sequence[str]) -> Callable[..., 
             out_leaves, box["out_td"] = _flatten_outputs(op, spec.fwd, "fwd output", pair[0])
             res_leaves, box["res_td"] = tree_flatten(pair[1])
             box["static"] = [None if isinstance(r, torch.Tensor) else r for r in res_leaves]
-            return tuple(out_leaves), tuple(r for r in res_leaves if isinstance(r, torch.Tensor))
+            # A residual that is an output tensor (`return y, (x, y)`, the usual way to save
+            # the output) or a residual given twice is copied: on torch 2.11, Dynamo traces
+            # this vmapped `fwd` with the vmap's values as extra outputs, and in a loop body's
+            # backward the output's cotangent then went to its twin, leaving the rule a zero
+            # cotangent (zero gradients, without an error; hunt 31, docs/compatibility.md).
+            # (`is`, not `id`: Dynamo traces this)
+            seen = list(out_leaves)
+            res_t = []
+            for r in res_leaves:
+                if isinstance(r, torch.Tensor):
+                    res_t.append(r.clone() if any(r is t for t in seen) else r)
+                    seen.append(r)
+            return tuple(out_leaves), tuple(res_t)
 
         outs, res_t = _vmapped(one, randomness)(*tensors)
         it = iter(res_t)
