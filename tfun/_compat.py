@@ -1143,6 +1143,9 @@ def while_loop_autograd_fixes() -> None:
         "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _differentiate_every_carry, lambda backward: False
     )
     _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _zero_trip_grads, lambda backward: False)
+    _wrap_backward_once(
+        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _scalar_outputs_allowed, lambda backward: False
+    )
 
 
 def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -1210,6 +1213,35 @@ def _zero_trip_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
         return tuple(out)
 
     return backward_zero_trip
+
+
+def _scalar_outputs_allowed(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` that may be traced where the trace allows no
+    data-dependent scalars.
+
+    torch's while_loop backward reads its step index with `.item()`. A trace holds such a
+    scalar only if its fake mode allows scalar outputs: Dynamo turns that on for one graph
+    (`torch.compile(fullgraph=True)`, `tfun.jit`) but not for a plain `torch.compile` with graph
+    breaks allowed, where AOTAutograd's trace of the backward then failed
+    (`DataDependentOutputException` for `aten._local_scalar_dense`), Dynamo fell back to running
+    part of the loop eagerly and part traced, and the user got a StructureMismatchError that
+    blamed tfun's own loop body (hunt 31, finding 6: `torch.compile(f)` of a `fori_loop` with
+    tensor bounds, then `.backward()`). The wrapper allows scalar outputs on the fake mode of
+    the gradients for the duration of the backward (nothing changes on real tensors)."""
+
+    def backward_with_scalars(ctx: Any, *grads: Any) -> Any:
+        fake_mode = importlib.import_module("torch._guards").detect_fake_mode(
+            [g for g in grads if isinstance(g, torch.Tensor)]
+        )
+        if fake_mode is None or getattr(fake_mode, "allow_scalar_outputs", True):
+            return backward(ctx, *grads)
+        fake_mode.allow_scalar_outputs = True
+        try:
+            return backward(ctx, *grads)
+        finally:
+            fake_mode.allow_scalar_outputs = False
+
+    return backward_with_scalars
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).

@@ -373,6 +373,34 @@ def test_gradient_of_a_loop_that_runs_zero_times_under_jit(name, backend, mode):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+_PLAIN_COMPILE_LOOPS = {
+    "fori_tensor_bounds": lambda W, x: lax.fori_loop(torch.tensor(0), torch.tensor(3), lambda i, h: torch.tanh(h @ W), x),
+    "fori_tensor_bounds_zero_trip": lambda W, x: lax.fori_loop(torch.tensor(3), torch.tensor(3), lambda i, h: torch.tanh(h @ W), x),
+    "while_float_cond": lambda W, x: lax.while_loop(lambda h: h.abs().sum() < 10.0, lambda h: h * 1.5 + torch.tanh(h @ W) + 0.1, x),
+}
+
+
+@pytest.mark.parametrize("name", list(_PLAIN_COMPILE_LOOPS))
+def test_plain_torch_compile_with_graph_breaks_then_backward(name):
+    """Hunt 31 (F6): a plain `torch.compile` (graph breaks allowed, not `tfun.jit`) of a loop
+    that lowers to torch's while_loop, then `.backward()`: torch's while_loop backward reads
+    its step index with `.item()`, which such a trace refused, and Dynamo's fallback ran part
+    of the loop eagerly and part traced (a StructureMismatchError blaming tfun's own `w_body`).
+    Against eager float64."""
+    loop = _PLAIN_COMPILE_LOOPS[name]
+    g = torch.Generator().manual_seed(3)
+    W, x = torch.randn(3, 3, generator=g) * 0.5, torch.randn(3, generator=g)
+    f = lambda W, x: (loop(W, x) * torch.arange(1.0, 4.0, dtype=x.dtype)).sum()
+    want_v, want_g = tfun.value_and_grad(f, argnums=(0, 1))(W.double(), x.double())
+    torch._dynamo.reset()
+    Wr, xr = W.clone().requires_grad_(), x.clone().requires_grad_()
+    got_v = torch.compile(f, backend="aot_eager")(Wr, xr)
+    got_v.backward()
+    torch.testing.assert_close(got_v.double(), want_v, rtol=1e-5, atol=1e-5)
+    for got, want in zip((Wr.grad, xr.grad), want_g):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 _STEPS = {
     "jacrev": lambda c: c + tfun.jacrev(lambda z: (z**3).sum())(c) * 0.1,
     "vmap_of_grad": lambda c: c + tfun.vmap(tfun.grad(lambda z: z**3))(c) * 0.1,
