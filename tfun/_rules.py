@@ -137,7 +137,7 @@ def describe_leaf(x: Any) -> str:
     return scalar_text(type(x))
 
 
-def _is_numpy_scalar(x: Any) -> bool:
+def is_numpy_scalar(x: Any) -> bool:
     """A numpy scalar or 0-d numpy array (a traced one too: Dynamo keeps its `ndim`)."""
     return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0
 
@@ -148,7 +148,7 @@ def from_numpy(x: Any) -> Any:
     Python scalar it holds, and takes that path. Under `tfun.jit` Dynamo traces every numpy
     value as an array over a tensor (an argument, a closure, a global alike), so it becomes
     that tensor, as `jax.jit` traces a numpy argument. Anything else is returned unchanged."""
-    if not _is_numpy_scalar(x):
+    if not is_numpy_scalar(x):
         return x
     if not _context.is_tracing():
         return x.item()
@@ -159,7 +159,7 @@ def static_from_numpy(op: str, arg: str, x: Any) -> Any:
     """`from_numpy` for an argument that must be known while tracing (a `length`, an `axis`,
     a `batch_size`, `unroll`): eagerly the Python scalar a numpy one holds; under tracing a
     tfun error, since Dynamo has made it a traced value (JAX: a concretization error)."""
-    if not _is_numpy_scalar(x):
+    if not is_numpy_scalar(x):
         return x
     if not _context.is_tracing():
         return x.item()

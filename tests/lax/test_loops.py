@@ -169,6 +169,33 @@ def test_fori_loop_unroll_needs_a_static_trip_count():
     assert tfun.vmap(lambda n: lax.fori_loop(0, n, body, x, unroll=1))(torch.tensor([1, 2])).tolist() == [1, 2]
 
 
+def test_traced_fori_loop_bounds_are_named_in_fori_loops_messages():
+    """Hunt 31, finding 5: numpy bounds are traced under tfun.jit (Dynamo makes numpy values
+    arrays), so the loop has no static trip count. The messages are fori_loop's (not those of
+    the while_loop it would lower to), say that a numpy bound is why, and what to pass."""
+    import tfun
+    from tfun.errors import ArgumentValueError
+
+    body = lambda i, c: c * 0.5 + 1
+    x = torch.zeros(2, 3)
+    want = tfun.vmap(lambda c: lax.fori_loop(np.int64(0), np.int64(3), body, c))(x)  # eagerly: ints
+    torch.testing.assert_close(want, tfun.vmap(lambda c: lax.fori_loop(0, 3, body, c))(x))
+    for lo, hi, why in [(np.int64(0), np.int64(3), "a numpy value"), (torch.tensor(0), torch.tensor(3), "a traced tensor")]:
+        torch._dynamo.reset()
+        with pytest.raises(JitError, match=r"^tfun\.lax\.fori_loop: under tfun\.jit inside a torch\.func transform") as info:
+            tfun.jit(tfun.vmap(lambda c: lax.fori_loop(lo, hi, body, c)), backend="aot_eager")(x)
+        msg = str(info.value)
+        assert why in msg and "static_argnums" in msg and "test_loops.py" in msg and "while_loop:" not in msg
+        torch._dynamo.reset()
+        with pytest.raises(ArgumentValueError, match="static trip count") as info:
+            tfun.jit(lambda c: lax.fori_loop(lo, hi, body, c, unroll=2), backend="aot_eager")(x[0])
+        assert why in str(info.value) and "static_argnums" in str(info.value)
+    torch._dynamo.reset()
+    # the fix the messages give: a numpy bound passed in a static argument reaches f as an int
+    j = tfun.jit(lambda c, n: tfun.vmap(lambda c: lax.fori_loop(0, n, body, c))(c), backend="aot_eager", static_argnums=1)
+    torch.testing.assert_close(j(x, np.int64(3)), want)
+
+
 def test_fori_loop_python_int_carry_sums_indices():
     out = lax.fori_loop(2, 7, lambda i, v: v + i, 0)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.item() == sum(range(2, 7))

@@ -7,8 +7,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from .. import _context, _rules
-from .._errors import ArgumentTypeError, ArgumentValueError, format_message
+from .. import _context, _funcinfo, _rules
+from .._errors import ArgumentTypeError, ArgumentValueError, JitError, format_message
 from .._tree import tree_flatten, tree_leaves, tree_structure, tree_unflatten
 from . import _batching, _hop
 from ._scan import (
@@ -249,6 +249,8 @@ def fori_loop(
     """
     op = "tfun.lax.fori_loop"
     _rules.check_callable(op, "body_fun", body_fun)
+    # a numpy bound, which tfun.jit traces (its messages say so, and what to pass instead)
+    numpy_bound = _rules.is_numpy_scalar(lower) or _rules.is_numpy_scalar(upper)
     lower = _loop_bound(op, "lower", lower)
     upper = _loop_bound(op, "upper", upper)
     if unroll is not None:
@@ -308,8 +310,14 @@ def fori_loop(
             raise ArgumentValueError(
                 format_message(
                     f"{op}: unroll={unroll!r} needs a static trip count, but a loop bound is a "
-                    + ("traced tensor (under tfun.jit)." if tracing else "tensor that differs per example (under vmap)."),
-                    revise="Pass Python ints for lower and upper to unroll the loop, or leave unroll out.",
+                    + (
+                        ("numpy value, which tfun.jit traces as an array (a traced tensor)." if numpy_bound else "traced tensor (under tfun.jit).")
+                        if tracing
+                        else "tensor that differs per example (under vmap)."
+                    ),
+                    revise="Pass Python ints for lower and upper to unroll the loop (a numpy value: `int(n)` outside "
+                    "tfun.jit, or pass it in an argument marked static, `tfun.jit(f, static_argnums=...)`), or leave "
+                    "unroll out.",
                 )
             )
         lo = torch.as_tensor(lower, dtype=dtype, device=device)
@@ -320,6 +328,27 @@ def fori_loop(
 
         if tracing:
             _hop.refuse_unrolled(op, body_fun)  # (a traced bound: no static trip count to unroll)
+            if _hop.vmap_traced():
+                # refused here, as fori_loop's, rather than by the while_loop it would lower to
+                # (whose message names a loop the user did not write; hunt 31, finding 5)
+                raise JitError(
+                    format_message(
+                        f"{op}: under tfun.jit inside a torch.func transform (tfun.vmap, tfun.jvp, jacfwd, ...), "
+                        "a loop bound is "
+                        + (
+                            "a numpy value, which tfun.jit traces as an array (a traced tensor)"
+                            if numpy_bound
+                            else "a traced tensor"
+                        )
+                        + f", so the loop has no static trip count and lowers to torch's while_loop, which torch "
+                        f"{torch.__version__} cannot trace there (it has no vmap or jvp rule).",
+                        function=_funcinfo.describe(body_fun),
+                        revise="Pass Python ints for lower and upper (a size such as `x.shape[0]` is one; a numpy "
+                        "value: `int(n)` outside tfun.jit, or pass it in an argument marked static, "
+                        "`tfun.jit(f, static_argnums=...)`), keep the batch as a tensor dimension in the carry "
+                        "instead of vmapping over it, or apply tfun.vmap outside tfun.jit (`tfun.vmap(tfun.jit(f))`).",
+                    )
+                )
 
             def w_body(c: Any) -> Any:
                 return (c[0] + 1, c[1], _traced_fori_body(op, body_fun, c[0], c[2]))
