@@ -7,6 +7,7 @@ import collections
 import pytest
 import torch
 
+import tfun
 from tfun import _compat
 from tfun._tree import tree_structure
 
@@ -303,3 +304,21 @@ def test_expm1_is_accurate_eagerly_and_under_inductor():
         assert rel.max().item() < 1e-6, (path, rel)
         grad_rel = ((g.double() - torch.exp(x64)).abs() / torch.exp(x64))
         assert grad_rel.max().item() < 1e-6, (path, grad_rel)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jacrev", "checkpoint"])
+def test_a_transform_of_a_builtin_made_inside_jit(transform):
+    """`tfun.vmap(torch.linalg.det)` and the like, made inside `tfun.jit`: torch 2.11's Dynamo
+    failed on `functools.wraps` of a builtin (its missing `__annotations__`; `_compat.wraps`).
+    Against the eager result."""
+    x = torch.randn(4, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    make = {
+        "vmap": lambda: tfun.vmap(torch.linalg.det, (0,)),
+        "grad": lambda: tfun.vmap(tfun.grad(torch.linalg.det)),
+        "jacrev": lambda: tfun.jacrev(torch.sin),
+        "checkpoint": lambda: tfun.checkpoint(torch.sin),
+    }[transform]
+    want = make()(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(tfun.jit(lambda x: make()(x), backend="aot_eager")(x), want)
+    assert make().__wrapped__ is not None

@@ -760,7 +760,7 @@ def checkpoint(
 
     # updated=(): the wrapped function's __dict__ is not copied (Dynamo cannot read a
     # `functools.partial`'s, e.g. `tfun.checkpoint(partial(lax.scan, f))` under tfun.jit)
-    @functools.wraps(fun, updated=())
+    @_compat.wraps(fun, updated=())
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             fun_k = functools.partial(fun, **kwargs)

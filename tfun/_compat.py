@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
 
 _FWD_READY = False
 
@@ -1397,6 +1397,29 @@ def dynamo_inspects_wrapped_functions() -> bool:
     wrapper = getattr(functions, "WrapperUserFunctionVariable", None)
     base = getattr(functions, "BaseUserFunctionVariable", None)
     return wrapper is None or base is None or issubclass(wrapper, base)
+
+
+def wraps(wrapped: Callable[..., Any], updated: tuple[str, ...] = ("__dict__",)) -> Callable[[Any], Any]:
+    """`functools.wraps(wrapped, updated=updated)`, also for a builtin `wrapped` in code that
+    Dynamo traces (`tfun.vmap(torch.linalg.det)` inside `tfun.jit`).
+
+    `functools.update_wrapper` reads each attribute in a `try`/`except AttributeError`; Dynamo
+    2.11 turns a builtin's missing `__annotations__` into an internal error there instead of
+    the `AttributeError` the code catches ("'builtin_function_or_method' object has no
+    attribute '__annotations__'"), a `JitError`. Later releases trace it. `hasattr`, which
+    every release traces, gives the same wrapper."""
+
+    def decorate(wrapper: Any) -> Any:
+        for name in functools.WRAPPER_ASSIGNMENTS:
+            if hasattr(wrapped, name):
+                setattr(wrapper, name, getattr(wrapped, name))
+        for name in updated:
+            if hasattr(wrapped, name):
+                getattr(wrapper, name).update(getattr(wrapped, name))
+        wrapper.__wrapped__ = wrapped
+        return wrapper
+
+    return decorate
 
 
 def selective_checkpoint_vmaps() -> bool:

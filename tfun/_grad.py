@@ -21,7 +21,6 @@ complex inputs only with `holomorphic=True`.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ import optree
 import torch
 import torch.func
 
-from . import _context
+from . import _compat, _context
 from ._compat import forward_ad_ready, grad_leaf
 from ._errors import (
     ArgumentTypeError,
@@ -653,7 +652,7 @@ def value_and_grad(
     _check_holomorphic_flag(op, holomorphic)
     _check_allow_int_flag(op, allow_int)
 
-    @functools.wraps(fun)
+    @_compat.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> Any:
         value, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return ((value, aux), g) if has_aux else (value, g)
@@ -704,7 +703,7 @@ def grad(
     _check_holomorphic_flag(op, holomorphic)
     _check_allow_int_flag(op, allow_int)
 
-    @functools.wraps(fun)
+    @_compat.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> Any:
         _, g, aux = _value_and_grad_call(op, fun, nums, single, has_aux, args, kwargs, holomorphic, allow_int)
         return (g, aux) if has_aux else g
@@ -1257,7 +1256,7 @@ def _jac(op: str, forward: bool, fun: Callable[..., Any], argnums: Any, has_aux:
     nums, single = normalize_argnums(op, argnums)
     _check_holomorphic_flag(op, holomorphic)
 
-    @functools.wraps(fun)
+    @_compat.wraps(fun)
     def jac_fun(*args: Any, **kwargs: Any) -> Any:
         argnums_r = resolve_argnums(op, fun, nums, len(args))
         fl = _DiffArgs(op, fun, args, argnums_r)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch.func
 
 from ._errors import ArgumentTypeError, ArgumentValueError, StructureMismatchError, format_message
 from ._funcinfo import describe
-from . import _context
+from . import _compat, _context
 from ._compat import grad_leaf
 from ._grad import (
     GradSpec,
@@ -108,7 +107,7 @@ def vmap(
     # updated=(): `fun`'s attributes stay its own (a `tfun.grad` function's `_tfun_grad_spec` is
     # not the vmapped function's), and nothing is copied that Dynamo would have to undo
     # (torch 2.11 cannot trace `dict.pop`)
-    @functools.wraps(fun, updated=())
+    @_compat.wraps(fun, updated=())
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         fn_desc = describe(fun)
         if isinstance(in_axes, tuple) and len(in_axes) != len(args):
