@@ -454,7 +454,8 @@ def test_vmap_inside_jit_rewritten_scan_matches_float64():
         except JitError as e:  # the installed torch cannot trace it: tfun's error, never a wrong value
             assert "could not compile" in str(e)
             return
-    assert n == 1
+    # (left to torch where tfun does not rewrite scans: torch 2.11, `scan_rewrite` above)
+    assert n == (0 if _compat.cpp_transposes_indirect_index() else 1)
     assert tree_allclose(_f64(out), f(*_f64((W, xs, h0))), rtol=1e-5, atol=1e-5)
 
 

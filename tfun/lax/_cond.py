@@ -445,7 +445,7 @@ def _checked_leaves(op: str, fn: Any, key: int, label: str, out: Any) -> tuple[l
 
 def _branch(op: str, fn: Any, key: int, label: str, op_carrier: Any, encode: bool = False) -> Callable[..., Any]:
     """Branch `fn` as a `torch.cond` branch. `encode` (grad mode): integer and bool outputs
-    leave as the bits of int64 in float64 tensors, as a scan's do (`_scan._lower_scan`,
+    leave as float64 tensors that hold them exactly, as a scan's do (`_scan._lower_scan`,
     workaround 3: torch's cond autograd asks a tangent of every output but differentiates only
     the floating ones, "outs_to_grad length (1) != tangents length (2)"); `_unmark` after the
     HOP gives them back."""

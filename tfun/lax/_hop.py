@@ -43,7 +43,7 @@ How the lowering works (torch 2.11-2.13):
   applies torch's upstream fix (`_subgraph_inputs_never_donated`): under `tfun.jit` and
   plain `torch.compile` alike.
 - torch 2.13's scan autograd rejects integer and bool carries and ys; under grad mode they
-  cross the HOP as int64 bits in float64 tensors (exact; see `_scan._lower_scan`).
+  cross the HOP as float64 tensors that hold them exactly (see `_scan._to_floating`).
 - Inductor on torch 2.11 and 2.13 computes wrong gradients through a complex
   `associative_scan` lowered to torch's generic HOP (S4D, S5, LRU); tfun lowers it as its own
   log-depth algorithm in plain ops instead, and only CUDA without gradients takes torch's

@@ -188,7 +188,7 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         # (`map(lambda r: (r @ W, W), xs)`), which Dynamo does not let tfun tell from a tensor
         # the body computes; Inductor removes the copies it does not need
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat, clone_all=True)
-        if encode:  # integer and bool outputs as int64 bits, as a cond's (`_scan._mark_bits`)
+        if encode:  # integer and bool outputs as exact float64, as a cond's (`_scan._mark_bits`)
             y_leaves, y_td = _mark_bits(y_leaves, y_td)
         return _hop.pack(key, y_td, y_leaves)
 

@@ -512,8 +512,8 @@ def _lower_scan(
     #    have stride 0 (the gradient of `carry.sum()`); a hook on each output makes them dense.
     # 3. torch's scan autograd accepts no integer or bool carries or ys ("outs_to_grad length
     #    (2) != tangents length (3)": it asks a tangent of every output but differentiates
-    #    only the floating ones). Under grad mode they cross the HOP as the bits of int64 in
-    #    a float64 tensor (`_to_floating` / `_from_floating`, exact). Complex leaves are
+    #    only the floating ones). Under grad mode they cross the HOP as float64 tensors that
+    #    hold them exactly (`_to_floating` / `_from_floating`). Complex leaves are
     #    left alone: torch 2.13's scan autograd cannot differentiate complex view ops.
     for_inductor = not _hop.is_exporting()
     clone_all = for_inductor and torch.is_grad_enabled()
@@ -742,7 +742,7 @@ def _refuse_real_constants(op: str, f: Any) -> None:
         )
 
 
-# Integer and bool leaves cross torch's scan as float64 tensors holding int64 bits (see `_lower_scan`).
+# Integer and bool leaves cross torch's scan as float64 tensors that hold them exactly (`_to_floating`).
 _BITS_KEY = "__tfun_bits__"  # + the dtype's name: the marker dict of such a y leaf
 
 
@@ -751,14 +751,30 @@ def _is_bits(dtype: torch.dtype) -> bool:
 
 
 def _to_floating(t: torch.Tensor) -> torch.Tensor:
-    """An integer or bool `t` as the bits of `t.to(int64)` viewed as float64 (exact); any
-    other `t` itself."""
-    return t.to(torch.int64).view(torch.float64) if _is_bits(t.dtype) else t
+    """An integer or bool `t` as float64 values that hold it exactly; any other `t` itself.
+
+    A dtype of at most 32 bits (bool, int8 ... int32, uint8 ... uint32) converts: float64
+    holds each of its values. A 64-bit integer becomes its high and low 32-bit halves on a
+    new last dimension (`[..., 0]` the signed high half, `[..., 1]` the low half), each exact.
+    Not its bits viewed as float64: a negative int64 is a NaN bit pattern there, and Inductor,
+    folding a constant (`torch.tensor(-7)` as a scan's `init`), wrote the canonical NaN,
+    which came back as 9221120237041090560 (hunt 32, finding 1). Also no `view(dtype)`,
+    which functorch 2.11 cannot batch (a traced vmap of such a loop was a JitError)."""
+    if not _is_bits(t.dtype):
+        return t
+    if t.dtype.itemsize < 8:
+        return t.to(torch.float64)
+    t = t.to(torch.int64)
+    return torch.stack([(t >> 32).to(torch.float64), (t & 0xFFFFFFFF).to(torch.float64)], dim=-1)
 
 
 def _from_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `_to_floating` for a leaf of dtype `dtype`."""
-    return t.view(torch.int64).to(dtype) if _is_bits(dtype) else t
+    if not _is_bits(dtype):
+        return t
+    if dtype.itemsize < 8:
+        return t.to(dtype)
+    return ((t[..., 0].to(torch.int64) << 32) | t[..., 1].to(torch.int64)).to(dtype)
 
 
 def _mark(t: Any, dtype: Any) -> Any:
@@ -769,7 +785,7 @@ def _mark(t: Any, dtype: Any) -> Any:
 
 
 def _encodes_bits() -> bool:
-    """Whether a HOP's integer and bool outputs cross it as int64 bits in float64: under grad
+    """Whether a HOP's integer and bool outputs cross it as exact float64 (`_to_floating`): under grad
     mode (torch's autograd of cond/map/scan asks a tangent of every output), under
     `torch.export` too, whose program is differentiated through its module (hunt 24: "outs_to_grad
     length (2) != tangents length (3)" from the exported module of a scan with an integer carry)."""
