@@ -12,6 +12,7 @@ import collections
 import functools
 import importlib.util
 import inspect
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -1406,8 +1407,12 @@ def wraps(wrapped: Callable[..., Any], updated: tuple[str, ...] = ("__dict__",))
     `functools.update_wrapper` reads each attribute in a `try`/`except AttributeError`; Dynamo
     2.11 turns a builtin's missing `__annotations__` into an internal error there instead of
     the `AttributeError` the code catches ("'builtin_function_or_method' object has no
-    attribute '__annotations__'"), a `JitError`. Later releases trace it. `hasattr`, which
-    every release traces, gives the same wrapper."""
+    attribute '__annotations__'"), a `JitError`. Later releases trace it. For a builtin,
+    `hasattr`, which every release traces, gives the same wrapper; anything else takes
+    `functools.wraps` (Dynamo answers `hasattr` wrongly for some, e.g. a `functools.partial`'s
+    `__name__`, and then fails on the `getattr`)."""
+    if not isinstance(wrapped, types.BuiltinFunctionType):
+        return functools.wraps(wrapped, updated=updated)
 
     def decorate(wrapper: Any) -> Any:
         for name in functools.WRAPPER_ASSIGNMENTS:
