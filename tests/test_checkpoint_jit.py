@@ -505,8 +505,9 @@ def test_a_checkpointed_branch_that_returns_its_operand(case, how):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("how", ["jit(vmap(grad))", "jit(grad(sum of vmap))"])
-def test_a_policy_checkpoint_under_a_traced_vmap(how):
+def test_a_policy_checkpoint_under_a_traced_vmap(how, backend):
     """Hunt 31, findings 2 and 3: a checkpoint with a saving policy under a `tfun.vmap` traced
     by `tfun.jit` (torch 2.11's selective checkpointing has no batching rule,
     `_compat.selective_checkpoint_vmaps`; eagerly, the policy's saved outputs broke a reverse
@@ -516,8 +517,8 @@ def test_a_policy_checkpoint_under_a_traced_vmap(how):
     ckpt = lambda W, x: tfun.checkpoint(lambda h: torch.tanh(h @ W) @ W, policy=P.dots_saveable)(x).sum()
     if how == "jit(vmap(grad))":
         want = torch.stack([torch.func.grad(plain)(W0, x) for x in xb])
-        got = tfun.jit(tfun.vmap(tfun.grad(ckpt), in_axes=(None, 0)), backend="aot_eager")(W0, xb)
+        got = tfun.jit(tfun.vmap(tfun.grad(ckpt), in_axes=(None, 0)), backend=backend)(W0, xb)
     else:
         want = torch.func.grad(lambda W: sum(plain(W, x) for x in xb))(W0)
-        got = tfun.jit(tfun.grad(lambda W, xb: tfun.vmap(ckpt, in_axes=(None, 0))(W, xb).sum()), backend="aot_eager")(W0, xb)
+        got = tfun.jit(tfun.grad(lambda W, xb: tfun.vmap(ckpt, in_axes=(None, 0))(W, xb).sum()), backend=backend)(W0, xb)
     assert_close(got, want)

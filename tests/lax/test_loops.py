@@ -407,8 +407,24 @@ _PLAIN_COMPILE_LOOPS = {
 }
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "aot_eager",
+        pytest.param(
+            "inductor",
+            marks=[
+                pytest.mark.heavy,
+                # not fixed: Inductor traces the while_loop backward again with a fake mode of its
+                # own, which refuses the `.item()` (torch's InductorError, DataDependentOutputException);
+                # tfun.jit and torch.compile(fullgraph=True) compute it (docs/compatibility.md)
+                pytest.mark.xfail(strict=True, reason="plain torch.compile + Inductor: while_loop backward's .item()"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("name", list(_PLAIN_COMPILE_LOOPS))
-def test_plain_torch_compile_with_graph_breaks_then_backward(name):
+def test_plain_torch_compile_with_graph_breaks_then_backward(name, backend):
     """Hunt 31 (F6): a plain `torch.compile` (graph breaks allowed, not `tfun.jit`) of a loop
     that lowers to torch's while_loop, then `.backward()`: torch's while_loop backward reads
     its step index with `.item()`, which such a trace refused, and Dynamo's fallback ran part
@@ -421,7 +437,7 @@ def test_plain_torch_compile_with_graph_breaks_then_backward(name):
     want_v, want_g = tfun.value_and_grad(f, argnums=(0, 1))(W.double(), x.double())
     torch._dynamo.reset()
     Wr, xr = W.clone().requires_grad_(), x.clone().requires_grad_()
-    got_v = torch.compile(f, backend="aot_eager")(Wr, xr)
+    got_v = torch.compile(f, backend=backend)(Wr, xr)
     got_v.backward()
     torch.testing.assert_close(got_v.double(), want_v, rtol=1e-5, atol=1e-5)
     for got, want in zip((Wr.grad, xr.grad), want_g):
