@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import _context
 from ._errors import ArgumentTypeError, ArgumentValueError, format_message
 
 _MODES = (None, "promise_in_bounds", "clip", "drop", "fill")
@@ -20,6 +21,33 @@ def _bad_index(what: str) -> ArgumentTypeError:
             revise="Write the index as you would for `x[idx]`, with integer tensors for gathers.",
         )
     )
+
+
+def _fake(t: Any) -> bool:
+    """Whether `t` is a fake tensor (eagerly only: Dynamo does not trace this)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and is_fake(t)
+
+
+def _phantom_possible(index: Any) -> bool:
+    """Whether a read may be one that no step of the program makes: in a higher-order op's
+    body traced under `tfun.jit` or `torch.export` (which torch may run on values no step
+    reads), or on fake tensors (tfun's check of the body of a loop of zero steps)."""
+    from .lax import _hop  # tfun.lax does not import this module
+
+    if _context.is_tracing():
+        return _hop.in_body()
+    return _fake(index)
+
+
+def _describe(c: Any) -> str:
+    """An index component, for a message: its value where that is cheap and safe to read."""
+    if isinstance(c, torch.Tensor):
+        if c.numel() == 1 and not _context.is_tracing() and not _fake(c):  # `is_tracing` first
+            return f"{c.item()} (a {c.dtype} tensor)"
+        return f"a {c.dtype} tensor of shape {tuple(c.shape)}"
+    return repr(c)
 
 
 def _components(idx: Any) -> tuple[Any, ...]:
@@ -77,7 +105,24 @@ def _positions(shape: torch.Size, idx: Any, mode: str | None, *, gather: bool, d
         n = shape[dim]
         t = torch.as_tensor(c, device=device).to(torch.int64)
         t = torch.where(t < 0, t + n, t)
-        if clip:
+        if isinstance(n, int) and n == 0:
+            # An empty dimension has no element to clip to: every index is out of bounds.
+            if gather and not _phantom_possible(t):
+                raise ArgumentValueError(
+                    format_message(
+                        f"tfun.at: index is out of bounds for axis {dim} with size 0.",
+                        [f"x.shape: {tuple(shape)}, index: {_describe(c)}"],
+                        revise="Read from a tensor with at least one element along that axis, "
+                        "or guard the read so that it does not run when the axis is empty.",
+                    )
+                )
+            # In a traced loop body the read may be one that never runs for real: torch's
+            # while_loop backward runs the body once more, on the initial carry, when the
+            # loop ran zero times, and discards what it computes (tfun's
+            # `_compat._zero_trip_grads`). It reads the fill value (NaN for floats); updates drop.
+            t = torch.full_like(t, 0)
+            padded_dims.append(dim)
+        elif clip:
             # not `max(n - 1, 0)`: Python's `max` of a symbolic size inside a loop body came
             # out 0 in a non-strict `torch.export` graph (torch 2.13, 2.14.1), silently
             t = t.clamp(0, n - 1 if n > 0 else 0)
@@ -126,9 +171,13 @@ class _IndexedRef:
         """`x[idx]`, with JAX's out-of-bounds handling (default: clip; `"fill"`/`"drop"`: `fill_value`)."""
         x = self._x
         pos = self._pos(mode, gather=True)
-        # indexed with a 1-d tensor: a gather also for a 0-d `pos` (a 0-d index would be read)
-        out = x.reshape(-1)[pos.clamp(min=0).reshape(-1)].reshape(pos.shape)
-        if mode in ("fill", "drop"):  # JAX's gather fills for both
+        empty = any(isinstance(n, int) and n == 0 for n in x.shape)
+        if empty:  # traced only (eagerly `_positions` refused): every position is out of bounds
+            out = x.new_zeros(pos.shape)
+        else:
+            # indexed with a 1-d tensor: a gather also for a 0-d `pos` (a 0-d index would be read)
+            out = x.reshape(-1)[pos.clamp(min=0).reshape(-1)].reshape(pos.shape)
+        if mode in ("fill", "drop") or empty:  # JAX's gather fills for both
             if fill_value is None:
                 if x.dtype.is_floating_point or x.dtype.is_complex:
                     fill_value = math.nan
@@ -213,6 +262,16 @@ class at:
     them; `"clip"` clamps into range; `"drop"` and `"fill"` drop updates and make `get`
     return `fill_value` (default NaN for floats, the most negative value for signed ints,
     the largest for unsigned, True for bools).
+
+    An axis of size 0 has no element to clip to: `get` on it raises an `ArgumentValueError`
+    (JAX raises IndexError), except in a loop or branch body traced by `tfun.jit` or
+    `torch.export`, where it returns the fill value. There torch may run a body on values
+    no step of the program reads: under jit with gradients, the backward of a `while_loop`
+    (or a `fori_loop` with tensor bounds) runs the body once on the initial carry even when
+    the loop ran zero times, and tfun discards what it computes. So a loop over an empty
+    sequence (`fori_loop(0, n, ...)` with `n = 0`, reading `tfun.at(xs)[i].get()`) works
+    under jit with gradients as eagerly, where `torch.index_select` on the empty `xs` would
+    raise. Under jit a body that really runs and reads an empty axis gets NaNs, not an error.
 
     Every result is differentiable in `x` and `values` (a gather, `index_put` or
     `scatter_reduce`), and works under `tfun.vmap`, `tfun.grad` and `tfun.jit`: out-of-bounds

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.helpers import DTYPES, Point, as_tensor, assert_grads_close, assert_matches_jax, assert_tree_allclose, materialize, structures
 import tfun
 from tfun import lax
-from tfun.errors import JitError
+from tfun.errors import ArgumentValueError, JitError
 from tfun.tree import tree_map
 
 
@@ -152,7 +152,6 @@ def test_fori_loop_unroll_needs_a_static_trip_count():
     ArgumentValueError (a ValueError); None, False, 1 and (JAX's test is `unroll != 1`) True
     pass. Eager tensor bounds and Python-int bounds accept any unroll."""
     import tfun
-    from tfun.errors import ArgumentValueError
 
     body = lambda i, c: c + 1
     x = torch.zeros(())
@@ -174,7 +173,6 @@ def test_traced_fori_loop_bounds_are_named_in_fori_loops_messages():
     arrays), so the loop has no static trip count. The messages are fori_loop's (not those of
     the while_loop it would lower to), say that a numpy bound is why, and what to pass."""
     import tfun
-    from tfun.errors import ArgumentValueError
 
     body = lambda i, c: c * 0.5 + 1
     x = torch.zeros(2, 3)
@@ -398,6 +396,60 @@ def test_gradient_of_a_loop_that_runs_zero_times_under_jit(name, backend, mode):
     torch.testing.assert_close(got_v.double(), want_v, rtol=1e-5, atol=1e-5)
     for got, want in zip(got_g, want_g):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _fori_reading_xs(W, xs, h):
+    body = lambda i, h: torch.tanh(h @ W + tfun.at(xs)[i].get())
+    return lax.fori_loop(torch.tensor(0), torch.tensor(xs.shape[0]), body, h)
+
+
+def _while_reading_xs(W, xs, h):
+    T = xs.shape[0]
+    body = lambda c: (c[0] + 1, torch.tanh(c[1] @ W + tfun.at(xs)[c[0]].get()))
+    return lax.while_loop(lambda c: c[0] < T, body, (torch.tensor(0), h))[1]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("loop", [_fori_reading_xs, _while_reading_xs], ids=["fori_tensor_bounds", "while"])
+def test_a_loop_of_zero_steps_reading_an_empty_sequence_under_jit_with_gradients(loop, backend):
+    """Hunt 31 (F1's second symptom): under `tfun.jit` with gradients, torch's while_loop
+    backward runs the body once on the initial carry even when the loop ran zero times
+    (tfun discards what it computes), so a body reading `tfun.at(xs)[i].get()` from an empty
+    `xs` (an empty sequence, T = 0) raised torch's raw IndexError at run time. In a traced
+    body that read now gives the fill value; the gradients are the identity loop's, as
+    eagerly, with `tfun.grad` inside jit and `.backward()` outside."""
+    g = torch.Generator().manual_seed(5)
+    W, xs, h = torch.randn(3, 3, generator=g) * 0.5, torch.zeros(0, 3), torch.randn(3, generator=g)
+    f = lambda W, xs, h: (loop(W, xs, h) * torch.arange(1.0, 4.0)).sum()
+    want_v, want_g = tfun.value_and_grad(f, argnums=(0, 2))(W.double(), xs.double(), h.double())
+    torch.testing.assert_close(want_g[0], torch.zeros_like(want_g[0]))  # eagerly: the identity
+    torch._dynamo.reset()
+    got_v, got_g = tfun.jit(tfun.value_and_grad(f, argnums=(0, 2)), backend=backend)(W, xs, h)
+    Wr, hr = W.clone().requires_grad_(), h.clone().requires_grad_()
+    got_v2 = tfun.jit(f, backend=backend)(Wr, xs, hr)
+    got_v2.backward()
+    for v, grads in ((got_v, got_g), (got_v2, (Wr.grad, hr.grad))):
+        torch.testing.assert_close(v.double(), want_v, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads, want_g):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_read_of_an_empty_sequence_that_runs_is_refused_eagerly_and_under_jit():
+    """The fill value is only for reads no step makes: eagerly, and under `tfun.jit` outside
+    a loop body, reading an element of an empty axis is tfun's error (JAX raises IndexError)."""
+    xs = torch.zeros(0, 3)
+    read = lambda xs, i: tfun.at(xs)[i].get()
+    message = r"tfun.at: index is out of bounds for axis 0 with size 0\.\n  \* x.shape: \(0, 3\), index: "
+    with pytest.raises(ArgumentValueError, match=message + r"2 \(a torch.int64 tensor\)"):
+        read(xs, torch.tensor(2))
+    with pytest.raises(ArgumentValueError, match=message + r"2\n"):
+        lax.fori_loop(0, 1, lambda i, h: h + read(xs, 2), torch.zeros(3))
+    torch._dynamo.reset()
+    with pytest.raises(ArgumentValueError, match=message + r"a torch.int64 tensor of shape \(\)"):
+        tfun.jit(read, backend="aot_eager")(xs, torch.tensor(2))
+    # a loop of zero steps checks its body on fake tensors: no error, the loop is the identity
+    h = torch.ones(3)
+    assert torch.equal(lax.fori_loop(0, 0, lambda i, h: h + read(xs, i), h), h)
 
 
 _PLAIN_COMPILE_LOOPS = {
