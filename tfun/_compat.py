@@ -1228,7 +1228,12 @@ def _scalar_outputs_allowed(backward: Callable[..., Any]) -> Callable[..., Any]:
     part of the loop eagerly and part traced, and the user got a StructureMismatchError that
     blamed tfun's own loop body (hunt 31, finding 6: `torch.compile(f)` of a `fori_loop` with
     tensor bounds, then `.backward()`). The wrapper allows scalar outputs on the fake mode of
-    the gradients for the duration of the backward (nothing changes on real tensors)."""
+    the gradients (nothing changes on real tensors), and leaves them allowed: that fake mode
+    is the one compile's (Dynamo makes one per compiled frame), and Inductor, the default
+    backend, propagates fake tensors through the backward graph again with it, where the
+    `.item()` meets it a second time (torch's InductorError, DataDependentOutputException).
+    Dynamo itself reads its own `capture_scalar_outputs` option, not the fake mode's, so a
+    user's `.item()` outside a loop still breaks the graph as before."""
 
     def backward_with_scalars(ctx: Any, *grads: Any) -> Any:
         fake_mode = importlib.import_module("torch._guards").detect_fake_mode(
@@ -1237,10 +1242,7 @@ def _scalar_outputs_allowed(backward: Callable[..., Any]) -> Callable[..., Any]:
         if fake_mode is None or getattr(fake_mode, "allow_scalar_outputs", True):
             return backward(ctx, *grads)
         fake_mode.allow_scalar_outputs = True
-        try:
-            return backward(ctx, *grads)
-        finally:
-            fake_mode.allow_scalar_outputs = False
+        return backward(ctx, *grads)
 
     return backward_with_scalars
 

@@ -459,29 +459,15 @@ _PLAIN_COMPILE_LOOPS = {
 }
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "aot_eager",
-        pytest.param(
-            "inductor",
-            marks=[
-                pytest.mark.heavy,
-                # not fixed: Inductor traces the while_loop backward again with a fake mode of its
-                # own, which refuses the `.item()` (torch's InductorError, DataDependentOutputException);
-                # tfun.jit and torch.compile(fullgraph=True) compute it (docs/compatibility.md)
-                pytest.mark.xfail(strict=True, reason="plain torch.compile + Inductor: while_loop backward's .item()"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("name", list(_PLAIN_COMPILE_LOOPS))
 def test_plain_torch_compile_with_graph_breaks_then_backward(name, backend):
     """Hunt 31 (F6): a plain `torch.compile` (graph breaks allowed, not `tfun.jit`) of a loop
     that lowers to torch's while_loop, then `.backward()`: torch's while_loop backward reads
     its step index with `.item()`, which such a trace refused, and Dynamo's fallback ran part
     of the loop eagerly and part traced (a StructureMismatchError blaming tfun's own `w_body`).
-    Against eager float64."""
+    With Inductor, plain `torch.compile`'s default, the backward graph's fake-tensor pass then
+    refused the same `.item()` (torch's InductorError). Against eager float64."""
     loop = _PLAIN_COMPILE_LOOPS[name]
     g = torch.Generator().manual_seed(3)
     W, x = torch.randn(3, 3, generator=g) * 0.5, torch.randn(3, generator=g)
