@@ -322,3 +322,36 @@ def test_a_transform_of_a_builtin_made_inside_jit(transform):
     torch._dynamo.reset()
     torch.testing.assert_close(tfun.jit(lambda x: make()(x), backend="aot_eager")(x), want)
     assert make().__wrapped__ is not None
+
+
+def test_transforms_made_inside_jit_use_the_wraps_form_dynamo_recognizes(monkeypatch):
+    """`tfun.grad(f)` made inside `tfun.jit`, for a nested, a global and a nested-in-nested
+    function: `_compat.wraps` must call `functools.wraps(f)` with one argument, the form
+    Dynamo recognizes; with `updated=` spelled out, Dynamo traced `functools.update_wrapper`,
+    whose `__dict__.update` torch 2.11 cannot trace (every such call was a JitError there).
+    The spy fails on every torch if the form changes; the values are checked against eager."""
+    import functools
+
+    forms = []
+    real_wraps = functools.wraps
+
+    def spy(wrapped, *args, **kwargs):
+        forms.append((args, tuple(sorted(kwargs))))
+        return real_wraps(wrapped, *args, **kwargs)
+
+    monkeypatch.setattr(functools, "wraps", spy)
+    tfun.grad(lambda z: z.sum())
+    tfun.value_and_grad(lambda z: z.sum())
+    assert forms == [((), ()), ((), ())]
+    monkeypatch.undo()
+
+    total = lambda z: (z**2).sum()  # noqa: E731
+    x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    programs = {
+        "nested": lambda y: tfun.grad(lambda z: (z**3).sum())(y),
+        "global": lambda y: tfun.grad(total)(y),
+        "nested_in_nested": lambda y: tfun.grad(lambda u: (tfun.grad(total)(u) ** 2).sum())(y),
+    }
+    for name, f in programs.items():
+        torch._dynamo.reset()
+        torch.testing.assert_close(tfun.jit(f, backend="aot_eager")(x), f(x), msg=name)

@@ -1412,8 +1412,13 @@ def wraps(wrapped: Callable[..., Any], updated: tuple[str, ...] = ("__dict__",))
     attribute '__annotations__'"), a `JitError`. Later releases trace it. For a builtin,
     `hasattr`, which every release traces, gives the same wrapper; anything else takes
     `functools.wraps` (Dynamo answers `hasattr` wrongly for some, e.g. a `functools.partial`'s
-    `__name__`, and then fails on the `getattr`)."""
+    `__name__`, and then fails on the `getattr`). With the default `updated`, that is called
+    as `functools.wraps(wrapped)`: the one form Dynamo recognizes without tracing
+    `functools.update_wrapper`, whose `__dict__.update` Dynamo 2.11 cannot trace (with
+    `updated=` spelled out, every `tfun.grad` made inside `tfun.jit` was a JitError on 2.11)."""
     if not isinstance(wrapped, types.BuiltinFunctionType):
+        if tuple(updated) == tuple(functools.WRAPPER_UPDATES):
+            return functools.wraps(wrapped)
         return functools.wraps(wrapped, updated=updated)
 
     def decorate(wrapper: Any) -> Any:
