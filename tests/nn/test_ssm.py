@@ -344,7 +344,9 @@ def test_bfloat16_parameters_are_discretized_in_float32(layer):
         fn(x).float().sum().backward()
         for (n, p), q in zip(m.named_parameters(), m64.parameters()):
             err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
-            assert err < 1.5e-2, f"{layer} {path}: gradient of {n}, relative error {err:.2e}"
+            # 2e-2: torch 2.11's bfloat16 kernels give S5's `log_step` 1.6e-2 eagerly (2.13: < 1.5e-2);
+            # without the float32 discretization it was 0.19
+            assert err < 2e-2, f"{layer} {path}: gradient of {n}, relative error {err:.2e}"
 
 
 @pytest.mark.heavy
