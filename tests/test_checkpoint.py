@@ -491,3 +491,60 @@ def test_reverse_mode_around_a_vmap_of_a_checkpoint_with_a_policy(policy, how):
             loss(Wr).backward()
             got = Wr.grad
     torch.testing.assert_close(got, want)
+
+
+def _under_autocast_then_backward(g, W0, x0):
+    """The usual mixed-precision step: the forward under `torch.autocast`, `.backward()` after it."""
+    W, x = W0.clone().requires_grad_(), x0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = g(W, x)
+    (out.float() ** 2).sum().backward()
+    return out, W.grad, x.grad
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable", "nothing_saveable"])
+def test_the_recompute_runs_under_the_forwards_autocast_state(policy):
+    """Hunt 33 (F3): `.backward()` after a `torch.autocast` block recomputed the checkpointed
+    function in float32, so the gradients were those of another function: silently off by a
+    bfloat16 rounding, or of the other branch where a `cond`'s predicate lies between its
+    bfloat16 and float32 values; with `dots_saveable`, torch's "expected m1 and m2 to have the
+    same dtype" (a saved bfloat16 product replayed into a float32 recompute). Against the same
+    step without a checkpoint."""
+    g = torch.Generator().manual_seed(0)
+    W0, x0 = torch.randn(16, 16, generator=g), torch.randn(4, 16, generator=g)
+    s32 = (x0 @ W0).sum().item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s16 = (x0 @ W0).sum().float().item()
+    assert s16 != s32
+    c = (s32 + s16) / 2  # between the float32 and the bfloat16 value of the predicate
+
+    def f(W, x):
+        h = tfun.lax.cond((x @ W).sum() > c, lambda v: 3.0 * v, lambda v: -v, x @ W)
+        return torch.tanh(h) @ W
+
+    pol = None if policy is None else getattr(tfun.checkpoint_policies, policy)
+    want_out, want_gW, want_gx = _under_autocast_then_backward(f, W0, x0)
+    out, gW, gx = _under_autocast_then_backward(tfun.checkpoint(f, policy=pol), W0, x0)
+    assert out.dtype == want_out.dtype == torch.bfloat16 and gW.dtype == torch.float32
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    # the replayed product's closed-form gradient rounds differently from matmul's backward
+    tol = dict(rtol=0, atol=0) if policy != "dots_saveable" else dict(rtol=2e-2, atol=2e-2 * float(want_gW.abs().max()))
+    torch.testing.assert_close(gW, want_gW, **tol)
+    tol = dict(rtol=0, atol=0) if policy != "dots_saveable" else dict(rtol=2e-2, atol=2e-2 * float(want_gx.abs().max()))
+    torch.testing.assert_close(gx, want_gx, **tol)
+
+
+def test_autocast_off_in_the_forward_stays_off_in_a_recompute_under_autocast():
+    """The other way round: a forward outside autocast, differentiated inside an autocast
+    block, recomputes in float32 (the forward's state, not the one the backward meets), and
+    gives what the same step without a checkpoint gives (on the CPU the backward's own
+    products run under the block's autocast either way)."""
+    g = torch.Generator().manual_seed(1)
+    W, x = torch.randn(8, 8, generator=g).requires_grad_(), torch.randn(3, 8, generator=g)
+    f = lambda W, x: torch.tanh(x @ W) @ W  # noqa: E731
+    grads = []
+    for h in (f, tfun.checkpoint(f)):
+        out = h(W, x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grads.append(torch.autograd.grad((out**2).sum(), W)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

@@ -50,3 +50,20 @@ def test_stacks_of_transforms_agree_with_transform_stack():
         assert fwd == ("Jvp" in names)
         assert rev == ("Grad" in names)
         assert depth == names.count("Jvp")
+
+
+def test_autocast_state_is_restored_whatever_is_on_now():
+    """`autocast_state` / `autocast_restored`: a computation run again later (a checkpoint's
+    recompute, a custom rule in the backward) runs under the state recorded, on or off."""
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    off = _context.autocast_state([a.device])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = _context.autocast_state()
+        with _context.autocast_restored(off):
+            assert (a @ b).dtype == torch.float32
+        with _context.autocast_restored(None):
+            assert (a @ b).dtype == torch.bfloat16
+    assert on[0][0] == ("cpu", True, torch.bfloat16) and off[0][0][1] is False
+    with _context.autocast_restored(on):
+        assert (a @ b).dtype == torch.bfloat16
+    assert (a @ b).dtype == torch.float32

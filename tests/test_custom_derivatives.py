@@ -1852,3 +1852,58 @@ def test_rules_with_dict_arguments_and_outputs_under_jit(case, how, backend):
         got = xb.grad
     torch.testing.assert_close(got, want)
     assert want.abs().max() > 50  # the rule's gradient, not the primal's
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize("where", ["backward_after_the_block", "backward_inside_the_block", "jit"])
+def test_rules_run_under_the_forwards_autocast_state(kind, where):
+    """Hunt 33 (F4): a custom function called under `torch.autocast` and differentiated after
+    the block (the usual mixed-precision step). The custom_jvp rule, run again in the
+    backward, saw float32 where the forward saw bfloat16 (a TensorMismatchError blaming the
+    user's correct rule); a custom_vjp `bwd` mixed bfloat16 residuals with float32 inputs
+    (torch's "expected m1 and m2 to have the same dtype"). Both now run under the forward's
+    state, as under `tfun.jit`. Against the plain function's gradients under autocast."""
+    g = torch.Generator().manual_seed(0)
+    x0, W0 = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g)
+    plain = lambda x, W: torch.sin(x @ W)  # noqa: E731
+    if kind == "custom_jvp":
+        f = tfun.custom_jvp(plain)
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            (x, W), (tx, tW) = primals, tangents
+            u = x @ W
+            return torch.sin(u), torch.cos(u) * (tx @ W + x @ tW)
+
+    else:
+        f = tfun.custom_vjp(plain)
+
+        def f_fwd(x, W):
+            u = x @ W
+            return torch.sin(u), (x, W, u)
+
+        def f_bwd(res, g):
+            x, W, u = res
+            gu = g * torch.cos(u)
+            return gu @ W.T, x.T @ gu
+
+        f.defvjp(f_fwd, f_bwd)
+
+    def step(fn):
+        x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
+        if where == "jit":
+            torch._dynamo.reset()
+            fn = tfun.jit(fn, backend="aot_eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, W)
+            if where == "backward_inside_the_block":
+                (out.float() ** 2).sum().backward()
+        if where != "backward_inside_the_block":
+            (out.float() ** 2).sum().backward()
+        return out, x.grad, W.grad
+
+    want, got = step(plain), step(f)
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    for w, o in zip(want, got):
+        assert o.dtype == w.dtype
+        torch.testing.assert_close(o.float(), w.float(), rtol=2e-2, atol=2e-2 * float(w.detach().abs().max()))

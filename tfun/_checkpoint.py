@@ -287,16 +287,24 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return x
 
 
+# The closed-form products below run in the saved product's dtype (the gradient's), and each
+# gradient comes back in its operand's dtype: under `torch.autocast` the forward multiplied
+# bfloat16 casts of float32 operands, and autocast's casts send the gradients back to float32.
+# Without autocast every dtype is the same and the casts do nothing.
+
+
 def _matmul_vjp(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _sum_to(g @ b.mT.conj(), a.shape), _sum_to(a.mT.conj() @ g, b.shape)
+    ac, bc = a.to(g.dtype), b.to(g.dtype)
+    return _sum_to(g @ bc.mT.conj(), a.shape).to(a.dtype), _sum_to(ac.mT.conj() @ g, b.shape).to(b.dtype)
 
 
 def _linear_vjp(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    return g @ w.conj(), g2.mT @ x2.conj(), (None if b is None else _sum_to(g, b.shape))
+    x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
+    gb = None if b is None else _sum_to(g, b.shape).to(b.dtype)
+    return (g @ w.to(g.dtype).conj()).to(x.dtype), (g2.mT @ x2.conj()).to(w.dtype), gb
 
 
 def _replay_kind(func: Any) -> str | None:
@@ -533,6 +541,7 @@ class _Spec:
     saved_index: list[tuple[int, int, Any]]
     n_out: int
     rng: _RngState | None
+    autocast: _context.AutocastState | None = None  # the forward's, for the recompute (None: as it is then)
 
     def call(self, tensors: Sequence[torch.Tensor]) -> Any:
         args = list(self.args.combine(tensors))
@@ -593,7 +602,7 @@ class _CheckpointFunction(torch.autograd.Function):
             vals = list(tensors)
             for k, v in zip(diff, d):
                 vals[k] = v
-            with _Mode(subst=spec.subst(vals[spec.n_in :])):
+            with _Mode(subst=spec.subst(vals[spec.n_in :])), _context.autocast_restored(spec.autocast):
                 out = spec.call(vals[: spec.n_in])
             return tuple(partition(out).dynamic)
 
@@ -623,7 +632,10 @@ class _CheckpointFunction(torch.autograd.Function):
             for k, v in zip(diff, d):
                 vals[k] = v
             mode = _Mode(subst=spec.subst(vals[spec.n_in :]), replay=replay or None)
-            with torch.enable_grad(), mode:
+            # under the forward's autocast state: `.backward()` usually runs after the
+            # `torch.autocast` block, and the recompute must compute what the forward did
+            # (the same dtypes, the same branches taken; hunt 33, F3)
+            with torch.enable_grad(), mode, _context.autocast_restored(spec.autocast):
                 out = spec.call(vals[: spec.n_in])
             leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
             out_diff[:] = [k for k, o in enumerate(leaves) if is_inexact(o)]
@@ -814,6 +826,7 @@ def checkpoint(
                 )
             ) from e
         spec.externals = mode.externals
+        spec.autocast = _context.autocast_state(t.device for t in (*ins, *spec.externals))
         outs = _flatten_out(spec, out)
         if plain:
             needs = torch.is_grad_enabled() and any(t.requires_grad for t in ins + spec.externals)

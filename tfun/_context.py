@@ -10,8 +10,9 @@ there), and `_errors` where it raises: every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -29,6 +30,8 @@ __all__ = [
     "in_functorch_transform",
     "in_op_recording_mode",
     "current_trace",
+    "autocast_state",
+    "autocast_restored",
 ]
 
 
@@ -177,3 +180,35 @@ def current_trace() -> object | None:
     if not _TRACING_CONTEXT:
         _TRACING_CONTEXT.append(importlib.import_module("torch._guards").TracingContext.try_get)
     return _TRACING_CONTEXT[0]()
+
+
+#: An autocast state: per device type, (device type, enabled, dtype); and whether the cast cache is on.
+AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
+
+
+def autocast_state(devices: Iterable[torch.device | str] = ()) -> AutocastState:
+    """The `torch.autocast` state for the CPU and the device types of `devices`: what a
+    computation run again later (a checkpoint's recompute, a custom rule run in the backward)
+    must run under to compute what the first run did. A backward runs outside the forward's
+    `torch.autocast` block in the usual mixed-precision loop (`.backward()` after it)."""
+    kinds = ["cpu"]
+    for d in devices:
+        kind = d if isinstance(d, str) else d.type
+        if kind not in kinds and kind != "meta":
+            kinds.append(kind)
+    per = tuple((k, bool(torch.is_autocast_enabled(k)), torch.get_autocast_dtype(k)) for k in kinds)
+    return per, bool(torch.is_autocast_cache_enabled())
+
+
+@contextlib.contextmanager
+def autocast_restored(state: AutocastState | None) -> Iterator[None]:
+    """Run the block under the autocast `state` (`autocast_state`), whatever is on now: enabled
+    where it was, disabled where it was not. None: the current state."""
+    if state is None:
+        yield
+        return
+    per, cache = state
+    with contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in per:
+            stack.enter_context(torch.autocast(device_type=kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        yield

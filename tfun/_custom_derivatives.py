@@ -476,6 +476,12 @@ class _Results:
     `test_control_flow_inside_the_rule_under_jit`)."""
 
 
+def _eager_autocast_state(tensors: Sequence[torch.Tensor]) -> _context.AutocastState | None:
+    """The autocast state a rule run later (in the backward) must run under; None traced,
+    where AOTAutograd traces the backward under the graph's own state."""
+    return None if _context.is_tracing() else _context.autocast_state(t.device for t in tensors)
+
+
 def _result(name: str) -> Any:
     return property(lambda self: getattr(self.results, name, None), doc=f"`results.{name}`")
 
@@ -490,6 +496,7 @@ class _CallSpec:
     res_td = _result("res_td")
     res_src = _result("res_src")
     in_meta = _result("in_meta")
+    autocast = _result("autocast")  # the eager forward's autocast state, for rules run later
 
     def __init__(self, op: str, fun: Callable[..., Any], nondiff_argnums: tuple[int, ...], args: tuple[Any, ...]):
         for i in nondiff_argnums:
@@ -684,6 +691,11 @@ class _CustomVjpFunction(torch.autograd.Function):
                 extra.append(r)
         found.res_src = res_src
         found.in_meta = [(t.shape, t.dtype) if is_inexact(t) else None for t in tensors[:n]]
+        # `bwd` runs under the forward's autocast state, as it does under tfun.jit (where the
+        # backward is traced with the graph's): `.backward()` usually runs after the
+        # `torch.autocast` block, where `bwd` would mix bfloat16 residuals with float32
+        # inputs (torch's own `autograd.Function` asks for `torch.amp.custom_bwd` for this)
+        found.autocast = _eager_autocast_state(tensors)
         out_leaves = [o.view_as(o) if any(o is t for t in tensors) else o for o in out_leaves]
         return tuple(out_leaves) + tuple(extra)
 
@@ -731,7 +743,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         saved = saved[: ctx.n_res_saved]
         if caps and any(g is not None for g in grads) and any(ctx.needs_input_grad[1 + n :]):
             _refuse_closure_derivative(spec, spec.bwd, "reverse-mode derivative (grad, vjp)")
-        with _Bound(spec, caps):
+        with _Bound(spec, caps), _context.autocast_restored(spec.autocast):
             result = _CustomVjpFunction._backward(ctx, spec, saved, inputs, grads)
         return (*result, *(None,) * len(caps))
 
@@ -1340,6 +1352,9 @@ class _CustomJvpFunction(torch.autograd.Function):
         leaves, found.out_td = _flatten_outputs("tfun.custom_jvp", spec.fun, "output", out)
         found.n_out = len(leaves)
         found.out_meta = [(o.shape, o.dtype) for o in leaves]
+        # the backward runs the jvp rule again, usually after the `torch.autocast` block:
+        # it must see the dtypes the forward saw (hunt 33, F4)
+        found.autocast = _eager_autocast_state(tensors)
         # an output that is an input is returned as an alias so autograd can track it
         return tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in leaves)
 
@@ -1359,7 +1374,7 @@ class _CustomJvpFunction(torch.autograd.Function):
         if any(t is not None and w for t, w in zip(tangents[n:], fwd_levels)):
             _refuse_closure_derivative(spec, spec.jvp_fn, "forward-mode derivative (jvp, jacfwd)")
         tans = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
-        with _Bound(spec, caps):
+        with _Bound(spec, caps), _context.autocast_restored(spec.autocast):
             flat = _call_jvp_rule(spec, primals, tans)
         return tuple(
             None
@@ -1378,7 +1393,7 @@ class _CustomJvpFunction(torch.autograd.Function):
         primals, caps = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         if caps and any(g is not None for g in grads) and any(ctx.needs_input_grad[1 + n :]):
             _refuse_closure_derivative(spec, spec.jvp_fn, "reverse-mode derivative (grad, vjp)")
-        with _Bound(spec, caps):
+        with _Bound(spec, caps), _context.autocast_restored(spec.autocast):
             result = _CustomJvpFunction._transpose(spec, primals, grads)
         return (*result, *(None,) * len(caps))
 
