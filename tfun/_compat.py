@@ -9,6 +9,7 @@ feature-detected in `tfun/lax/_hop.py`, the one module that calls them.)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -1145,6 +1146,9 @@ def while_loop_autograd_fixes() -> None:
     )
     _wrap_backward_once("torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _zero_trip_grads, lambda backward: False)
     _wrap_backward_once(
+        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_additional_inputs, lambda backward: False
+    )
+    _wrap_backward_once(
         "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _scalar_outputs_allowed, lambda backward: False
     )
 
@@ -1177,6 +1181,38 @@ def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., An
         return backward(ctx, *grads)
 
     return backward_every_carry
+
+
+def _dense_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` that requires grad where `t` did (a copy made in a backward,
+    where grad mode is off, would not: torch's backward then differentiates nothing through
+    it, and the gradient is silently zero)."""
+    dense = t.detach().contiguous()
+    return dense.requires_grad_() if t.requires_grad else dense
+
+
+def _dense_additional_inputs(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`WhileLoopAutogradOp.backward` for a body that reads a non-contiguous tensor.
+
+    torch's while_loop backward carries one gradient accumulator per tensor the body reads
+    (its additional inputs), made by `zeros_like` with that tensor's strides, while each
+    backward step returns a contiguous gradient; its own check then refuses the pair
+    ("Expected carried_inputs and body_output to have same metadata ... stride: (1, 4) vs
+    (3, 1)"), for a transposed, expanded or channels-last tensor closed over by a
+    `while_loop` (or tensor-bound `fori_loop`) body under `tfun.jit` with gradients, on
+    every torch tfun supports (hunt 33, F6). The wrapper hands torch's backward contiguous
+    copies of those tensors (the same values; the gradients come back dense, which autograd
+    accepts for any layout)."""
+
+    def backward_dense_inputs(ctx: Any, *grads: Any) -> Any:
+        extra = getattr(ctx, "additional_inputs", None)
+        if extra is not None:
+            ctx.additional_inputs = tuple(
+                _dense_like(a) if isinstance(a, torch.Tensor) and not a.is_contiguous() else a for a in extra
+            )
+        return backward(ctx, *grads)
+
+    return backward_dense_inputs
 
 
 def _zero_trip_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -1214,6 +1250,31 @@ def _zero_trip_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
         return tuple(out)
 
     return backward_zero_trip
+
+
+def allow_scalar_outputs_in_trace(trace: Any) -> None:
+    """Allow data-dependent scalars on the fake mode of `trace` (Dynamo's `TracingContext`
+    of the graph being traced, None eagerly), for the loops Inductor lowers.
+
+    Inductor (plain `torch.compile`'s default backend) lowers a `scan` or `map` by
+    decomposing it into a `while_loop` (its post-grad pass `decompose_scan_to_while_loop`),
+    whose body reads the step counter with `.item()`, traced under the graph's fake mode.
+    That mode allows scalar outputs only in a one-graph trace (`fullgraph=True`, so
+    `tfun.jit`); with a plain `torch.compile(f)` every scan, forward alone included, failed
+    with torch's `InductorError` (`DataDependentOutputException`; hunt 33, F5, torch 2.11
+    through 2.14.1). Called at trace time by every tfun lowering. The trace is that compile's
+    own. The flag that counts is its `ShapeEnv`'s, which Dynamo sets from `fullgraph` and
+    shares with the fresh fake mode it hands the backend (the mode's own flag is not
+    copied). Dynamo reads its own `capture_scalar_outputs` option for a user's `.item()`,
+    which still breaks the graph as before."""
+    shape_env = getattr(getattr(trace, "fake_mode", None), "shape_env", None)
+    if shape_env is None or getattr(shape_env, "allow_scalar_outputs", True) is not False:
+        return
+    settings = getattr(shape_env, "settings", None)  # a frozen dataclass (torch 2.11 through 2.14.1)
+    if dataclasses.is_dataclass(settings) and "allow_scalar_outputs" in {f.name for f in dataclasses.fields(settings)}:
+        shape_env.settings = dataclasses.replace(settings, allow_scalar_outputs=True)
+    else:  # pragma: no cover - a torch that keeps the flag as a plain attribute
+        shape_env.allow_scalar_outputs = True
 
 
 def _scalar_outputs_allowed(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -452,10 +452,46 @@ def test_a_read_of_an_empty_sequence_that_runs_is_refused_eagerly_and_under_jit(
     assert torch.equal(lax.fori_loop(0, 0, lambda i, h: h + read(xs, i), h), h)
 
 
+_NON_CONTIGUOUS = {"transposed": ((3, 4), lambda b: b.t()), "expanded": ((1, 3), lambda b: b.expand(4, 3))}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("layout", list(_NON_CONTIGUOUS))
+def test_a_while_loop_body_reading_a_non_contiguous_tensor_under_jit_with_gradients(layout, backend):
+    """Hunt 33 (F6): torch's while_loop backward keeps a gradient accumulator with the strides
+    of each tensor the body reads, and refused a transposed or expanded one against the
+    body's dense gradient (a JitError whose advice did not apply). The value and the
+    gradients of the initial carry and of the non-contiguous tensor, with `.backward()`
+    outside `tfun.jit`, against eager float64."""
+    shape, view = _NON_CONTIGUOUS[layout]
+    g = torch.Generator().manual_seed(2)
+    base0, init0 = torch.randn(*shape, generator=g), torch.randn(3, generator=g)
+
+    def f(init, xs):
+        body = lambda s: (s[0] + 1, torch.tanh(s[1] * xs[0] + xs[1]))
+        return lax.while_loop(lambda s: s[0] < 3, body, (torch.tensor(0), init))[1]
+
+    results = []
+    for dtype, run in ((torch.float64, f), (torch.float32, tfun.jit(f, backend=backend))):
+        torch._dynamo.reset()
+        init, xs = init0.to(dtype).requires_grad_(), view(base0.to(dtype)).detach().requires_grad_()
+        assert not xs.is_contiguous()
+        out = run(init, xs)
+        (out * torch.arange(1.0, 4.0, dtype=dtype)).sum().backward()
+        results.append((out.detach(), init.grad, xs.grad))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 _PLAIN_COMPILE_LOOPS = {
     "fori_tensor_bounds": lambda W, x: lax.fori_loop(torch.tensor(0), torch.tensor(3), lambda i, h: torch.tanh(h @ W), x),
     "fori_tensor_bounds_zero_trip": lambda W, x: lax.fori_loop(torch.tensor(3), torch.tensor(3), lambda i, h: torch.tanh(h @ W), x),
     "while_float_cond": lambda W, x: lax.while_loop(lambda h: h.abs().sum() < 10.0, lambda h: h * 1.5 + torch.tanh(h @ W) + 0.1, x),
+    # Inductor decomposes a scan or map into a while_loop whose body reads its counter with
+    # `.item()`: every one failed, forward alone included (hunt 33, F5)
+    "scan": lambda W, x: lax.scan(lambda h, xt: (torch.tanh(h @ W + xt), h.sum()), x, torch.stack([x, -x, 2 * x]))[0],
+    "fori_static_bounds": lambda W, x: lax.fori_loop(0, 3, lambda i, h: torch.tanh(h @ W) + i, x),
+    "map": lambda W, x: lax.map(lambda r: torch.tanh(r @ W), torch.stack([x, x * 2]))[1],
 }
 
 
@@ -467,7 +503,9 @@ def test_plain_torch_compile_with_graph_breaks_then_backward(name, backend):
     its step index with `.item()`, which such a trace refused, and Dynamo's fallback ran part
     of the loop eagerly and part traced (a StructureMismatchError blaming tfun's own `w_body`).
     With Inductor, plain `torch.compile`'s default, the backward graph's fake-tensor pass then
-    refused the same `.item()` (torch's InductorError). Against eager float64."""
+    refused the same `.item()` (torch's InductorError), and so did Inductor's decomposition of
+    a scan or map into a while_loop, the forward alone too (`torch.no_grad()` below).
+    Against eager float64."""
     loop = _PLAIN_COMPILE_LOOPS[name]
     g = torch.Generator().manual_seed(3)
     W, x = torch.randn(3, 3, generator=g) * 0.5, torch.randn(3, generator=g)
@@ -480,6 +518,9 @@ def test_plain_torch_compile_with_graph_breaks_then_backward(name, backend):
     torch.testing.assert_close(got_v.double(), want_v, rtol=1e-5, atol=1e-5)
     for got, want in zip((Wr.grad, xr.grad), want_g):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, backend=backend)(W, x).double(), want_v, rtol=1e-5, atol=1e-5)
 
 
 _STEPS = {

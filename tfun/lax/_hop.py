@@ -212,7 +212,8 @@ def lowerings() -> int:
 
 def begin_lowering() -> None:
     """Called first by every lowering, at trace time: counts it (`lowerings`) and makes
-    Inductor's lowering of HOP bodies safe (`_subgraph_inputs_never_donated`)."""
+    Inductor's lowering of HOP bodies safe (`_subgraph_inputs_never_donated`) and possible
+    under a plain `torch.compile` (`_compat.allow_scalar_outputs_in_trace`)."""
     _escape_count("lowerings", True)
     _escape_prepare_inductor()
 
@@ -827,7 +828,9 @@ def escape_new_key() -> int:
 
 @assume_constant
 def _escape_prepare_inductor() -> bool:
-    """Run at trace time by every lowering: see `_subgraph_inputs_never_donated`."""
+    """Run at trace time by every lowering: see `_subgraph_inputs_never_donated` and
+    `_compat.allow_scalar_outputs_in_trace`."""
+    _compat.allow_scalar_outputs_in_trace(_context.current_trace())
     return _subgraph_inputs_never_donated()
 
 
