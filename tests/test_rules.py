@@ -1628,3 +1628,32 @@ def test_a_side_effect_through_a_global_helper_function_is_found(name, jit):
         run(xs)
     assert what in str(info.value) and "test_rules.py" in str(info.value)
     _HISTORY.clear()
+
+
+def test_a_first_call_check_on_fake_tensors_saves_nothing_through_saved_tensor_hooks():
+    """Hunt 33 (F8): the first eager call of a `cond`/`switch` checks the untaken branch on
+    fake tensors with grad mode on, and autograd saved those fake activations through the
+    active saved-tensor hooks: `torch.utils.checkpoint` (non-reentrant) counted more tensors
+    in the forward than in its recompute (where the check is cached) and raised its
+    `CheckpointError` on the first step at every new shape; a user's pack hook got
+    `FakeTensor`s. Gradients against the same function without a checkpoint; a `tfun.grad`
+    in a branch still runs where no hooks are active (torch.func refuses any)."""
+    import torch.utils.checkpoint as tuc
+
+    cond = lambda W, x: lax.cond(x[0, 0] > 0, lambda a: torch.sin(a @ W), lambda a: (a @ W).cos(), x)  # noqa: E731
+    switch = lambda W, x: lax.switch(1, [lambda a: a @ W, lambda a: torch.tanh(a @ W) * 2], x)  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    for f in (cond, switch):
+        for n in (5, 7):  # a new shape is a new first call
+            W, x = torch.randn(3, 3, generator=g, requires_grad=True), torch.randn(n, 3, generator=g)
+            want = torch.autograd.grad(f(W, x).sum(), W)[0]
+            got = torch.autograd.grad(tuc.checkpoint(f, W, x + 0.5, use_reentrant=False).sum(), W)[0]
+            torch.testing.assert_close(got, torch.autograd.grad(f(W, x + 0.5).sum(), W)[0])
+            assert want.shape == got.shape
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(type(t).__name__) or t, lambda t: t):
+        switch(torch.randn(3, 3, requires_grad=True), torch.randn(4, 3)).sum()
+    assert packed and "FakeTensor" not in packed, packed
+    x = torch.randn(3, generator=g)
+    got = lax.cond(torch.tensor(True), lambda a: tfun.grad(lambda z: (z**3).sum())(a), lambda a: a * 2, x)
+    torch.testing.assert_close(got, 3 * x**2)

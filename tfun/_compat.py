@@ -1252,6 +1252,18 @@ def _zero_trip_grads(backward: Callable[..., Any]) -> Callable[..., Any]:
     return backward_zero_trip
 
 
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, and so
+    `torch.utils.checkpoint`'s non-reentrant mode and `save_on_cpu`) are active on this
+    thread. False where torch cannot say (every supported release can)."""
+    if _TOP_SAVED_TENSOR_HOOKS is None:  # pragma: no cover - every supported torch has it
+        return False
+    return _TOP_SAVED_TENSOR_HOOKS(False) is not None
+
+
 def allow_scalar_outputs_in_trace(trace: Any) -> None:
     """Allow data-dependent scalars on the fake mode of `trace` (Dynamo's `TracingContext`
     of the graph being traced, None eagerly), for the loops Inductor lowers.

@@ -1493,6 +1493,27 @@ def _fake_input(mode: Any, x: Any, transformed: bool) -> Any:
     return fake
 
 
+def _own_saved_tensor_hooks(transformed: bool) -> Any:
+    """Saved-tensor hooks that keep what a fake evaluation saves for autograd to itself.
+
+    A run on fake tensors with grad mode on saves fake activations for autograd, through the
+    saved-tensor hooks active around the call: `torch.utils.checkpoint`'s (non-reentrant, its
+    default), which then counted more tensors in the forward than in its recompute (where
+    tfun's first-call check is cached) and raised `CheckpointError` on the first step at each
+    new shape around an eager `cond`/`switch`; `save_on_cpu`; a user's own pack hook, handed
+    `FakeTensor`s (hunt 33, F8). The innermost hooks are the ones torch calls, so identity
+    hooks here shield the outer ones. Only where hooks are active: `torch.func.grad` refuses
+    to run under any (a `tfun.grad` in a branch), and torch allows none around a `torch.func`
+    transform."""
+    if transformed or not _compat.saved_tensor_hooks_active():
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
 def abstract_eval(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -1536,7 +1557,7 @@ def abstract_eval(
             check_static_side_effects(op or "tfun", role or "function", fn)
             snap = Snapshot(roots_of(fn))
         state = _torch_state()
-        with _eager_stance(), mode, warnings.catch_warnings():
+        with _eager_stance(), _own_saved_tensor_hooks(transformed), mode, warnings.catch_warnings():
             # a closed-over real tensor that is not a leaf and requires grad (a slice of a
             # differentiated input) is made fake on first use, and the conversion reads its
             # `.grad`, which torch warns about: the read is the fake mode's, not the user's
