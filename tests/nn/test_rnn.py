@@ -470,3 +470,37 @@ def test_half_precision_training_under_inductor(layer, dtype):
     for (n, p), q in zip(m.named_parameters(), m64.parameters()):
         err = ((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
         assert err < 5e-2, f"{layer} {dtype}: gradient of {n}, relative error {err:.2e}"
+
+
+# torch.nn.LSTM's own warning, for the reference under autocast
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("path", ["scan", "jit_aot_eager", pytest.param("jit_inductor", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("layer", ["RNN", "LSTM_proj"])
+def test_autocast_states_start_in_the_dtype_the_step_returns(layer, path):
+    """Hunt 33 (F1): under `torch.autocast`, the recurrent product makes a float32 state
+    bfloat16 from the first step; the scan path started it in float32 and refused the carry
+    (a TensorMismatchError naming tfun's own `rnn_step`), eagerly with `fused=False` and under
+    `tfun.jit`. Against `torch.nn` under the same autocast: dtypes, values within bfloat16's
+    rounding, and the input's gradient after `.backward()` outside the block."""
+    torch.manual_seed(0)
+    ref = torch.nn.RNN(3, 5) if layer == "RNN" else torch.nn.LSTM(3, 5, proj_size=3)
+    m = (tfun.nn.RNN(3, 5, fused=False) if layer == "RNN" else tfun.nn.LSTM(3, 5, proj_size=3, fused=False))
+    m.load_state_dict(ref.state_dict())
+    x0 = torch.randn(7, 2, 3)
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = fn(x)
+        y.float().sum().backward()
+        return y, state, x.grad
+
+    want = run(ref)
+    torch._dynamo.reset()
+    fn = m if path == "scan" else tfun.jit(m, backend="aot_eager" if path == "jit_aot_eager" else "inductor")
+    got = run(fn)
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    h_got, h_want = (got[1], want[1]) if layer == "RNN" else (got[1][0], want[1][0])
+    assert h_got.dtype == h_want.dtype
+    for g, w in ((got[0], want[0]), (h_got, h_want), (got[2], want[2])):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

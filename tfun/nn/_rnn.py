@@ -47,6 +47,18 @@ def _out(h: Tensor) -> Tensor:
     return h.clone() if _context.is_tracing() else h
 
 
+def _autocast_state_dtype(h: Tensor) -> Tensor:
+    """`h` in the dtype the step returns it in under `torch.autocast`: the recurrent product
+    (`addmm`, `mm`: autocast's lower-precision list) makes a float32 state bfloat16 (or the
+    autocast dtype) from the first step, so a scan's carry must start there (hunt 33, F1:
+    `RNN` and a projected `LSTM` were refused, where `torch.nn` computes in that dtype too).
+    Unchanged without autocast and for dtypes autocast leaves alone."""
+    kind = h.device.type
+    if h.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return h.to(torch.get_autocast_dtype(kind))
+    return h
+
+
 def _scan_direction(
     mode: str,
     x: Tensor,
@@ -105,6 +117,8 @@ def _scan_direction(
                 h = h.mm(w_hr_t)
             return (h, c), _out(h)
 
+        if w_hr_t is not None:  # the projected state is a product's output (the cell state is not)
+            h0 = _autocast_state_dtype(h0)
         (h, c), ys = lax.scan(lstm_step, (h0, c0), xp, reverse=reverse)
         return ys, h, c
 
@@ -114,7 +128,7 @@ def _scan_direction(
         h = act(torch.addmm(xt, h, w_hh_t))
         return h, _out(h)
 
-    h, ys = lax.scan(rnn_step, h0, xp, reverse=reverse)
+    h, ys = lax.scan(rnn_step, _autocast_state_dtype(h0), xp, reverse=reverse)
     return ys, h, None
 
 
