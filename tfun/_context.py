@@ -194,7 +194,7 @@ def autocast_state(devices: Iterable[torch.device | str] = ()) -> AutocastState:
     kinds = ["cpu"]
     for d in devices:
         kind = d if isinstance(d, str) else d.type
-        if kind not in kinds and kind != "meta":
+        if kind not in kinds and torch.amp.is_autocast_available(kind):
             kinds.append(kind)
     per = tuple((k, bool(torch.is_autocast_enabled(k)), torch.get_autocast_dtype(k)) for k in kinds)
     return per, bool(torch.is_autocast_cache_enabled())
