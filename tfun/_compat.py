@@ -1148,9 +1148,6 @@ def while_loop_autograd_fixes() -> None:
     _wrap_backward_once(
         "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _dense_additional_inputs, lambda backward: False
     )
-    _wrap_backward_once(
-        "torch._higher_order_ops.while_loop", "WhileLoopAutogradOp", _scalar_outputs_allowed, lambda backward: False
-    )
 
 
 def _differentiate_every_carry(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -1274,7 +1271,11 @@ def allow_scalar_outputs_in_trace(trace: Any) -> None:
     That mode allows scalar outputs only in a one-graph trace (`fullgraph=True`, so
     `tfun.jit`); with a plain `torch.compile(f)` every scan, forward alone included, failed
     with torch's `InductorError` (`DataDependentOutputException`; hunt 33, F5, torch 2.11
-    through 2.14.1). Called at trace time by every tfun lowering. The trace is that compile's
+    through 2.14.1). torch's own while_loop backward reads its step index the same way,
+    which failed AOTAutograd's trace of the backward under such a compile (hunt 31, F6: a
+    `fori_loop` with tensor bounds or a `while_loop`, then `.backward()`; Dynamo then mixed
+    eager and traced loop code, a StructureMismatchError blaming tfun's `w_body`). Called at
+    trace time by every tfun lowering. The trace is that compile's
     own. The flag that counts is its `ShapeEnv`'s, which Dynamo sets from `fullgraph` and
     shares with the fresh fake mode it hands the backend (the mode's own flag is not
     copied). Dynamo reads its own `capture_scalar_outputs` option for a user's `.item()`,
@@ -1287,37 +1288,6 @@ def allow_scalar_outputs_in_trace(trace: Any) -> None:
         shape_env.settings = dataclasses.replace(settings, allow_scalar_outputs=True)
     else:  # pragma: no cover - a torch that keeps the flag as a plain attribute
         shape_env.allow_scalar_outputs = True
-
-
-def _scalar_outputs_allowed(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """`WhileLoopAutogradOp.backward` that may be traced where the trace allows no
-    data-dependent scalars.
-
-    torch's while_loop backward reads its step index with `.item()`. A trace holds such a
-    scalar only if its fake mode allows scalar outputs: Dynamo turns that on for one graph
-    (`torch.compile(fullgraph=True)`, `tfun.jit`) but not for a plain `torch.compile` with graph
-    breaks allowed, where AOTAutograd's trace of the backward then failed
-    (`DataDependentOutputException` for `aten._local_scalar_dense`), Dynamo fell back to running
-    part of the loop eagerly and part traced, and the user got a StructureMismatchError that
-    blamed tfun's own loop body (hunt 31, finding 6: `torch.compile(f)` of a `fori_loop` with
-    tensor bounds, then `.backward()`). The wrapper allows scalar outputs on the fake mode of
-    the gradients (nothing changes on real tensors), and leaves them allowed: that fake mode
-    is the one compile's (Dynamo makes one per compiled frame), and Inductor, the default
-    backend, propagates fake tensors through the backward graph again with it, where the
-    `.item()` meets it a second time (torch's InductorError, DataDependentOutputException).
-    Dynamo itself reads its own `capture_scalar_outputs` option, not the fake mode's, so a
-    user's `.item()` outside a loop still breaks the graph as before."""
-
-    def backward_with_scalars(ctx: Any, *grads: Any) -> Any:
-        fake_mode = importlib.import_module("torch._guards").detect_fake_mode(
-            [g for g in grads if isinstance(g, torch.Tensor)]
-        )
-        if fake_mode is None or getattr(fake_mode, "allow_scalar_outputs", True):
-            return backward(ctx, *grads)
-        fake_mode.allow_scalar_outputs = True
-        return backward(ctx, *grads)
-
-    return backward_with_scalars
 
 
 # Under tfun.jit, Dynamo runs it as plain Python (it cannot trace `setattr` on a class).
