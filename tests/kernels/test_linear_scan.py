@@ -217,6 +217,31 @@ def test_interpreter_is_chosen_at_launch_time(monkeypatch: pytest.MonkeyPatch) -
     assert K.triton_unavailable_reason(torch.device("cpu")) is not None
 
 
+def test_inductors_copy_of_each_kernel_binds_every_helper_it_names() -> None:
+    """Inductor, compiling a graph that launches the kernels (on CUDA; on the CPU the op stays
+    opaque), writes each kernel into a module of its own with every `JITFunction` the kernel
+    names, each as its source (`user_defined_triton_kernel_transitive_closure_source_code`), so
+    each helper is bound there under its `def` name. The kernels must name them by that name:
+    `_combine_jit = JITFunction(_combine)` was written as `def _combine`, and every MinGRU and
+    Mamba compiled by Inductor on CUDA was a NameError ('_combine_jit'; H200, session 34)."""
+    import ast
+
+    from triton.runtime.jit import JITFunction
+
+    wrapper = pytest.importorskip("torch._inductor.codegen.wrapper")
+    closure = getattr(wrapper, "user_defined_triton_kernel_transitive_closure_source_code", None)
+    if closure is None:  # pragma: no cover - a torch that writes kernels another way
+        pytest.skip("this torch's Inductor has no user_defined_triton_kernel_transitive_closure_source_code")
+    for name in ("scan", "summary"):
+        kernel = K._KERNELS[name][False]
+        tree = ast.parse(closure(kernel))
+        bound = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        bound |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+        helpers = {n for n in kernel.fn.__code__.co_names if isinstance(kernel.fn.__globals__.get(n), JITFunction)}
+        assert helpers, f"the {name} kernel names no JITFunction: this test checks nothing"
+        assert helpers <= bound, f"Inductor's copy of the {name} kernel leaves {sorted(helpers - bound)} unbound"
+
+
 # ----------------------------------------------------------------------------------------------
 # composition: torch.func, torch.compile, torch.export, opcheck
 

@@ -39,7 +39,7 @@ layouts, picked by the private knob `Knobs.reverse_tiles` (or the environment va
 constexpr `RISING`, so each compiles separately. `"rising"` (the default since 2026-11-27):
 column `j` is the tile's `(BLOCK_T - 1 - j)`-th step, so addresses rise; the tile is scanned with
 `tl.associative_scan(..., reverse=True)` (whose partial results, folded from the last column, are
-the combine's left operand: the processing order `_combine` needs) and the state carried on is
+the combine's left operand: the processing order `_combine_jit` needs) and the state carried on is
 column 0's. It compiles like the time-order kernel (benchmarks/RESULTS.md, "What the linear_scan
 kernels compile to"). `"falling"`: column `j` of a tile is its `j`-th step in processing order
 (`t = T - 1 - p`), so addresses fall as the columns rise; compiled for a GPU that converts the
@@ -68,7 +68,7 @@ private knobs: `nan_fill` allocates outputs NaN-filled so a skipped store shows 
 `plan` pick what a CUDA device with that many SMs would, so the interpreter covers the GPU's
 plans; `reverse_tiles` picks the reverse-order tile layout (above).
 
-`tl.reduce` is only ever given a commutative combine (`_add`): Triton may reorder and commute a
+`tl.reduce` is only ever given a commutative combine (`_add_jit`): Triton may reorder and commute a
 reduction's operands on GPUs (triton-lang/triton#4962) while its interpreter folds in order, so
 a non-commutative reduce passes the interpreter and is wrong on CUDA. The tests run the
 interpreter with a reduce that folds in the opposite order to catch exactly that.
@@ -189,22 +189,28 @@ MIN_SEGMENT = 512
 # 1. kernels
 
 
-def _combine(a1, b1, a2, b2):
-    # (a1, b1) then (a2, b2): h -> a2 * (a1 * h + b1) + b2
-    return a1 * a2, b1 * a2 + b2
-
-
-def _add(x, y):
-    return x + y
-
-
 # Used only as combine_fns, which the interpreter calls through `.fn`, so one JITFunction serves
 # both kernel variants. For the same reason the kernels use no `@triton.jit` function of
 # triton.language itself (tl.sum, tl.zeros, tl.cdiv, ...): those are decorated when triton is
 # imported, and are JITFunctions that the interpreter cannot call unless TRITON_INTERPRET was set
 # before `import triton`. Builtins (tl.load, tl.reduce, tl.associative_scan, tl.full...) are fine.
-_combine_jit = JITFunction(_combine)
-_add_jit = JITFunction(_add)
+#
+# Each is defined under the name the kernels use: Inductor, compiling a graph that launches these
+# kernels (tfun.jit, torch.compile), writes every JITFunction a kernel names into its generated
+# module as `@triton.jit` and the function's source, so it is bound to the source's `def` name.
+# `_combine_jit = JITFunction(_combine)` left `_combine_jit` unbound there: on CUDA every
+# compiled MinGRU and Mamba forward was a JitError (NameError '_combine_jit', session 34).
+
+
+@JITFunction
+def _combine_jit(a1, b1, a2, b2):
+    # (a1, b1) then (a2, b2): h -> a2 * (a1 * h + b1) + b2
+    return a1 * a2, b1 * a2 + b2
+
+
+@JITFunction
+def _add_jit(x, y):
+    return x + y
 
 
 def _scan_kernel(
@@ -287,7 +293,7 @@ def _scan_kernel(
             bv = bv.to(tl.float32)
         # RISING: reverse=True folds from the last column down with each partial result as the
         # left operand, column j getting combine(...combine(x[BLOCK_T-1], x[BLOCK_T-2])..., x[j]):
-        # the steps in processing order, as `_combine` (not commutative) needs. So Triton's
+        # the steps in processing order, as `_combine_jit` (not commutative) needs. So Triton's
         # interpreter does (flip, scan, flip) and its GPU lowering is meant to; see Knobs.
         ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)  # type: ignore[arg-type]
         hv = ca * h[:, None] + cb
@@ -359,9 +365,9 @@ def _summary_kernel(
             bv = bv.to(tl.float32)
         # Not `tl.reduce((av, bv), 1, _combine_jit)`: tl.reduce may reorder AND commute the
         # operands of its combine (on GPUs it reduces in-thread, then with butterfly shuffles;
-        # triton-lang/triton#4962), and `_combine` is not commutative, so that summary was
+        # triton-lang/triton#4962), and `_combine_jit` is not commutative, so that summary was
         # wrong on CUDA while the in-order interpreter got it right. The scan keeps the order
-        # (only the commutative `_add` is left to tl.reduce, to pick the last column).
+        # (only the commutative `_add_jit` is left to tl.reduce, to pick the last column).
         ca, cb = tl.associative_scan((av, bv), 1, _combine_jit, reverse=RISING)  # type: ignore[arg-type]
         last = cols[None, :] == (0 if RISING else BLOCK_T - 1)  # the tile's last step processed
         ra = tl.reduce(tl.where(last, ca, 0.0), 1, _add_jit)
