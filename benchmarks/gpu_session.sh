@@ -68,8 +68,9 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
 }
 
 # Phase 1, correctness, side by side (mostly CPU-bound compiling; the GPU is shared): the GPU
-# correctness script in four shards (three were too few in session 16: the third was cut at its
-# limit in both calls, each process paying about 90 s for its first Inductor compile), the kernel
+# correctness script in six shards (three were too few in session 16: the third was cut at its
+# limit in both calls, each process paying about 90 s for its first Inductor compile; four took
+# 233-279 s of their 330 in session 34, before the `+nograd` and compiled-kernel rows), the kernel
 # tests compiled for CUDA (twice: with the default reverse-order tiles, "rising", and with
 # TFUN_LINEAR_SCAN_REVERSE_TILES=falling, the earlier default of
 # tfun/kernels/_linear_scan_triton.py's `Knobs.reverse_tiles`; the tests that run both layouts
@@ -77,8 +78,8 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run, log to $OUT/NAME.log, one sum
 # it is the oracle; the full check_cuda cell is its own step).
 phase1=${GPU_PHASE1_S:-330}
 step env 60 python3 -c "import torch, triton, jax, optree, tfun; print('torch', torch.__version__, torch.cuda.get_device_name(), '| triton', triton.__version__, '| jax', jax.__version__, jax.devices(), '| optree', optree.__version__)"
-for k in 0 1 2 3; do
-    TORCHINDUCTOR_COMPILE_THREADS=2 step "check_cuda_$k" "$phase1" python3 -m tests.gpu.check_cuda --shard "$k/4" \
+for k in 0 1 2 3 4 5; do
+    TORCHINDUCTOR_COMPILE_THREADS=2 step "check_cuda_$k" "$phase1" python3 -m tests.gpu.check_cuda --shard "$k/6" \
         --only "${GPU_CHECK_ONLY:-}" &
 done
 TFUN_KERNEL_DEVICE=cuda step kernel_tests "$phase1" python3 -m pytest -q -p no:cacheprovider -n 2 tests/kernels &

@@ -54,6 +54,8 @@ PATHS = (
     "inductor",
     "aot_eager+grad",
     "inductor+grad",
+    "aot_eager+nograd",
+    "inductor+nograd",
     "aot_eager+vjp",
     "inductor+vjp",
     "vmap",
@@ -146,6 +148,11 @@ def run(
             return _forward_then_grad(tfun.jit(fn, backend=backend), args)
         if mode == "grad":
             return _jit_value_and_grad(fn, args, backend, frozen=frozen)
+        if mode == "nograd":
+            # inference: traced under torch.no_grad(), where lowerings differ (CUDA's fused
+            # associative_scan, complex carries passed as real pairs, ...); outputs only
+            with torch.no_grad():
+                return Result(_cpu64(tree_leaves(tfun.jit(fn, backend=backend)(*args))), [])
         if mode == "grad+graphs":
             return _jit_value_and_grad_replayed(fn, args, backend)
         if mode == "vjp":
@@ -309,6 +316,8 @@ def _oracle(name: str, spec: Spec, path: str, dtype: torch.dtype) -> Result:
         return Result([t for r in parts for t in r.outs], [t for r in parts for t in r.grads])  # type: ignore[union-attr]
     oracle = run(name, oracle_spec, "eager", torch.float64, "cpu", rounded_to=dtype)
     assert isinstance(oracle, Result), f"the oracle itself refused: {getattr(oracle, 'error', None)}"
+    if path.endswith("+nograd"):
+        return Result(oracle.outs, [])  # outputs only
     if path == "jvp":
         fn, args = ALL_CASES[name](oracle_spec, torch.float64, torch.device("cpu"))
         args = tuple(a.to(dtype).to(torch.float64) if a.is_floating_point() else a for a in args)

@@ -3,6 +3,8 @@ gradients, and JAX as an oracle."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 import numpy as np
@@ -309,6 +311,56 @@ def test_the_lowering_is_tfuns_algorithm_except_cudas_fused_mode():
             low = tfun.jit(f).lower(a, b)
         assert "in _take" in low.as_text()  # tfun's algorithm (torch's has no _take)
         assert low.count("higher_order.associative_scan") == 0
+
+
+tas = importlib.import_module("torch._higher_order_ops.associative_scan")  # (the package exports a function by that name)
+
+
+def _torch_hop_without_its_device_check(combine_fn, xs, dim, reverse=False, combine_mode="pointwise"):
+    """torch's `associative_scan` in its fused mode, less the check that its inputs are on
+    CUDA: the HOP itself (its CPU implementation runs the generic algorithm), so that the CPU
+    traces the lowering that CUDA runs under `torch.no_grad()`."""
+    assert combine_mode == "pointwise"
+    leaves = [torch.movedim(x, dim, 0) for x in xs]
+    leaves = [x.flip([0]) for x in leaves] if reverse else leaves
+    spec = torch.utils._pytree.tree_structure(list(xs))
+    body = functools.partial(tas.wrap_combine_fn_flat, combine_fn=combine_fn, spec=spec, num_leaves=len(leaves))
+    out = tas.associative_scan_op(body, leaves, additional_inputs=())
+    out = [x.flip([0]) for x in out] if reverse else out
+    return [torch.movedim(x, 0, dim) for x in out]
+
+
+@pytest.mark.parametrize(("reverse", "axis"), [(False, 0), (True, 1), (True, -1)])
+def test_cudas_fused_lowering_traces_and_gives_eagers_values(reverse, axis, monkeypatch):
+    """`tfun.jit` of a scan on CUDA under `torch.no_grad()` lowers to torch's fused HOP, whose
+    body is the combine function: a body may not write to Python state outside it. tfun's
+    rules-checked-once flag was such a write, so every such call was a JitError ("HOP: Unsafe
+    side effect ... Mutating a variable from outside the scope", found on an H200 by
+    benchmarks/vs_jax.py, session 34). Here the CPU takes that lowering (the HOP without its
+    CUDA-only device check): values equal eager float64, a dict of leaves included."""
+    import tfun
+    from tfun.lax import _associative_scan as A
+    from tfun.lax import _hop
+
+    monkeypatch.setattr(A, "_FUSED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(_hop, "torch_associative_scan", lambda: _torch_hop_without_its_device_check)
+
+    def affine(l, r):
+        return {"a": l["a"] * r["a"], "b": r["a"] * l["b"] + r["b"]}
+
+    f = lambda a, b: lax.associative_scan(affine, {"a": a, "b": b}, reverse=reverse, axis=axis)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.rand(3, 37, dtype=torch.float64, generator=g), torch.randn(3, 37, dtype=torch.float64, generator=g)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        low = tfun.jit(f, backend="aot_eager").lower(a, b)
+        assert low.count("higher_order.associative_scan") == 1  # the fused lowering was traced
+        out = tfun.jit(f, backend="aot_eager")(a, b)
+        torch.testing.assert_close(out, f(a, b))
+        # complex leaves (S5, LRU) keep tfun's algorithm: Triton has no complex type
+        a, b = torch.complex(a, b.flip(0)), torch.complex(b, a)
+        assert tfun.jit(f, backend="aot_eager").lower(a, b).count("higher_order.associative_scan") == 0
+        torch.testing.assert_close(tfun.jit(f, backend="aot_eager")(a, b), f(a, b))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -217,6 +217,8 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, axis: int) -> torch.Tenso
 #: gradients off (see `_combine_mode`). The combine function must then contain only pointwise
 #: ops; set to False to always lower to tfun's log-depth algorithm.
 POINTWISE_ON_CUDA = True
+#: the devices where torch's fused mode runs (tests add the CPU, with a stand-in for the HOP)
+_FUSED_DEVICES = ("cuda",)
 
 
 def _combine_mode(on_cuda: bool, grad_possible: bool) -> str:
@@ -263,7 +265,8 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
     n = len(leaves)
     if leaves[0].shape[axis] == 0:
         return elems  # nothing to combine (torch's associative_scan rejects length 0), as in eager
-    cuda = all(x.device.type == "cuda" for x in leaves)
+    # complex leaves (S5's and LRU's scans) never take the fused mode: Triton has no complex type
+    cuda = all(x.device.type in _FUSED_DEVICES and not x.is_complex() for x in leaves)
     hop = not _hop.unrolled_steps() and _combine_mode(cuda, torch.is_grad_enabled() or _context.functorch_active()) == "pointwise"
     carrier = _hop.carrier(td, leaves)
     # The rules are checked on the first combine call: the others differ only in the length
@@ -272,7 +275,12 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
     checked = [False]
 
     def combine(a: list[Any], b: list[Any]) -> Any:
-        if checked[0] and not hop:
+        if hop:
+            # a HOP body: Dynamo refuses a write to `checked`, a variable from outside the body
+            # ("HOP: Unsafe side effect", found on CUDA by benchmarks/vs_jax.py, session 34).
+            # torch traces the body once, so each rule is checked once anyway.
+            return checked_combine(a, b)
+        if checked[0]:
             # (inline in the caller's trace, not a HOP body: `td` may be used as it is)
             out_leaves = tree_leaves(fn(tree_unflatten(td, a), tree_unflatten(td, b)))
             return [x if isinstance(x, torch.Tensor) else _hop.as_tensor(x, r) for x, r in zip(out_leaves, a)]
