@@ -472,35 +472,60 @@ def test_half_precision_training_under_inductor(layer, dtype):
         assert err < 5e-2, f"{layer} {dtype}: gradient of {n}, relative error {err:.2e}"
 
 
+_AUTOCAST_LAYERS = {
+    "RNN": lambda mod, **kw: mod.RNN(3, 5, **kw),
+    "LSTM": lambda mod, **kw: mod.LSTM(3, 5, num_layers=2, **kw),
+    "LSTM_proj": lambda mod, **kw: mod.LSTM(3, 5, proj_size=3, **kw),
+    "GRU": lambda mod, **kw: mod.GRU(3, 5, **kw),
+}
+
+
 # torch.nn.LSTM's own warning, for the reference under autocast
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
-@pytest.mark.parametrize("path", ["scan", "jit_aot_eager", pytest.param("jit_inductor", marks=pytest.mark.heavy)])
-@pytest.mark.parametrize("layer", ["RNN", "LSTM_proj"])
-def test_autocast_states_start_in_the_dtype_the_step_returns(layer, path):
-    """Hunt 33 (F1): under `torch.autocast`, the recurrent product makes a float32 state
-    bfloat16 from the first step; the scan path started it in float32 and refused the carry
-    (a TensorMismatchError naming tfun's own `rnn_step`), eagerly with `fused=False` and under
-    `tfun.jit`. Against `torch.nn` under the same autocast: dtypes, values within bfloat16's
-    rounding, and the input's gradient after `.backward()` outside the block."""
-    torch.manual_seed(0)
-    ref = torch.nn.RNN(3, 5) if layer == "RNN" else torch.nn.LSTM(3, 5, proj_size=3)
-    m = (tfun.nn.RNN(3, 5, fused=False) if layer == "RNN" else tfun.nn.LSTM(3, 5, proj_size=3, fused=False))
-    m.load_state_dict(ref.state_dict())
-    x0 = torch.randn(7, 2, 3)
+@pytest.mark.parametrize(
+    ("x_dtype", "path"),
+    [
+        ("float32", "fused"), ("float32", "scan"), ("float32", "jit_aot_eager"),
+        pytest.param("float32", "jit_inductor", marks=pytest.mark.heavy),
+        ("bfloat16", "fused"), ("bfloat16", "scan"), pytest.param("bfloat16", "jit_aot_eager", marks=pytest.mark.heavy),
+    ],
+)
+@pytest.mark.parametrize("layer", sorted(_AUTOCAST_LAYERS))
+def test_under_autocast_a_layer_computes_as_torch_nn_does(layer, x_dtype, path):
+    """Under `torch.autocast`, each layer computes in the dtype `torch.nn`'s does, on every
+    path, with its values and gradients. Against `torch.nn` under the same autocast: the
+    dtypes of the output and final states, values within bfloat16's rounding, and the
+    gradients of the input and of every parameter after `.backward()` outside the block.
 
-    def run(fn):
+    - Hunt 33, F1: the recurrent product makes a float32 state bfloat16 from the first step;
+      the scan path started it in float32 and refused the carry (RNN, projected LSTM).
+    - F2: an LSTM on oneDNN computes in bfloat16 in `torch.nn` (autocast casts oneDNN's layer
+      kernel); compiled (`tfun::lstm_onednn`, no autocast rule) or as a scan it computed in
+      float32 without a word.
+    - F7: an input in autocast's dtype beside float32 parameters, which `torch.nn` takes, was
+      refused."""
+    torch.manual_seed(0)
+    ref = _AUTOCAST_LAYERS[layer](torch.nn)
+    m = _AUTOCAST_LAYERS[layer](tfun.nn, fused=path != "scan")
+    m.load_state_dict(ref.state_dict())
+    x0 = torch.randn(7, 2, 3).to(getattr(torch, x_dtype))
+
+    def run(module, fn):
+        module.zero_grad()
         x = x0.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y, state = fn(x)
-        y.float().sum().backward()
-        return y, state, x.grad
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        states = state if isinstance(state, tuple) else (state,)
+        return [y, *states], [x.grad, *(p.grad for p in module.parameters())]
 
-    want = run(ref)
+    want_outs, want_grads = run(ref, ref)
     torch._dynamo.reset()
-    fn = m if path == "scan" else tfun.jit(m, backend="aot_eager" if path == "jit_aot_eager" else "inductor")
-    got = run(fn)
-    assert got[0].dtype == want[0].dtype == torch.bfloat16
-    h_got, h_want = (got[1], want[1]) if layer == "RNN" else (got[1][0], want[1][0])
-    assert h_got.dtype == h_want.dtype
-    for g, w in ((got[0], want[0]), (h_got, h_want), (got[2], want[2])):
+    fn = m if path in ("fused", "scan") else tfun.jit(m, backend="aot_eager" if path == "jit_aot_eager" else "inductor")
+    got_outs, got_grads = run(m, fn)
+    assert [t.dtype for t in got_outs] == [t.dtype for t in want_outs]
+    for g, w in zip(got_outs, want_outs):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        assert g is not None and g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-2)

@@ -59,6 +59,27 @@ def _autocast_state_dtype(h: Tensor) -> Tensor:
     return h
 
 
+def _autocast_input_dtype(x: Any, param_dtype: torch.dtype) -> torch.dtype | None:
+    """The input's dtype where the layer takes it although it is not its parameters': under
+    `torch.autocast` for the input's device, an input in autocast's dtype beside float32
+    parameters (autocast casts them in each product, and `torch.nn`'s layers take such an
+    input). None otherwise: the input must then have the parameters' dtype."""
+    if not isinstance(x, Tensor) or param_dtype != torch.float32 or x.dtype == param_dtype:
+        return None
+    kind = x.device.type
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return None
+    return x.dtype if x.dtype == torch.get_autocast_dtype(kind) else None
+
+
+def _state_dtype(h: Any, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype `check_state` asks of a given state: the parameters', or either of them and
+    autocast's where the input is in autocast's dtype (see `_autocast_input_dtype`)."""
+    if autocast_dtype is not None and isinstance(h, Tensor) and h.dtype in (param_dtype, autocast_dtype):
+        return None
+    return param_dtype
+
+
 def _scan_direction(
     mode: str,
     x: Tensor,
@@ -255,8 +276,12 @@ class _RNNBase(nn.Module):
         name = self._layer_name
         check_tensor(name, "input", input)
         dtype = self.weight_ih_l0.dtype
+        # under autocast, an input (and states) in autocast's dtype beside float32 parameters,
+        # which autocast casts as torch.nn's layers take them (hunt 33, F7)
+        autocast_dtype = _autocast_input_dtype(input, dtype)
         layout = "(batch, seq, input_size)" if self.batch_first else "(seq, batch, input_size)"
-        input = check_input(name, input, ndims=(2, 3), features=self.input_size, dtype=dtype,
+        input = check_input(name, input, ndims=(2, 3), features=self.input_size,
+                            dtype=dtype if autocast_dtype is None else None,
                             layout=f"{layout} or unbatched (seq, input_size)")
         batched = input.dim() == 3
         x = input
@@ -277,10 +302,10 @@ class _RNNBase(nn.Module):
                         f"{name}: hx must be a tuple (h_0, c_0) of tensors of shapes {h_shape} and {c_shape}, "
                         f"but got {type(hx).__name__}."
                     )
-                h0 = check_state(name, "h_0", hx[0], h_shape, dtype)
-                c0 = check_state(name, "c_0", hx[1], c_shape, dtype)
+                h0 = check_state(name, "h_0", hx[0], h_shape, _state_dtype(hx[0], dtype, autocast_dtype))
+                c0 = check_state(name, "c_0", hx[1], c_shape, _state_dtype(hx[1], dtype, autocast_dtype))
             else:
-                h0 = check_state(name, "hx", hx, h_shape, dtype)
+                h0 = check_state(name, "hx", hx, h_shape, _state_dtype(hx, dtype, autocast_dtype))
             if not batched:
                 h0 = h0.unsqueeze(1)
                 c0 = c0.unsqueeze(1) if c0 is not None else None
@@ -322,6 +347,19 @@ class _RNNBase(nn.Module):
             h0 = x.new_zeros(self.num_layers * nd, batch, real_hidden)
         if self.mode == "LSTM" and c0 is None:
             c0 = x.new_zeros(self.num_layers * nd, batch, self.hidden_size)
+        # under autocast, the dtype torch.nn computes this layer in where its fused kernel's
+        # autocast rule casts (eagerly, torch's fused function casts for itself)
+        ac = None if (weights is not None and not _context.is_tracing()) else _rnn_fused.autocast_dtype(
+            self.mode, x, self.proj_size > 0
+        )
+        if ac is not None:
+            h0 = h0.to(ac)
+            c0 = c0.to(ac) if c0 is not None else None
+            if weights is not None:  # traced: tfun's ops have no autocast rule
+                x = x.to(ac)
+                weights = [w.to(ac) if w.dtype == torch.float32 else w for w in weights]
+                if not _rnn_fused.traced_pays(self.mode, x, self.proj_size > 0):
+                    weights = None  # (a CPU without oneDNN's bfloat16 layer: the scan)
         if weights is not None:
             return _rnn_fused.fused(self.mode, x, h0, c0, weights, self.bias, self.num_layers, self.bidirectional,
                                     self.proj_size > 0)

@@ -77,6 +77,32 @@ def _cudnn_on() -> bool:
 _cudnn_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def autocast_dtype(mode: str, x: Tensor, has_proj: bool) -> torch.dtype | None:
+    """The dtype torch's fused RNN function computes in under the active `torch.autocast`,
+    where it is not `x`'s: the function's kernel is on autocast's lower-precision list, whose
+    rule casts the input, the states and the weights, so `torch.nn`'s outputs and final states
+    come out in autocast's dtype. That kernel is cuDNN's (`_cudnn_rnn`) on CUDA, every mode,
+    and oneDNN's layer (`mkldnn_rnn_layer`) on the CPU, an LSTM without projections. None
+    elsewhere (ATen's cells, which autocast casts op by op, as it does the scan's ops), for a
+    float64 input (autocast leaves it alone) and without autocast.
+
+    tfun's traced ops (`tfun::lstm_onednn`, `tfun::rnn_cudnn`, `tfun::rnn_fused`) have no
+    autocast rule, and the scan's carry starts in the state's dtype: the layers cast to this
+    dtype themselves (`_RNNBase._run`), so a compiled layer, or the scan, computes in the
+    dtype `torch.nn` does (hunt 33, F2: they computed in float32)."""
+    kind = x.device.type
+    if kind not in ("cpu", "cuda") or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    if not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    if dtype == x.dtype:
+        return None
+    if kind == "cuda":
+        return dtype if _cudnn_on() else None
+    return dtype if mode == "LSTM" and not has_proj and _onednn_lstm()[0] else None
+
+
 def traced_pays(mode: str, x: Tensor, has_proj: bool) -> bool:
     """Whether a traced call takes the ops: only where torch's fused function is one fused
     kernel for the whole sequence: oneDNN's LSTM layer (CPU, float32 or bfloat16, no
