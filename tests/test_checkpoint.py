@@ -534,6 +534,35 @@ def test_the_recompute_runs_under_the_forwards_autocast_state(policy):
     torch.testing.assert_close(gx, want_gx, **tol)
 
 
+@pytest.mark.parametrize("policy", [None, "dots_saveable", "nothing_saveable"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_under_jit_a_checkpoint_under_autocast_gives_the_uncheckpointed_steps_gradients(backend, policy):
+    """The jitted step of the test above: `tfun.jit(tfun.checkpoint(f))` under autocast, then
+    `.backward()` outside the block, gives what `tfun.jit(f)` gives (the compiled program, not
+    eager, is the reference: Inductor keeps a bfloat16 product's sum in float32 without
+    rounding, so its predicate may take the other branch than eager's, with or without a
+    checkpoint)."""
+    g = torch.Generator().manual_seed(0)
+    W0, x0 = torch.randn(16, 16, generator=g), torch.randn(4, 16, generator=g)
+    s32 = (x0 @ W0).sum().item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s16 = (x0 @ W0).sum().float().item()
+    c = (s32 + s16) / 2
+
+    def f(W, x):
+        h = tfun.lax.cond((x @ W).sum() > c, lambda v: 3.0 * v, lambda v: -v, x @ W)
+        return torch.tanh(h) @ W
+
+    pol = None if policy is None else getattr(tfun.checkpoint_policies, policy)
+    torch._dynamo.reset()
+    want = _under_autocast_then_backward(tfun.jit(f, backend=backend), W0, x0)
+    torch._dynamo.reset()
+    got = _under_autocast_then_backward(tfun.jit(tfun.checkpoint(f, policy=pol), backend=backend), W0, x0)
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.bfloat16, torch.float32, torch.float32]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.detach().abs().max()))
+
+
 def test_autocast_off_in_the_forward_stays_off_in_a_recompute_under_autocast():
     """The other way round: a forward outside autocast, differentiated inside an autocast
     block, recomputes in float32 (the forward's state, not the one the backward meets), and

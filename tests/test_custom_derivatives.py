@@ -1855,7 +1855,9 @@ def test_rules_with_dict_arguments_and_outputs_under_jit(case, how, backend):
 
 
 @pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
-@pytest.mark.parametrize("where", ["backward_after_the_block", "backward_inside_the_block", "jit"])
+@pytest.mark.parametrize(
+    "where", ["backward_after_the_block", "backward_inside_the_block", "jit", pytest.param("jit_inductor", marks=pytest.mark.heavy)]
+)
 def test_rules_run_under_the_forwards_autocast_state(kind, where):
     """Hunt 33 (F4): a custom function called under `torch.autocast` and differentiated after
     the block (the usual mixed-precision step). The custom_jvp rule, run again in the
@@ -1891,9 +1893,9 @@ def test_rules_run_under_the_forwards_autocast_state(kind, where):
 
     def step(fn):
         x, W = x0.clone().requires_grad_(), W0.clone().requires_grad_()
-        if where == "jit":
+        if where.startswith("jit"):
             torch._dynamo.reset()
-            fn = tfun.jit(fn, backend="aot_eager")
+            fn = tfun.jit(fn, backend="inductor" if where == "jit_inductor" else "aot_eager")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = fn(x, W)
             if where == "backward_inside_the_block":
