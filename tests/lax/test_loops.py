@@ -609,3 +609,43 @@ def test_fori_loop_index_is_a_strong_int64_tensor_documented_weak_index():
     assert out.dtype == torch.int32 and int(out) == 3
     # a carry with dimensions keeps its dtype (a 0-d tensor does not promote it)
     assert lax.fori_loop(0, 3, lambda i, c: c + i, torch.zeros(2, dtype=torch.int32)).dtype == torch.int32
+
+
+@pytest.mark.parametrize("consumer", ["map", "scan", "cond", "while_loop"])
+@pytest.mark.parametrize("producer", ["while_loop", "fori_loop_tensor_bound"])
+def test_a_differentiated_while_loops_result_read_by_a_later_body_under_jit(producer, consumer):
+    """Hunt 34 (F7): differentiated, torch's while_loop returns its carries as views into the
+    stack of every iteration's, at an offset of the unknown trip count. A later loop body or
+    cond branch closing over one made Dynamo lift that symbol with no source: a bare
+    `AssertionError` ("Source of '4*u0 - 4' is None") at the forward call, aot_eager and
+    Inductor, torch 2.11-2.14. The while_loop's outputs are copies now: eager float64's values
+    and gradients."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4, 4, dtype=torch.float64, generator=g) * 0.4
+    x0 = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    make = {
+        "while_loop": lambda x: lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ W + x[0]), (torch.tensor(0), x[1])
+        )[1],
+        "fori_loop_tensor_bound": lambda x: lax.fori_loop(0, torch.tensor(2), lambda i, c: c @ W + x[0], x[1]),
+    }[producer]
+    use = {
+        "map": lambda x, c: lax.map(lambda r: r * c, x),
+        "scan": lambda x, c: lax.scan(lambda h, r: (h + r * c, h), torch.zeros(4, dtype=x.dtype), x)[1],
+        "cond": lambda x, c: lax.cond(x.sum() > 0, lambda a: a * c, lambda a: a - c, x),
+        "while_loop": lambda x, c: lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] * c), (torch.tensor(0), x[0]))[1],
+    }[consumer]
+
+    def f(x):
+        return use(x, make(x))
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        out = fn(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return out, x.grad
+
+    torch._dynamo.reset()
+    (got, got_g), (want, want_g) = run(tfun.jit(f, backend="aot_eager")), run(f)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_g, want_g)

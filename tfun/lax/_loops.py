@@ -496,6 +496,12 @@ def _lower_while_loop(
         return tuple(_hop.unalias(new, flat, clone_all=not _hop.is_exporting()))
 
     out = _hop.call_hop(_hop.torch_while_loop(), c, b, tuple(_hop.distinct(leaves)))  # e.g. init_val=(x, x)
+    if grad_body:
+        # differentiated, torch's while_loop returns its carries as views into the stack of
+        # every iteration's, at an offset of the unknown trip count; a later loop body or branch
+        # that closes over one made Dynamo lift that offset's symbol with no source (a bare
+        # AssertionError "Source of '4*u0 - 4' is None", hunt 34 F7). Copies have none.
+        out = [x.clone() if isinstance(x, torch.Tensor) else x for x in out]
     return tree_unflatten(td, list(out))
 
 
