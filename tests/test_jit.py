@@ -819,3 +819,47 @@ def test_a_differentiated_while_loop_with_a_complex_carry_is_a_jit_error_that_sa
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(tfun.jit(f, backend=backend)(x, a), f(x, a))
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators")
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_arguments_with_a_lazy_negation_or_conjugation_bit_reach_control_flow(backend):
+    """Hunt 34 (F2): a tensor with torch's lazy negation bit (`z.conj().imag`, an ordinary
+    looking float32 tensor) or conjugation bit (`z.conj()`) as a `cond` operand or read by a
+    loop body was a JitError on every torch and backend (torch's control-flow ops have no
+    kernel for those dispatch keys), whose advice did not apply. tfun.jit resolves its
+    arguments' bits: eager's values and gradients (a complex scan under `torch.no_grad()`: a
+    differentiated complex loop is refused under jit, docs/compatibility.md). A loop body
+    closing over such a tensor is a JitError that says to resolve it."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(6, 3, dtype=torch.complex128, generator=g)
+
+    def f(x):
+        y = lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: a - 1, x)
+        h = lax.fori_loop(0, 3, lambda i, c: torch.sin(c) + x[1], torch.zeros(3, dtype=x.dtype))
+        return y, h
+
+    def run(jit):
+        w = w0.clone().requires_grad_()
+        x = w.conj().imag  # the negation bit, on a tensor that requires grad (not a leaf)
+        assert x.is_neg()
+        outs = (tfun.jit(f, backend=backend) if jit else f)(x)
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).reshape(o.shape)).sum() for o in outs).backward()
+        return outs, w.grad
+
+    torch._dynamo.reset()
+    (got, got_g), (want, want_g) = run(True), run(False)
+    assert_tree_allclose(got, want)
+    torch.testing.assert_close(got_g, want_g)
+
+    zc = w0.conj()
+    assert zc.is_conj()
+    s = lambda zc: lax.scan(lambda c, v: (c * 0.5 + v, c), torch.zeros(3, dtype=zc.dtype), zc)  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert_tree_allclose(tfun.jit(s, backend=backend)(zc), s(zc))
+
+    x = w0.conj().imag
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match=r"resolve_neg"):
+        tfun.jit(lambda y: lax.fori_loop(0, 3, lambda i, c: c + x[0], y), backend=backend)(torch.zeros(3, dtype=x.dtype))

@@ -17,6 +17,7 @@ import re
 import threading
 import traceback
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from . import _compat, _context, _cuda_graphs, _funcinfo, _jit_options, _rules
 from ._compat import is_hashable
 from ._errors import ArgumentTypeError, ArgumentValueError, JitError, TfunError, format_message
-from ._tree import tree_flatten
+from ._tree import tree_flatten, tree_unflatten
 from .lax import _hop
 
 __all__ = ["jit", "JitError", "Jitted", "Lowered"]
@@ -462,6 +463,25 @@ class Jitted:
                 self._static_key(args, kwargs)  # same argument checks as the compiled path
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
+        dyn_args, dyn_kwargs, non_leaf = _prepared_arguments(dyn_args, dyn_kwargs)
+        if non_leaf:
+            # Dynamo reads `.grad` of each input tensor, and torch warns for a non-leaf one (the
+            # output of an earlier op that requires grad: `tfun.jit(f)(x * 2)`), which every
+            # call then failed under `-W error` or pytest's filterwarnings = ["error"]: a note
+            # about torch's own access, not about the caller's code
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD_WARNING)
+                return self._call_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
+        return self._call_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
+
+    def _call_compiled(
+        self,
+        compiled: Callable[..., Any],
+        dyn_args: tuple[Any, ...],
+        dyn_kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         if self._graphs is not None and _cuda_graphs.available():
             static_key = self._static_key(args, kwargs) if (self._static_nums or self._static_names) else ()
             return self._graphs.call(
@@ -1011,6 +1031,33 @@ def _refuse_double_backward(out: Any, fn_text: str) -> None:
             t.register_hook(hook)
 
 
+#: torch's warning when `.grad` of a non-leaf tensor is read (Dynamo reads it of each input)
+_NON_LEAF_GRAD_WARNING = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+
+
+def _prepared_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """The arguments of a compiled call, and whether one is a non-leaf tensor that requires
+    grad (see `Jitted.__call__`).
+
+    Each tensor's lazy negation and conjugation bits are resolved (`z.conj().imag`,
+    `z.conj()`: views that read their base negated or conjugated), which torch's control-flow
+    ops have no kernel for (hunt 34 F2: every `cond` on such a tensor, every loop body reading
+    one, was a JitError whose advice did not apply). The values are the same, and so are the
+    gradients (`resolve_neg`/`resolve_conj` are differentiable copies). Where no tensor has a
+    bit set (the usual case) the arguments are passed as they are: one flatten, nothing copied."""
+    leaves, treedef = tree_flatten((args, kwargs))
+    bits = non_leaf = False
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            bits = bits or x.is_neg() or x.is_conj()
+            non_leaf = non_leaf or (x.requires_grad and x.grad_fn is not None)
+    if not bits:
+        return args, kwargs, non_leaf
+    leaves = [x.resolve_neg().resolve_conj() if isinstance(x, torch.Tensor) else x for x in leaves]
+    args, kwargs = tree_unflatten(treedef, leaves)
+    return args, kwargs, True
+
+
 def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None, backend: Any = None) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`.
     `backend`: the one tfun.jit compiled with (None: Inductor), so that the advice never names
@@ -1113,6 +1160,16 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "by that vmap (in the function or its rules): under tfun.jit its rule is applied outside the "
             "vmap, where such a tensor cannot follow. Pass the tensor to the custom function as an argument "
             "(a differentiable one; its cotangent may be None), or apply tfun.vmap outside tfun.jit."
+        )
+    elif "DispatchKey.Negative" in str(e) or "DispatchKey.Conjugate" in str(e):
+        # a tensor with torch's lazy negation or conjugation bit (`z.conj().imag`,
+        # `z.conj()`) reached a control-flow op, which has no kernel for those keys (hunt 34 F2);
+        # tfun.jit resolves its arguments' bits, so here the loop body or branch closes over one
+        revise = (
+            "A loop body or cond branch closes over a tensor with torch's lazy negation or conjugation "
+            "bit (such as `z.conj().imag` or `z.conj()`), which torch's control-flow ops cannot take. "
+            "Resolve it where it is made (`x.resolve_neg()`, `z.resolve_conj()`), or pass it to the "
+            "jitted function as an argument (tfun.jit resolves its arguments)."
         )
     elif "data-dependent expression" in str(e) or "PendingUnbackedSymbolNotFound" in str(e):
         # most often `xs[i]` with a loop index (a traced 0-d tensor) inside a loop body: torch
