@@ -464,35 +464,24 @@ class Jitted:
             return self._fun(*args, **kwargs)
         compiled, dyn_args, dyn_kwargs = self._runner(args, kwargs)
         dyn_args, dyn_kwargs, non_leaf = _prepared_arguments(dyn_args, dyn_kwargs)
-        if non_leaf:
-            # Dynamo reads `.grad` of each input tensor, and torch warns for a non-leaf one (the
-            # output of an earlier op that requires grad: `tfun.jit(f)(x * 2)`), which every
-            # call then failed under `-W error` or pytest's filterwarnings = ["error"]: a note
-            # about torch's own access, not about the caller's code
-            with warnings.catch_warnings():
+        # Dynamo reads `.grad` of each input tensor, and torch warns for a non-leaf one (the
+        # output of an earlier op that requires grad: `tfun.jit(f)(x * 2)`), which every call
+        # then failed under `-W error` or pytest's filterwarnings = ["error"]: a note about
+        # torch's own access, not about the caller's code (ignored only for such calls)
+        with warnings.catch_warnings() if non_leaf else contextlib.nullcontext():
+            if non_leaf:
                 warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD_WARNING)
-                return self._call_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
-        return self._call_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
-
-    def _call_compiled(
-        self,
-        compiled: Callable[..., Any],
-        dyn_args: tuple[Any, ...],
-        dyn_kwargs: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        if self._graphs is not None and _cuda_graphs.available():
-            static_key = self._static_key(args, kwargs) if (self._static_nums or self._static_names) else ()
-            return self._graphs.call(
-                static_key,
-                dyn_args,
-                dyn_kwargs,
-                lambda *a, **k: self._run_compiled(compiled, a, k, args, kwargs),
-                lambda: self.lower(*args, **kwargs).graph_modules,
-                _cuda_graphs.GuardProbe(compiled, dyn_args, dyn_kwargs),
-            )
-        return self._run_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
+            if self._graphs is not None and _cuda_graphs.available():
+                static_key = self._static_key(args, kwargs) if (self._static_nums or self._static_names) else ()
+                return self._graphs.call(
+                    static_key,
+                    dyn_args,
+                    dyn_kwargs,
+                    lambda *a, **k: self._run_compiled(compiled, a, k, args, kwargs),
+                    lambda: self.lower(*args, **kwargs).graph_modules,
+                    _cuda_graphs.GuardProbe(compiled, dyn_args, dyn_kwargs),
+                )
+            return self._run_compiled(compiled, dyn_args, dyn_kwargs, args, kwargs)
 
     def _run_compiled(
         self,
