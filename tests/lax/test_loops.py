@@ -611,9 +611,12 @@ def test_fori_loop_index_is_a_strong_int64_tensor_documented_weak_index():
     assert lax.fori_loop(0, 3, lambda i, c: c + i, torch.zeros(2, dtype=torch.int32)).dtype == torch.int32
 
 
-@pytest.mark.parametrize("consumer", ["map", "scan", "cond", "while_loop"])
-@pytest.mark.parametrize("producer", ["while_loop", "fori_loop_tensor_bound"])
-def test_a_differentiated_while_loops_result_read_by_a_later_body_under_jit(producer, consumer):
+@pytest.mark.parametrize(
+    ("producer", "consumer", "backend"),
+    [(p, c, "aot_eager") for p in ("while_loop", "fori_loop_tensor_bound") for c in ("map", "scan", "cond", "while_loop")]
+    + [pytest.param("while_loop", "map", "inductor", marks=pytest.mark.heavy)],
+)
+def test_a_differentiated_while_loops_result_read_by_a_later_body_under_jit(producer, consumer, backend):
     """Hunt 34 (F7): differentiated, torch's while_loop returns its carries as views into the
     stack of every iteration's, at an offset of the unknown trip count. A later loop body or
     cond branch closing over one made Dynamo lift that symbol with no source: a bare
@@ -646,6 +649,6 @@ def test_a_differentiated_while_loops_result_read_by_a_later_body_under_jit(prod
         return out, x.grad
 
     torch._dynamo.reset()
-    (got, got_g), (want, want_g) = run(tfun.jit(f, backend="aot_eager")), run(f)
+    (got, got_g), (want, want_g) = run(tfun.jit(f, backend=backend)), run(f)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_g, want_g)
