@@ -652,3 +652,45 @@ def test_a_differentiated_while_loops_result_read_by_a_later_body_under_jit(prod
     (got, got_g), (want, want_g) = run(tfun.jit(f, backend=backend)), run(f)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_g, want_g)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("bound", ["int_argument", "dynamic_size"])
+def test_a_fori_loop_bounded_by_an_int_argument_that_changes_between_jitted_calls(bound, backend):
+    """Hunt 34 (F6): a Python int bound passed to the jitted function, or a size of an input
+    whose shape changes, becomes a symbol once tfun.jit has seen it change, and tfun's traced
+    fori_loop scanned `Max(0, n)` steps, which Inductor could not compile ("KeyError: s66" in
+    `sympy_interp`, every later call, torch 2.11-2.14.1, with and without gradients). Every
+    call, zero and negative trip counts included, gives eager float64's values and
+    gradients. (A length that is an expression of the symbol, `fori_loop(n // 2, n)`, is
+    still torch's failure, with its own message: tests/test_jit.py.)"""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(3, 3, dtype=torch.float64, generator=g) * 0.5
+
+    if bound == "int_argument":
+        def f(x, n):
+            return lax.fori_loop(0, n, lambda i, h: torch.tanh(h @ W) + i, x)
+
+        arg = lambda n: n  # noqa: E731
+    else:
+        def f(x, steps):
+            return lax.fori_loop(0, steps.shape[0], lambda i, h: torch.tanh(h @ W) + tfun.at(steps)[i].get() * i, x)
+
+        arg = lambda n: torch.linspace(0.5, 1.5, max(n, 0), dtype=torch.float64)  # noqa: E731
+
+    def run(fn, n):
+        x = torch.linspace(-1, 1, 3, dtype=torch.float64).requires_grad_()
+        out = fn(x, arg(n))
+        (out * torch.tensor([1.0, -2.0, 0.5], dtype=out.dtype)).sum().backward()
+        return out, x.grad
+
+    torch._dynamo.reset()
+    jf = tfun.jit(f, backend=backend)
+    for n in ([3, 5, 0, -2, 4] if bound == "int_argument" else [3, 5, 0, 4]):
+        (got, got_g), (want, want_g) = run(jf, n), run(f, n)
+        torch.testing.assert_close(got, want, msg=f"n={n}")
+        torch.testing.assert_close(got_g, want_g, msg=f"n={n}")
+    with torch.no_grad():
+        x = torch.linspace(-1, 1, 3, dtype=torch.float64)
+        for n in [6, 1]:
+            torch.testing.assert_close(jf(x, arg(n)), f(x, arg(n)), msg=f"no_grad n={n}")

@@ -286,11 +286,12 @@ def fori_loop(
         if tracing:
             _hop.check_side_effects(op, "body_fun", body_fun)
         if not tensors:
-            # (`torch.sym_max` for a symbolic bound, not `int()`: it stays a symbol, see
-            # `_loop_bound`; Python's `max` for ints, which Dynamo 2.11 cannot trace through
-            # `torch.sym_max`: "torch.* op returned non-Tensor")
-            span = upper - lower
-            n = max(span, 0) if isinstance(span, int) else torch.sym_max(span, 0)
+            # A symbolic bound (a Python int argument that tfun.jit has seen change) stays a
+            # symbol (see `_loop_bound`): the comparison below guards on the trip count's
+            # sign only. Not `torch.sym_max(span, 0)`: Inductor could not compile a scan of
+            # `Max(0, s)` steps ("KeyError: s66" in `sympy_interp` on every later call,
+            # torch 2.11-2.14.1; hunt 34 F6).
+            n = upper - lower
 
             def step(v: Any, i: Any) -> Any:
                 # checked here, so that a bad carry is reported as fori_loop's, with body_fun named
@@ -298,7 +299,7 @@ def fori_loop(
 
             # the index is scanned over rather than carried: torch 2.13's scan autograd
             # fails on an integer carry ("outs_to_grad length != tangents length")
-            if n == 0:
+            if n <= 0:
                 return val
             check_export_constants(op, body_fun)
             idx = torch.arange(lower, lower + n, dtype=dtype, device=device)
