@@ -863,3 +863,158 @@ def test_arguments_with_a_lazy_negation_or_conjugation_bit_reach_control_flow(ba
     torch._dynamo.reset()
     with pytest.raises(JitError, match=r"resolve_neg"):
         tfun.jit(lambda y: lax.fori_loop(0, 3, lambda i, c: c + x[0], y), backend=backend)(torch.zeros(3, dtype=x.dtype))
+
+
+_FLOAT_BODIES = {
+    "scan": lambda W: lambda x, s: lax.scan(lambda h, _: (torch.tanh(h @ W) * s, None), x, None, length=3)[0],
+    "while_loop": lambda W: lambda x, s: lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1] @ W) * s), (torch.tensor(0), x)
+    )[1],
+    "cond": lambda W: lambda x, s: lax.cond(x.sum() > 0, lambda a: torch.tanh(a @ W) * s, lambda a: a * s, x),
+    "map": lambda W: lambda x, s: lax.map(lambda r: torch.tanh(r @ W) * s, torch.stack([x, -x])),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("op", list(_FLOAT_BODIES))
+def test_a_python_float_a_body_reads_that_changes_between_calls(op, grad):
+    """Hunt 34 (F5): under Inductor, a Python float argument that a loop body or branch reads
+    becomes a symbolic float on its second value, which torch's control-flow ops refuse
+    (torch 2.11-2.14.1: scan and while_loop with gradients, cond always; some cells compile).
+    The second call gives eager float64's value, or an error that names the argument and
+    says the fixes (before: advice for an unrelated cause); each fix it names gives eager
+    float64's values and gradients for every value."""
+    W = (torch.eye(3, dtype=torch.float64) * 0.5).requires_grad_(grad)
+    f = _FLOAT_BODIES[op](W)
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    torch._dynamo.reset()
+    jf = tfun.jit(f)
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(jf(x, 2.0), f(x, 2.0))
+        try:
+            torch.testing.assert_close(jf(x, 3.0), f(x, 3.0))
+        except JitError as refused:
+            text = str(refused)
+            assert "a Python float that a loop body or cond branch reads (in this call `s` = 3.0 (argument 1)" in text, text
+            assert "torch.tensor(lr)" in text and "static_argnums" in text and "dynamic=False" in text, text
+            assert "Python control flow" not in text, text
+
+    def run(fn, s):
+        W.grad = None
+        with torch.set_grad_enabled(grad):
+            out = fn(x, s)
+        if grad:
+            out.sum().backward()
+        return out, W.grad
+
+    for fixed, wrap in [
+        (tfun.jit(lambda x, s: f(x, s)), lambda s: torch.tensor(s, dtype=torch.float64)),
+        (tfun.jit(f, static_argnums=1), lambda s: s),
+    ]:
+        torch._dynamo.reset()  # (Dynamo's per-code state of the failed calls is not the user's next run)
+        for s in [2.0, 3.0, -0.5]:
+            (got, got_g), (want, want_g) = run(fixed, wrap(s)), run(f, s)
+            torch.testing.assert_close(got, want, msg=f"s={s}")
+            torch.testing.assert_close(got_g, want_g, msg=f"s={s}")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.eye(3, dtype=torch.float64) * 0.5)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return lax.fori_loop(0, 3, lambda i, h: torch.tanh(h @ self.W) * self.scale, x)
+
+
+def test_a_float_attribute_a_body_reads_that_changes_between_calls_under_gradients():
+    """Hunt 34 (F5), the attribute form: a module's float attribute read in a loop body,
+    changed between calls, failed in torch's partition of the loop for autograd, and the
+    message named transforms the program does not use. It now says what happened."""
+    m = _Scaled()
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    torch._dynamo.reset()
+    jm = tfun.jit(m)
+    torch.testing.assert_close(jm(x), m(x))
+    m.scale = 3.0
+    with pytest.raises(JitError) as info:
+        jm(x)
+    text = str(info.value)
+    assert "a Python float that a loop body or cond branch reads (an argument of the jitted function, or an " \
+        "attribute such as a module's `self.scale`" in text, text
+    assert "tfun.vmap" not in text and "Python control flow" not in text, text
+
+
+def test_a_loop_whose_length_is_an_expression_of_a_changing_int_says_the_fixes():
+    """Hunt 34 (F6): a scan, or a fori_loop with Python-int bounds, whose length is an
+    expression of an int argument that changed (`fori_loop(n // 2, n)`) is a failure of
+    Inductor's scan decomposition (torch 2.11-2.14.1; `fori_loop(0, n)` compiles, see
+    tests/lax/test_loops.py). The error names the argument and the fixes, which work."""
+    def f(x, n):
+        return lax.fori_loop(n // 2, n, lambda i, h: torch.tanh(h * 0.5) + i, x)
+
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    torch._dynamo.reset()
+    jf = tfun.jit(f)
+    torch.testing.assert_close(jf(x, 3), f(x, 3))
+    with pytest.raises(JitError) as info:
+        jf(x, 4)
+    text = str(info.value)
+    assert "an int argument (in this call `n` = 4 (argument 1))" in text, text
+    assert "static_argnums" in text and "dynamic=False" in text, text
+    for fixed in [tfun.jit(f, static_argnums=1), tfun.jit(f, dynamic=False)]:
+        for n in [3, 4, 7]:
+            torch.testing.assert_close(fixed(x, n), f(x, n), msg=f"n={n}")
+
+
+def test_torch_autograd_grad_in_a_loop_body_points_to_tfun_grad():
+    """Hunt 34 (F4): `torch.autograd.grad` under `enable_grad` in a loop body (an energy
+    gradient in a Langevin step) runs eagerly but cannot under tfun.jit, where torch traces
+    bodies with autograd off; the message advised Python control flow. It now names
+    tfun.grad, and that rewrite gives eager float64's values in every grad mode."""
+    W = torch.linspace(-0.5, 0.5, 16, dtype=torch.float64).reshape(4, 4)
+
+    def energy(x):
+        return (torch.tanh(x @ W) ** 2).sum()
+
+    def with_autograd(x0):
+        def body(i, x):
+            with torch.enable_grad():
+                xx = x.detach().requires_grad_()
+                (g,) = torch.autograd.grad(energy(xx), xx)
+            return x - 0.1 * g
+
+        return lax.fori_loop(0, 5, body, x0)
+
+    def with_tfun_grad(x0):
+        return lax.fori_loop(0, 5, lambda i, x: x - 0.1 * tfun.grad(energy)(x), x0)
+
+    x0 = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    with torch.no_grad():
+        want = with_autograd(x0)
+        with pytest.raises(JitError) as info:
+            tfun.jit(with_autograd, backend="aot_eager")(x0)
+    text = str(info.value)
+    assert "`tfun.grad(energy)(x)`" in text and "Python control flow" not in text, text
+    for mode in [torch.no_grad, torch.enable_grad, torch.inference_mode]:
+        with mode():
+            torch.testing.assert_close(tfun.jit(with_tfun_grad, backend="aot_eager")(x0), want)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad], ids=["grad", "no_grad"])
+def test_a_jitted_jvp_around_a_cond_is_refused_with_the_transform_message_in_every_grad_mode(grad_mode):
+    """Hunt 34 (F1): under `no_grad`, torch 2.13 fails a traced jvp of a cond in cond's
+    functorch dispatch (a `KeyError` of the transform type), which was reported with advice
+    about Python control flow; it is the documented refusal of a torch.func transform around
+    a control-flow op, as with grad mode on."""
+    W = torch.linspace(-0.5, 0.5, 9).reshape(3, 3)
+    f = lambda x: lax.cond(x.sum() > 0, lambda a: (a @ W).sin(), lambda a: (a @ W).cos(), x).sum()  # noqa: E731
+    h = lambda x: tfun.jvp(f, (x,), (torch.ones_like(x),))[1]  # noqa: E731
+    torch._dynamo.reset()
+    with grad_mode(), pytest.raises(JitError) as info:
+        tfun.jit(h, backend="aot_eager")(torch.ones(3))
+    text = str(info.value)
+    assert "cannot trace a torch.func transform" in text and "Python control flow" not in text, text
+    with grad_mode():  # the advised placement: the transform outside tfun.jit
+        torch.testing.assert_close(tfun.jvp(tfun.jit(f, backend="aot_eager"), (torch.ones(3),), (torch.ones(3),))[1], h(torch.ones(3)))

@@ -514,13 +514,34 @@ class Jitted:
                         revise="Call the function (or the part of it that fails) outside tfun.jit.",
                     )
                 ) from e
-            err = translate_error(e, self._fn_text, self._cache_size, backend=self._options.get("backend"))
+            err = translate_error(
+                e,
+                self._fn_text,
+                self._cache_size,
+                backend=self._options.get("backend"),
+                scalars=lambda kind: self._scalar_arguments(args, kwargs, kind),
+            )
             if err is e:
                 raise e
             if _is_side_effect_error(e):
                 weak = _weak_init_in_a_body(e)
                 err = _diagnose_eagerly(self._fun, args, kwargs, err) if weak is None else weak
             raise err from getattr(err, "dynamo_error", e)
+
+    def _scalar_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any], kind: type) -> list[str]:
+        """The arguments of this call that are Python scalars of type `kind` (`float`, `int`;
+        never `bool`) and not static, named as the function's signature names them: for a
+        message about such an argument. Only top-level arguments are looked at."""
+        names = list(self._sig.parameters) if self._sig is not None else []
+        found = []
+        for j, a in enumerate(args):
+            if type(a) is kind and j not in self._static_nums:
+                name = names[j] if j < len(names) and self._sig.parameters[names[j]].kind in _POSITIONAL else None
+                found.append(f"`{name}` = {a!r} (argument {j})" if name else f"argument {j} = {a!r}")
+        for k, a in kwargs.items():
+            if type(a) is kind and k not in self._static_names:
+                found.append(f"`{k}` = {a!r}")
+        return found
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace `fun` on these arguments and return the captured graph(s), without running
@@ -1047,10 +1068,53 @@ def _prepared_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return args, kwargs, True
 
 
-def translate_error(e: BaseException, fn_text: str, cache_size: int | None = None, backend: Any = None) -> BaseException:
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _symbolic_float_in_control_flow(e: BaseException) -> bool:
+    """Whether torch refused a symbolic Python float (`SymFloat`) as an operand of a
+    control-flow op: a float that a loop body or branch reads took a second value, and
+    Dynamo, which does not specialize floats for Inductor, traced it as a symbol. torch's
+    scan / while_loop / cond / map take closed-over values only as tensors or ints: Dynamo's
+    fake run of the op refuses it, or (a float attribute, with gradients) AOTAutograd's
+    partition of the op does (hunt 34 F5). A differentiated while_loop takes it as a 0-d
+    tensor whose value its body reads back (`_local_scalar_dense`), which Inductor cannot
+    lower in a subgraph ("KeyError: 'unbacked_bindings'")."""
+    if _in_chain(e, "torch.SymFloat") and _in_chain(e, "can only be of", "Invalid arg types", "Invalid HopPartitionedGraph"):
+        return True
+    frames = _backend_raised(e)[1]
+    return (
+        bool(frames)
+        and frames[-1].name == "_local_scalar_dense"
+        and _in_chain(e, "unbacked_bindings")
+        and _in_chain(e, "_graph_")
+    )
+
+
+def _symbolic_scan_length(e: BaseException) -> bool:
+    """Whether Inductor failed to rebuild a scan's length from its operands: a scan (or a
+    `fori_loop` with Python-int bounds) whose length is an expression of a symbolic size or
+    int argument (`n - n // 2`, `n + 1`), whose symbols the scan's operands do not carry
+    (Inductor's `decompose_scan_to_while_loop`, torch 2.11-2.14.1; hunt 34 F6)."""
+    frames = _backend_raised(e)[1]
+    return any(fr.name in ("resolve_shape_to_proxy", "lower_to_while_loop") for fr in frames)
+
+
+def _names(found: list[str]) -> str:
+    return found[0] if len(found) == 1 else ", ".join(found[:-1]) + " or " + found[-1]
+
+
+def translate_error(
+    e: BaseException,
+    fn_text: str,
+    cache_size: int | None = None,
+    backend: Any = None,
+    scalars: Callable[[type], list[str]] | None = None,
+) -> BaseException:
     """A tfun error for an exception raised by Dynamo while compiling `fn_text`, or `e`.
     `backend`: the one tfun.jit compiled with (None: Inductor), so that the advice never names
-    the backend that just failed."""
+    the backend that just failed. `scalars(kind)`: the call's non-static arguments that are
+    Python scalars of that type, described, for advice about one of them."""
     try:
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, TorchDynamoException
     except ImportError:  # pragma: no cover
@@ -1073,7 +1137,11 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
         )
         err.dynamo_error = e  # type: ignore[attr-defined]
         return err
-    if isinstance(e, AssertionError) and _fake_tensor_assert(e):
+    if (isinstance(e, AssertionError) and _fake_tensor_assert(e)) or (
+        _in_chain(e, "KeyError(<TransformType.") and _in_chain(e, "call_function cond", "call_function while_loop")
+    ):
+        # (the second: torch 2.13's cond under a traced jvp with grad mode off has no rule for
+        # the transform, a KeyError of its functorch dispatch; hunt 34 F1)
         err = JitError(
             format_message(
                 f"tfun.jit: could not compile `{fn_text}`: torch.compile cannot trace a torch.func "
@@ -1254,6 +1322,52 @@ def translate_error(e: BaseException, fn_text: str, cache_size: int | None = Non
             "or two tfun.grad calls), and torch 2.13 rematerializes for only one gradient per graph. Jit "
             "each gradient on its own, take the outer derivative outside tfun.jit, or drop tfun.checkpoint "
             "where its gradient is differentiated again."
+        )
+    if revise is default_revise and _in_chain(
+        e, "does not require grad and does not have a grad_fn", "Unsupported Tensor.requires_grad_() call"
+    ):
+        # torch.autograd.grad (or .backward()) inside a loop body or branch, on a tensor the body
+        # made require grad: torch runs control-flow bodies with autograd off when it traces
+        # them, so the gradient has no graph (hunt 34 F4); tfun.grad is traced through
+        revise = (
+            "A gradient is taken with `torch.autograd.grad` or `.backward()` of a tensor that does not require "
+            "grad in the traced graph. Inside a loop body or cond branch (an energy gradient in a Langevin or "
+            "optimization step) this is always so under tfun.jit: torch traces control-flow bodies with "
+            "autograd off, and `requires_grad_()` there has no effect. Write it as `tfun.grad(energy)(x)` (no "
+            "`detach`, `requires_grad_` or `enable_grad` needed): traced, tfun.grad compiles into the loop, in "
+            "every grad mode. Outside control flow, make sure the tensor requires grad (as eagerly)."
+        )
+    elif revise is default_revise and _symbolic_float_in_control_flow(e):
+        floats = scalars(float) if scalars is not None else []
+        which = (
+            f"(in this call {_names(floats)}, or an attribute the body reads)"
+            if floats
+            else "(an argument of the jitted function, or an attribute such as a module's `self.scale` or a "
+            "config value)"
+        )
+        bullets = [
+            f"a Python float that a loop body or cond branch reads {which} took a new value since the first "
+            "call, so torch.compile now traces it as a symbolic float, which torch "
+            f"{torch.__version__}'s control-flow ops cannot take"
+        ] + ([f"at {where}"] if where else [])
+        revise = (
+            "Pass the float as a tensor (`torch.tensor(lr)`: compiled once for every value, as jax.jit traces a "
+            "Python float), mark the argument static (`static_argnums`/`static_argnames`: compiled once per "
+            "value), or pass dynamic=False to tfun.jit (every value of a float is then compiled on its own; "
+            "backend=\"aot_eager\" does the same)."
+        )
+    elif revise is default_revise and isinstance(e, BackendCompilerFailed) and _symbolic_scan_length(e):
+        ints = scalars(int) if scalars is not None else []
+        which = f" (in this call {_names(ints)})" if ints else ""
+        bullets = [_backend_failure(e)]
+        revise = (
+            "A scan, or a fori_loop with Python-int bounds, runs for a number of steps computed from a size or "
+            f"an int argument{which} that tfun.jit traces as a symbol (it has seen it change): `fori_loop(n // "
+            "2, n, ...)`, a scan over `xs[:n + 1]`. torch's Inductor cannot compile a scan whose length is such "
+            f"an expression (torch {torch.__version__}; a length that is the size or int itself, "
+            "`fori_loop(0, n, ...)`, compiles). Mark the int static (`static_argnums`: compiled once per value), "
+            "pass the bounds as tensors (`fori_loop(torch.tensor(lo), torch.tensor(n), ...)`: a while_loop), "
+            "pass dynamic=False to tfun.jit, or backend=\"aot_eager\"."
         )
     warning = _raised_warning(e) if revise is default_revise else None
     if warning is not None:
