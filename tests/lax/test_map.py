@@ -255,3 +255,54 @@ def test_scalar_outputs_with_batch_size_are_the_tensors_they_are_without(scalar,
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+_COMPLEX_MAPS = {
+    "complex_out": lambda w: lambda x: lax.map(lambda r: (r * w) * r.conj() + r.flip(0), x),
+    "real_out": lambda w: lambda x: lax.map(lambda r: (r * w).abs(), x),
+    "pytree": lambda w: lambda x: lax.map(lambda r: {"z": r[0] * w, "n": (r[1] > 0).sum(), "a": r[0].angle()}, (x, x.real)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators:UserWarning")
+@pytest.mark.parametrize("grad_mode", ["no_grad", "grad_mode_nothing_requires_grad"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(_COMPLEX_MAPS))
+def test_a_map_over_complex_rows_under_jit_when_not_differentiated(name, backend, grad_mode):
+    """Hunt 34 (F3): Inductor (torch 2.11-2.14.1) compiles no map whose rows or outputs are
+    complex ("map is not lowered to while_loop"), with or without grad mode, even with a real
+    result. Where the map is not differentiated (under `no_grad`, or with grad mode on and
+    nothing it reads requiring grad), complex leaves now cross it as real pairs: eager
+    complex128's values, integer outputs included."""
+    import tfun
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, dtype=torch.float64, generator=g)
+    x = torch.randn(5, 3, dtype=torch.complex128, generator=g)
+    f = _COMPLEX_MAPS[name](w)
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad_mode != "no_grad"):
+        got, want = tfun.jit(f, backend=backend)(x), f(x)
+    assert_tree_allclose(got, want)
+    for a, b in zip(tree_leaves(got), tree_leaves(want)):
+        assert a.dtype == b.dtype
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators:UserWarning")
+def test_a_complex_tensor_closed_over_by_a_map_under_inductor_is_refused_with_the_fix():
+    """A complex tensor the map's function closes over reaches torch's map as Dynamo lifts it,
+    and Inductor asserts ("map is not lowered to while_loop"): the JitError says to close over
+    its real view, and that rewrite gives eager complex128's values under Inductor."""
+    import tfun
+    from tfun.errors import JitError
+
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(3, 3, dtype=torch.complex128, generator=g)
+    x = torch.randn(5, 3, dtype=torch.complex128, generator=g)
+    Wr = torch.view_as_real(W)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with pytest.raises(JitError, match=r"torch.view_as_real\(W\)"):
+            tfun.jit(lambda x: lax.map(lambda r: r @ W, x))(x)
+        got = tfun.jit(lambda x: lax.map(lambda r: r @ torch.view_as_complex(Wr), x))(x)
+    torch.testing.assert_close(got, lax.map(lambda r: r @ W, x))

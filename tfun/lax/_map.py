@@ -10,7 +10,7 @@ import torch
 from .. import _compat, _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import _encodes_bits, _mark_bits, _unmark, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
+from ._scan import _encodes_bits, _from_real, _mark_bits, _mark_complex, _to_real, _unmark, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -156,8 +156,25 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
 # ----------------------------------------------------------------------------------------
 
 
-def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
-    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`."""
+def _lower_map(f: Callable[[Any], Any], xs: Any, split_complex: bool | None = None) -> Any:
+    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`.
+
+    `split_complex`: whether complex leaves cross the HOP as `view_as_real` pairs (exact
+    views): Inductor (2.11-2.14.1) cannot compile a map with a complex `xs` or output ("map is
+    not lowered to while_loop", hunt 34 F3), and torch's map autograd cannot differentiate
+    those views. None decides, as for scan (`_scan._lower_scan`): split without grad mode;
+    with it, where `xs` holds a complex leaf, split first and kept where the outputs do not
+    require grad, else lowered again unsplit."""
+    if split_complex is None:
+        split_complex = not _hop.is_exporting() and not torch.is_grad_enabled()
+        if (
+            not split_complex
+            and not _hop.is_exporting()
+            and any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten(xs)[0])
+        ):
+            out = _lower_map(f, xs, True)
+            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+                return out
     _hop.begin_lowering()
     x_leaves, x_td = tree_flatten(xs)
     # torch's map traces the body on a contiguous slice and runs it on `xs[i]`: a strided `xs`
@@ -174,7 +191,11 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         # eagerly: `.backward()` of the empty output failed under tfun.jit (hunt 27)
         return tree_unflatten(y_td, empty_outputs(y_leaves, [*x_leaves, *y_leaves]))
 
+    x_cplx = [split_complex and isinstance(t, torch.Tensor) and t.is_complex() for t in x_leaves]
+
     def body(x_flat: list[Any]) -> Any:
+        if any(x_cplx):
+            x_flat = _from_real(list(x_flat), x_cplx)
         state = _hop.torch_state()
         reverse = _hop.func_reverse_modes()
         with _hop.body_scope():
@@ -190,6 +211,8 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
         y_leaves = _hop.unalias([_hop.as_tensor(t) for t in y_leaves], x_flat, clone_all=True)
         if encode:  # integer and bool outputs as exact float64, as a cond's (`_scan._mark_bits`)
             y_leaves, y_td = _mark_bits(y_leaves, y_td)
+        if split_complex and any(isinstance(t, torch.Tensor) and t.is_complex() for t in y_leaves):
+            y_leaves, y_td = _mark_complex(y_leaves, y_td)
         return _hop.pack(key, y_td, y_leaves)
 
     key = _hop.escape_new_key()
@@ -200,6 +223,7 @@ def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
     # lifts them). One copy of `xs` per call (Inductor fuses it into the kernel that
     # computes `xs` where there is one)
     x_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in x_leaves]
+    x_leaves = _to_real(x_leaves, x_cplx)
     return _unmark(_hop.unpack(key, _hop.call_hop(_hop.torch_map(), body, _hop.distinct(x_leaves))))  # e.g. xs=(x, x)
 
 

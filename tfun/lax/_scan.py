@@ -478,13 +478,30 @@ def _check_step(op: str, f: Any, res: Any, in_td: Any, in_leaves: Sequence[Any],
 
 
 def _lower_scan(
-    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, split_complex: bool | None = None
 ) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
 
     `init`'s leaves that were Python scalars are already converted to the dtype the body
     gives them by `scan` (`_hop.promote_weak_init`, whose traced body run is dead code, as
-    JAX traces a loop body twice to promote a weak `init`)."""
+    JAX traces a loop body twice to promote a weak `init`).
+
+    `split_complex`: whether complex leaves cross the HOP as real pairs (workaround 4 below);
+    None decides: without grad mode they do; with it, where `init` or `xs` holds a complex
+    leaf, the scan is lowered split first and kept where its outputs do not require grad
+    (nothing it reads does: a frozen model's generation loop called without `torch.no_grad()`,
+    hunt 34 F3), else lowered again unsplit (the first lowering is then dead code, which
+    Dynamo drops)."""
+    if split_complex is None:
+        split_complex = not _hop.is_exporting() and not torch.is_grad_enabled()
+        if (
+            not split_complex
+            and not _hop.is_exporting()
+            and any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten((init, xs))[0])
+        ):
+            out = _lower_scan(f, init, xs, length, reverse, True)
+            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+                return out
     _hop.begin_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
@@ -523,9 +540,10 @@ def _lower_scan(
     # 4. Inductor (2.11-2.14.1) cannot compile a scan with a complex carry, `xs` or `ys`: its
     #    pass that rewrites scan as a while_loop leaves such a scan alone, then asserts ("scan
     #    is not lowered to while_loop"; the generation loop over `S4D/S5/LRU.step`, hunt 31).
-    #    Without grad mode they cross the HOP as `view_as_real` pairs (a view, exact); with
-    #    it, complex leaves are refused (`tfun.jit`'s complex-loop-body message).
-    split = for_inductor and not torch.is_grad_enabled()
+    #    Where the scan is not differentiated they cross the HOP as `view_as_real` pairs (a
+    #    view, exact; `split_complex`); where it is, complex leaves are refused (`tfun.jit`'s
+    #    complex-loop-body message).
+    split = for_inductor and split_complex
     c_cplx = [split and t.is_complex() for t in c_leaves]
     x_cplx = [split and t.is_complex() for t in x_leaves]
     batching = _hop.vmap_traced()
@@ -801,6 +819,15 @@ def _mark_bits(leaves: list[Any], td: Any) -> tuple[list[Any], Any]:
 
 
 _COMPLEX_KEY = "__tfun_complex__"  # the marker dict of a complex y crossing as real pairs
+
+
+def _mark_complex(leaves: list[Any], td: Any) -> tuple[list[Any], Any]:
+    """The flat outputs `leaves` of treedef `td` with each complex leaf as its `view_as_real`
+    pair in a marker dict (`_unmark` makes it complex again): the new flat leaves and treedef."""
+    marked = [
+        {_COMPLEX_KEY: _to_real([x], [True])[0]} if isinstance(x, torch.Tensor) and x.is_complex() else x for x in leaves
+    ]
+    return tree_flatten(tree_unflatten(td, marked))
 
 
 def _to_real(leaves: list[Any], which: list[bool]) -> list[Any]:
