@@ -1337,6 +1337,20 @@ def translate_error(
             "`detach`, `requires_grad_` or `enable_grad` needed): traced, tfun.grad compiles into the loop, in "
             "every grad mode. Outside control flow, make sure the tensor requires grad (as eagerly)."
         )
+    elif revise is default_revise and _in_chain(e, "is not lowered to while_loop"):
+        # Inductor's passes that rewrite scan and map as while_loop leave a loop with complex
+        # operands alone and then assert (2.11-2.14.1); tfun's own complex inputs and outputs
+        # cross as real pairs where the loop is not differentiated, a lifted closure cannot
+        bullets = [_backend_failure(e)]
+        revise = (
+            f"Inductor (torch {torch.__version__}) cannot compile a loop (scan, fori_loop, map) that reads or "
+            "returns a complex tensor. tfun passes a loop's complex init, xs and outputs across as real pairs "
+            "where the loop is not differentiated, but a complex tensor its body closes over (a complex weight) "
+            "reaches the loop as it is: close over its real view instead (`Wr = torch.view_as_real(W)` outside "
+            "the loop, `torch.view_as_complex(Wr)` inside the body), or pass backend=\"aot_eager\". A "
+            "differentiated loop (one whose body reads a tensor that requires grad) cannot carry complex "
+            "values: for inference call it under `torch.no_grad()`, else compute with real and imaginary parts."
+        )
     elif revise is default_revise and _symbolic_float_in_control_flow(e):
         floats = scalars(float) if scalars is not None else []
         which = (
