@@ -510,3 +510,69 @@ def test_export_with_a_dynamic_length_runs_every_length_with_eagers_values_and_g
         ga, gb = torch.autograd.grad((got * torch.cos(got)).sum(), (a32, b32))
         for x, w in ((got, want), (ga, wa), (gb, wb)):
             torch.testing.assert_close(x.double(), w.detach(), rtol=1e-4, atol=1e-4)
+
+
+def _pair(p, q):
+    return (p[0] * q[0], q[0] * p[1] + q[1])
+
+
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators:UserWarning")
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_complex_scan_whose_halving_reaches_two_under_inductor_with_gradients(reverse):
+    """Hunt 35 (F1): the log-depth algorithm combined two empty slices at its length-2 level
+    (reached from every power-of-two length, and 5), whose backward Inductor could not
+    compile for complex leaves (a raw `InductorError`: "self.stride(-1) must be 1 to view
+    Float as ComplexFloat"; torch 2.11-2.14.1). That level combines nothing now: eager
+    complex128's values and gradients at each length."""
+    import tfun
+
+    g = torch.Generator().manual_seed(5)
+    torch._dynamo.reset()
+    jf = tfun.jit(lambda a, b: lax.associative_scan(_pair, (a, b), reverse=reverse))
+    for T in [4, 5]:
+        a0 = torch.randn(T, 3, dtype=torch.complex128, generator=g)
+        b0 = torch.randn(T, 3, dtype=torch.complex128, generator=g)
+
+        def run(fn):
+            a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+            oa, ob = fn(a, b)
+            (ob.real.sum() + (oa * torch.linspace(0, 1, T, dtype=torch.float64)[:, None]).imag.sum()).backward()
+            return oa, ob, a.grad, b.grad
+
+        for got, want in zip(run(jf), run(lambda a, b: lax.associative_scan(_pair, (a, b), reverse=reverse))):
+            torch.testing.assert_close(got, want, msg=f"T={T}")
+
+
+@pytest.mark.parametrize("then", ["scan", "map"])
+def test_a_loop_over_an_associative_scans_output_at_a_second_length_under_inductor(then):
+    """Hunt 35 (F2): traced with a symbolic length `s`, the log-depth algorithm's output had
+    a length that was an expression of `s` (`2*((s - 1)//2) + 2`), and a scan or map over it
+    in the same jitted function failed in Inductor's loop decomposition ("KeyError: s12") from
+    the second length on. The output now has its input's length: eager float64's values and
+    gradients, in grad mode and under no_grad, at each length."""
+    import tfun
+
+    def f(a, h):
+        pb = lax.associative_scan(_pair, (a, h), axis=1)[1]
+        if then == "scan":
+            return lax.scan(lambda c, x: (torch.tanh(c + x), c * x), h[:, 0], pb.transpose(0, 1))[1]
+        return lax.map(lambda x: torch.tanh(x) * 2, pb.transpose(0, 1))
+
+    g = torch.Generator().manual_seed(6)
+    torch._dynamo.reset()
+    jf = tfun.jit(f)
+    for T, grad in [(63, True), (1000, False), (64, True)]:
+        a0 = torch.rand(2, T, 3, dtype=torch.float64, generator=g) * 0.3 + 0.7
+        h0 = torch.randn(2, T, 3, dtype=torch.float64, generator=g)
+
+        def run(fn):
+            a, h = a0.clone().requires_grad_(grad), h0.clone().requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                out = fn(a, h)
+            if not grad:
+                return (out,)
+            out.sum().backward()
+            return out, a.grad, h.grad
+
+        for got, want in zip(run(jf), run(f)):
+            torch.testing.assert_close(got, want, msg=f"T={T}")

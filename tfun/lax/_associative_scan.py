@@ -184,14 +184,32 @@ def _log_depth_scan(
             [_take(x, a, 1, None, 2) for x, a in zip(elems, axes)],
         )
         odd = scan_rec(pairs)
-        if n % 2 == 0:
-            even = combine([_take(x, a, 0, -1) for x, a in zip(odd, axes)], [_take(x, a, 2, None, 2) for x, a in zip(elems, axes)])
+        if n == 2:
+            # nothing to fix up: no combine of empty slices, whose backward Inductor could not
+            # compile for complex leaves (hunt 35 F1: every power-of-two length, and any whose
+            # halving reaches 2, under tfun.jit with gradients)
+            even = [_take(x, a, 0, 1) for x, a in zip(elems, axes)]
         else:
-            even = combine(odd, [_take(x, a, 2, None, 2) for x, a in zip(elems, axes)])
-        even = [torch.cat([_take(x, a, 0, 1), e], dim=a) for x, e, a in zip(elems, even, axes)]
+            if n % 2 == 0:
+                even = combine([_take(x, a, 0, -1) for x, a in zip(odd, axes)], [_take(x, a, 2, None, 2) for x, a in zip(elems, axes)])
+            else:
+                even = combine(odd, [_take(x, a, 2, None, 2) for x, a in zip(elems, axes)])
+            even = [torch.cat([_take(x, a, 0, 1), e], dim=a) for x, e, a in zip(elems, even, axes)]
         return [_interleave(e, o, a) for e, o, a in zip(even, odd, axes)]
 
     out = scan_rec(leaves)
+    # Traced with a symbolic length `s`, the interleaved result's length is an expression of
+    # `s` (`2*((s + 1)//2) - ...`), equal to it but not it: a loop later scanning or mapping
+    # over the result then had a length Inductor could not rebuild ("KeyError: s12", hunt 35
+    # F2). Traced, each output is copied into a tensor of its input's length along the
+    # scanned axis, by `index_copy` (a reshape, a full `slice_scatter` or a `copy` would not
+    # do: torch or Inductor sees the sizes equal and keeps the expression).
+    if _context.is_tracing() and len(out[0].shape) > 0:
+        index = torch.arange(leaves[0].shape[axes[0]], device=leaves[0].device)
+        out = [
+            o.new_empty(o.shape[:a] + x.shape[a : a + 1] + o.shape[a + 1 :]).index_copy(a, index, o)
+            for o, x, a in zip(out, leaves, axes)
+        ]
     if reverse:
         out = [x.flip(a) for x, a in zip(out, axes)]
     return out
