@@ -517,8 +517,9 @@ def _pair(p, q):
 
 
 @pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators:UserWarning")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_a_complex_scan_whose_halving_reaches_two_under_inductor_with_gradients(reverse):
+def test_a_complex_scan_whose_halving_reaches_two_under_inductor_with_gradients(reverse, backend):
     """Hunt 35 (F1): the log-depth algorithm combined two empty slices at its length-2 level
     (reached from every power-of-two length, and 5), whose backward Inductor could not
     compile for complex leaves (a raw `InductorError`: "self.stride(-1) must be 1 to view
@@ -528,7 +529,7 @@ def test_a_complex_scan_whose_halving_reaches_two_under_inductor_with_gradients(
 
     g = torch.Generator().manual_seed(5)
     torch._dynamo.reset()
-    jf = tfun.jit(lambda a, b: lax.associative_scan(_pair, (a, b), reverse=reverse))
+    jf = tfun.jit(lambda a, b: lax.associative_scan(_pair, (a, b), reverse=reverse), backend=backend)
     for T in [4, 5]:
         a0 = torch.randn(T, 3, dtype=torch.complex128, generator=g)
         b0 = torch.randn(T, 3, dtype=torch.complex128, generator=g)

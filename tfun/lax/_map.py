@@ -10,7 +10,7 @@ import torch
 from .. import _compat, _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import _encodes_bits, _from_real, _mark_bits, _mark_complex, _to_real, _unmark, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
+from ._scan import _encodes_bits, _from_real, _mark_bits, _mark_complex, _to_real, _unmark, lower_splitting_complex, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -156,25 +156,16 @@ def _batched_map(f: Callable[..., Any], leaves: list[torch.Tensor], treedef: Any
 # ----------------------------------------------------------------------------------------
 
 
-def _lower_map(f: Callable[[Any], Any], xs: Any, split_complex: bool | None = None) -> Any:
-    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`.
+def _lower_map(f: Callable[[Any], Any], xs: Any) -> Any:
+    """`torch._higher_order_ops.map` over the leading axis of every leaf of `xs`. Inductor
+    (2.11-2.14.1) cannot compile a map with a complex `xs` or output ("map is not lowered to
+    while_loop", hunt 34 F3): such leaves cross the HOP as real pairs where the map is not
+    differentiated (`_scan.lower_splitting_complex`)."""
+    return lower_splitting_complex(lambda split: _lower_map_as(f, xs, split), xs)
 
-    `split_complex`: whether complex leaves cross the HOP as `view_as_real` pairs (exact
-    views): Inductor (2.11-2.14.1) cannot compile a map with a complex `xs` or output ("map is
-    not lowered to while_loop", hunt 34 F3), and torch's map autograd cannot differentiate
-    those views. None decides, as for scan (`_scan._lower_scan`): split without grad mode;
-    with it, where `xs` holds a complex leaf, split first and kept where the outputs do not
-    require grad, else lowered again unsplit."""
-    if split_complex is None:
-        split_complex = not _hop.is_exporting() and not torch.is_grad_enabled()
-        if (
-            not split_complex
-            and not _hop.is_exporting()
-            and any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten(xs)[0])
-        ):
-            out = _lower_map(f, xs, True)
-            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
-                return out
+
+def _lower_map_as(f: Callable[[Any], Any], xs: Any, split_complex: bool) -> Any:
+    """`_lower_map`, complex leaves crossing the HOP as `view_as_real` pairs where `split_complex`."""
     _hop.begin_lowering()
     x_leaves, x_td = tree_flatten(xs)
     # torch's map traces the body on a contiguous slice and runs it on `xs[i]`: a strided `xs`

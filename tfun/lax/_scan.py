@@ -477,31 +477,41 @@ def _check_step(op: str, f: Any, res: Any, in_td: Any, in_leaves: Sequence[Any],
     return _hop.check_result(op, "body carry input and output", "carry", f, in_td, in_leaves, new_c, revise), y
 
 
+def lower_splitting_complex(lower: Callable[[bool], Any], inputs: Any) -> Any:
+    """`lower(split)`, the lowering of a loop (scan, map) whose complex leaves cross its HOP as
+    `view_as_real` pairs when `split` (workaround 4 in `_lower_scan`; torch's loop autograd
+    cannot differentiate those views). Not under export. Without grad mode they do; with it,
+    where `inputs` (the loop's operands) hold a complex leaf, the loop is lowered split first
+    and kept where its outputs do not require grad (nothing it reads does: a frozen model's
+    generation loop called without `torch.no_grad()`, hunt 34 F3), else lowered again unsplit
+    (the first lowering is then dead code, which Dynamo drops)."""
+    if _hop.is_exporting():
+        return lower(False)
+    if not torch.is_grad_enabled():
+        return lower(True)
+    if any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten(inputs)[0]):
+        out = lower(True)
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+            return out
+    return lower(False)
+
+
 def _lower_scan(
-    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, split_complex: bool | None = None
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool
 ) -> tuple[Any, Any]:
     """`torch._higher_order_ops.scan` with tfun pytrees, `xs=None` and Python scalars.
 
     `init`'s leaves that were Python scalars are already converted to the dtype the body
     gives them by `scan` (`_hop.promote_weak_init`, whose traced body run is dead code, as
-    JAX traces a loop body twice to promote a weak `init`).
+    JAX traces a loop body twice to promote a weak `init`). Complex leaves: see
+    `lower_splitting_complex`."""
+    return lower_splitting_complex(lambda split: _lower_scan_as(f, init, xs, length, reverse, split), (init, xs))
 
-    `split_complex`: whether complex leaves cross the HOP as real pairs (workaround 4 below);
-    None decides: without grad mode they do; with it, where `init` or `xs` holds a complex
-    leaf, the scan is lowered split first and kept where its outputs do not require grad
-    (nothing it reads does: a frozen model's generation loop called without `torch.no_grad()`,
-    hunt 34 F3), else lowered again unsplit (the first lowering is then dead code, which
-    Dynamo drops)."""
-    if split_complex is None:
-        split_complex = not _hop.is_exporting() and not torch.is_grad_enabled()
-        if (
-            not split_complex
-            and not _hop.is_exporting()
-            and any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_flatten((init, xs))[0])
-        ):
-            out = _lower_scan(f, init, xs, length, reverse, True)
-            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
-                return out
+
+def _lower_scan_as(
+    f: Callable[[Any, Any], Any], init: Any, xs: Any, length: int, reverse: bool, split_complex: bool
+) -> tuple[Any, Any]:
+    """`_lower_scan`, complex leaves crossing the HOP as real pairs where `split_complex`."""
     _hop.begin_lowering()
     op = "tfun.lax.scan"
     c_leaves, c_td = tree_flatten(init)
@@ -543,7 +553,7 @@ def _lower_scan(
     #    Where the scan is not differentiated they cross the HOP as `view_as_real` pairs (a
     #    view, exact; `split_complex`); where it is, complex leaves are refused (`tfun.jit`'s
     #    complex-loop-body message).
-    split = for_inductor and split_complex
+    split = split_complex
     c_cplx = [split and t.is_complex() for t in c_leaves]
     x_cplx = [split and t.is_complex() for t in x_leaves]
     batching = _hop.vmap_traced()
