@@ -325,3 +325,102 @@ def test_a_second_derivative_through_a_jitted_functions_backward_is_refused_not_
     # the rewrite: both derivatives in one compiled function
     hvp = tfun.jit(lambda x, W, v: tfun.jvp(lambda W: tfun.grad(lambda W: f(x, W) + (W**2).sum())(W), (W,), (v,))[1], backend=backend)
     torch.testing.assert_close(hvp(x, W, v), want)
+
+
+def _rnn_loss(W, xs):
+    h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x), torch.tanh(h @ W + x)), torch.zeros(2, 3, dtype=W.dtype), xs)
+    return (ys**2).sum()
+
+
+def _scan_ops(counts):
+    def backend(gm, example_inputs):
+        counts.append(sum(1 for n in gm.graph.nodes if "scan" in str(n.target)))
+        return gm
+
+    return backend
+
+
+@pytest.mark.parametrize("how", ["argument", "closure"])
+def test_a_gradient_of_parameters_warns_before_unrolling_and_no_grad_keeps_the_loop_op(how):
+    """`tfun.jit(tfun.grad(loss))(W)` with `W` an `nn.Parameter` (it requires grad), or a loss
+    closing over one: the gradient stays differentiable (a `.backward()` outside may reach it),
+    so the loop is unrolled, which costs compile time per step (a 1024-step RNN's gradient took
+    minutes to compile). Past `WARN_UNROLLED_STEPS` tfun warns at the loop body's line, naming what
+    requires grad and the fixes; under `torch.no_grad()` (or with `W.detach()`) the loop stays one
+    loop op, with no warning. Values against eager float64 in each case."""
+    assert _hop.WARN_UNROLLED_STEPS == 16
+    g = torch.Generator().manual_seed(5)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(20, 2, 3, generator=g, dtype=D)
+    want = tfun.grad(_rnn_loss)(W0, xs)
+    P = torch.nn.Parameter(W0.clone())
+    if how == "argument":
+        fn, args, named = tfun.grad(_rnn_loss), (P, xs), "tfun.grad's argument args[0] requires grad"
+        fixed = (P.detach(), xs)
+    else:
+        fn, args, named = tfun.grad(lambda xs: _rnn_loss(P, xs) + (xs * 0).sum()), (xs,), "closes over a tensor that requires grad"
+        want = tfun.grad(lambda xs: _rnn_loss(W0, xs))(xs)
+        fixed = None
+    torch._dynamo.reset()
+    counts: list[int] = []
+    with pytest.warns(tfun.errors.PerformanceWarning, match=r"^tfun\.lax\.scan \(<lambda> at .*test_jit_second_order\.py:\d+\): under tfun\.jit this loop is unrolled into 20 steps") as rec:
+        got = tfun.jit(fn, backend=_scan_ops(counts))(*args)
+    msg = str(rec[0].message)
+    assert named in msg and "torch.no_grad()" in msg and "unroll=True" in msg, msg
+    assert rec[0].filename.endswith("test_jit_second_order.py")
+    if how == "argument":  # unrolled: no loop op (a closure's probe run, dead code, keeps its own)
+        assert counts == [0]
+    torch.testing.assert_close(got.detach(), want)
+    # the fixes the warning names: one loop op, no warning (warnings are errors here)
+    torch._dynamo.reset()
+    counts.clear()
+    with torch.no_grad():
+        got = tfun.jit(fn, backend=_scan_ops(counts))(*args)
+    assert counts and counts[0] >= 1
+    torch.testing.assert_close(got, want)
+    if fixed is not None:
+        torch._dynamo.reset()
+        counts.clear()
+        torch.testing.assert_close(tfun.jit(fn, backend=_scan_ops(counts))(*fixed), want)
+        assert counts and counts[0] >= 1
+
+
+def test_a_gradient_penalty_past_the_warning_length_is_right_and_unroll_true_silences_it():
+    """The case the unrolling is for: a gradient of a Parameter, differentiated again by a
+    `.backward()` outside the jitted function. Past `WARN_UNROLLED_STEPS` it warns and is right;
+    with `unroll=True` on the loop it is right without a warning. Against eager float64."""
+    g = torch.Generator().manual_seed(6)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(18, 2, 3, generator=g, dtype=D)
+
+    def loss(W, xs, unroll):
+        h, ys = lax.scan(lambda h, x: (torch.tanh(h @ W + x), h.sum()), torch.zeros(2, 3, dtype=W.dtype), xs, unroll=unroll)
+        return (h**2).sum() + ys.sum()
+
+    ref = W0.clone().requires_grad_()
+    (tfun.grad(loss)(ref, xs, 1) ** 2).sum().backward()
+    for unroll in (1, True):
+        torch._dynamo.reset()
+        P = torch.nn.Parameter(W0.clone())
+        jitted = tfun.jit(tfun.grad(loss), backend="aot_eager", static_argnums=2)
+        if unroll is True:
+            gW = jitted(P, xs, unroll)
+        else:
+            with pytest.warns(tfun.errors.PerformanceWarning, match="unrolled into 18 steps"):
+                gW = jitted(P, xs, unroll)
+        (gW**2).sum().backward()
+        torch.testing.assert_close(P.grad, ref.grad)
+
+
+def test_past_the_unroll_limit_a_gradient_of_parameters_is_refused_with_the_no_grad_fix(monkeypatch):
+    """Past `MAX_UNROLLED_STEPS`, where only the arguments' `requires_grad` asks for a
+    differentiable gradient, the `JitError` says so and names `torch.no_grad()`, which works."""
+    monkeypatch.setattr(_hop, "MAX_UNROLLED_STEPS", 8)
+    g = torch.Generator().manual_seed(7)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(9, 2, 3, generator=g, dtype=D)
+    P = torch.nn.Parameter(W0.clone())
+    torch._dynamo.reset()
+    with pytest.raises(JitError, match=r"^tfun\.lax\.scan: under tfun\.jit, this loop is inside a gradient that may be differentiated again \(tfun\.grad's argument args\[0\] requires grad") as e:
+        tfun.jit(tfun.grad(_rnn_loss), backend="aot_eager")(P, xs)
+    assert "torch.no_grad()" in str(e.value) and "test_jit_second_order.py:" in str(e.value)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(tfun.jit(tfun.grad(_rnn_loss), backend="aot_eager")(P, xs), tfun.grad(_rnn_loss)(W0, xs))

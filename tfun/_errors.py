@@ -27,6 +27,7 @@ __all__ = [
     "JitError",
     "ArgumentTypeError",
     "ArgumentValueError",
+    "PerformanceWarning",
 ]
 
 
@@ -71,6 +72,12 @@ class JitError(TfunError, RuntimeError):
 
 class ArgumentTypeError(TfunError, TypeError):
     """An argument to a tfun op has the wrong type (e.g. a float index for `switch`)."""
+
+
+class PerformanceWarning(UserWarning):
+    """A program tfun runs correctly, but much slower than it could, with the change that
+    would make it fast (e.g. a loop `tfun.jit` unrolls into hundreds of steps because the
+    gradient it is in could be differentiated again)."""
 
 
 class ArgumentValueError(TfunError, ValueError):

@@ -50,6 +50,13 @@ def describe(fn: Callable[..., Any]) -> str:
     return describe_code(code, str(name))
 
 
+def location(fn: Callable[..., Any]) -> tuple[str, int] | None:
+    """`(file, first line)` of a user function's code, or None (a builtin, a callable object
+    without code)."""
+    code = getattr(unwrap_callable(fn), "__code__", None)
+    return None if code is None else (str(code.co_filename), int(code.co_firstlineno))
+
+
 def describe_code(code: types.CodeType, name: str | None = None) -> str:
     """`name at file:line` for a code object (the path relative to the working directory
     when it lies below it)."""

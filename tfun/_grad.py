@@ -501,7 +501,8 @@ def _value_and_grad_call(
         with torch.enable_grad():
             leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in fl.leaves]
             lowered, customs = _hop.lowerings(), _hop.custom_rules()
-            with _hop.unroll_scope(outer):  # the gradient stays differentiable: loops unrolled
+            cause = requires_grad_cause(op, fl.paths, fl.leaves) if outer else None
+            with _hop.unroll_scope(outer, derivative=True, cause=cause):  # the gradient stays differentiable: loops unrolled
                 value, aux_leaves = f_flat(*leaves)
             if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
                 _refuse_second_order(op, fun)
@@ -524,14 +525,14 @@ def _value_and_grad_call(
     elif fl.leaves and holomorphic:
         # torch.func.grad wants a real output: pull back the cotangent 1 instead
         _hop.note_func_reverse()
-        with _hop.unroll_scope(closed):  # (traced: see below)
+        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun)):  # (traced: see below)
             value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
         grads = pull(torch.ones_like(value))
     elif fl.leaves:
         # traced with `closed`: the gradient depends on a closed-over tensor that requires
         # grad and stays differentiable, so the loops inside are unrolled (`_hop.unroll_scope`)
         _hop.note_func_reverse()
-        with _hop.unroll_scope(closed):
+        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun)):
             grads, (value, aux_leaves) = torch.func.grad_and_value(
                 f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
             )(*fl.leaves)
@@ -545,6 +546,20 @@ def _value_and_grad_call(
     g = per_arg[0] if single else tuple(per_arg)
     aux = _unpack_aux(box, aux_leaves) if has_aux else None
     return value, g, aux
+
+
+def requires_grad_cause(op: str, paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> str:
+    """Why a traced derivative's result stays differentiable, for `_hop.unroll_scope`: the
+    differentiated arguments that require grad, by path."""
+    names = [p for p, x in zip(paths, leaves) if x.requires_grad]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{op}'s argument{'s' if len(names) > 1 else ''} {shown} require{'' if len(names) > 1 else 's'} grad"
+
+
+def closure_cause(fun: Callable[..., Any]) -> str:
+    """Why a traced derivative's result stays differentiable, for `_hop.unroll_scope`: the
+    function closes over a tensor that requires grad."""
+    return f"{describe(fun)} closes over a tensor that requires grad (a module's parameter)"
 
 
 def _probe_closure(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> bool:
@@ -875,7 +890,8 @@ def _traced_vjp(
     with torch.enable_grad():
         leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in primals]
         lowered, customs = _hop.lowerings(), _hop.custom_rules()
-        with _hop.unroll_scope(outer):  # the cotangents stay differentiable: loops unrolled
+        cause = f"a primal of {op} requires grad" if outer else None
+        with _hop.unroll_scope(outer, derivative=True, cause=cause):  # the cotangents stay differentiable: loops unrolled
             diff_out, rest_aux = f_flat(*leaves)
         if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
             _refuse_second_order(op, fun)
@@ -973,7 +989,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         # traced, the cotangents depend on a closed-over tensor that requires grad: they stay
         # differentiable, so the loops inside are unrolled (torch's HOPs have no second derivative)
         _hop.note_func_reverse()
-        with _hop.unroll_scope(_context.is_tracing() and not _context.functorch_active()):
+        with _hop.unroll_scope(
+            _context.is_tracing() and not _context.functorch_active(), derivative=True, cause=closure_cause(fun)
+        ):
             diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:
         (diff_out, (rest, aux_l)), torch_vjp_fn = f_flat(), None

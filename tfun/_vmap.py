@@ -27,6 +27,7 @@ from ._grad import (
     conj_ct,
     describe_value,
     grad_spec,
+    requires_grad_cause,
     resolve_argnums,
 )
 from ._tree import Partition, keystr, tree_flatten_with_path, tree_map, tree_structure, tree_unflatten
@@ -392,7 +393,8 @@ def _per_example_gradients(
             new_args[i] = tree
         new_axes = tuple(0 if i in argnums else ax for i, ax in enumerate(axes_of))
         lowered, customs = _hop.lowerings(), _hop.custom_rules()
-        with _hop.unroll_scope(outer):
+        cause = requires_grad_cause(op, fl.paths, fl.leaves) if outer else None
+        with _hop.unroll_scope(outer, derivative=True, cause=cause):
             values, aux = vmap(per_example, in_axes=new_axes, axis_size=axis_size)(*new_args, **kwargs)
         if outer and _hop.lowerings() != lowered:
             _refuse_second_order(op, fun)

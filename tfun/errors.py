@@ -3,6 +3,7 @@
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ArgumentValueError as ArgumentValueError
 from ._errors import JitError as JitError
+from ._errors import PerformanceWarning as PerformanceWarning
 from ._errors import SideEffectError as SideEffectError
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import TensorMismatchError as TensorMismatchError
@@ -16,4 +17,5 @@ __all__ = [
     "JitError",
     "ArgumentTypeError",
     "ArgumentValueError",
+    "PerformanceWarning",
 ]

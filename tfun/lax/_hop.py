@@ -63,6 +63,7 @@ import collections
 import functools
 import itertools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -536,7 +537,7 @@ def remat_body(fn: Callable[..., Any]) -> Callable[..., Any]:
 #: `torch.autograd.grad` on fresh leaves ("element 0 of tensors does not require grad"): it
 #: uses torch.func's transform, which Dynamo traces into the body's graph.
 #: The same for the bodies of loops lowered under grad mode (`in_grad_body`).
-_DEPTHS: dict[str, list[Any]] = {"body": [0, None], "grad": [0, None]}
+_DEPTHS: dict[str, list[Any]] = {"body": [0, None], "grad": [0, None], "derivative": [0, None]}
 
 
 @assume_constant
@@ -713,48 +714,79 @@ def in_body() -> bool:
 #: Most loop steps a traced derivative that is differentiated again unrolls (the product of
 #: the lengths of nested unrolled loops), unless the loop asks for it with `unroll=True`.
 MAX_UNROLLED_STEPS = 1024
+#: Most loop steps unrolled without a `PerformanceWarning` where nothing in the trace is known
+#: to differentiate the derivative again: it is unrolled only because its arguments, or tensors
+#: it closes over, require grad (an `nn.Parameter`), so that a `.backward()` outside could. Each
+#: unrolled step costs compile time (about 0.4 s a step for a small RNN's gradient on a CPU,
+#: torch 2.13 Inductor: 7 s at 64 steps as one loop op, 32 s unrolled; 119 s at 256), and a
+#: training step that only reads the gradient pays it for nothing.
+WARN_UNROLLED_STEPS = 16
 #: The traced reverse-mode derivatives (`tfun.grad`, `tfun.vjp`) enclosing the code being
 #: traced whose results must stay differentiable (an outer `tfun.grad` or `.backward()` can
-#: reach them), innermost last, each as the number of loop steps unrolled around the code
-#: (1 at the derivative); and the trace that stack belongs to (as `_REMAT_STACK`). torch's
-#: control-flow HOPs have no second derivative: inside such a derivative, `scan`, `fori_loop`
-#: with static bounds and `map` run their steps in Python (the graph holds each step's ops)
-#: and the other control-flow ops are refused (`refuse_unrolled`, called by each of them
-#: before it lowers).
+#: reach them), innermost last, each as `(steps, cause)`: the number of loop steps unrolled
+#: around the code (1 at the derivative), and why, where no traced derivative encloses it (a
+#: description of the arguments or closed-over tensors that require grad; None where an
+#: enclosing traced derivative differentiates it); and the trace that stack belongs to (as
+#: `_REMAT_STACK`). torch's control-flow HOPs have no second derivative: inside such a
+#: derivative, `scan`, `fori_loop` with static bounds and `map` run their steps in Python (the
+#: graph holds each step's ops) and the other control-flow ops are refused (`refuse_unrolled`,
+#: called by each of them before it lowers).
 _UNROLL_STACK: list[Any] = [[], None]
+_INHERIT = "<inherit>"
 
 
 @assume_constant
-def _escape_unroll(push: int | None, pop: bool) -> int:
-    """Push a step count, pop, or neither; return the innermost count, or 0 outside every
-    scope."""
+def _escape_unroll(push: int | None, pop: bool, cause: str | None = _INHERIT) -> int:
+    """Push a step count (with its cause: `_INHERIT` takes the innermost one's), pop, or
+    neither; return the innermost count, or 0 outside every scope."""
     trace = _context.current_trace()
     if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
         _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
     stack = _UNROLL_STACK[0]
     if push is not None:
-        stack.append(push)
+        if cause == _INHERIT:
+            cause = stack[-1][1] if stack else None
+        stack.append((push, cause))
     elif pop and stack:
         stack.pop()
-    return stack[-1] if stack else 0
+    return stack[-1][0] if stack else 0
+
+
+@assume_constant
+def unroll_cause() -> str | None:
+    """Trace time: why the innermost unrolled region unrolls where no traced derivative
+    encloses it (`unroll_scope`'s `cause`), or None."""
+    stack = _UNROLL_STACK[0] if _UNROLL_STACK[1] is not None and _UNROLL_STACK[1]() is _context.current_trace() else []
+    return stack[-1][1] if stack else None
 
 
 class unroll_scope:
     """Trace time: while active (`active=True`), the loops lowered run their steps in Python
     (`unrolled_steps`); `steps` multiplies the enclosing count (an unrolled loop's body runs
     inside `unroll_scope(True, n)`). A traced `tfun.grad` whose result stays differentiable
-    enters `unroll_scope(True)`."""
+    enters `unroll_scope(True, derivative=True, cause=...)`; every traced reverse-mode
+    derivative enters one (`derivative=True`, active or not), so that a derivative inside
+    another knows it is differentiated by it. `cause` (a derivative's): why its result stays
+    differentiable, a phrase naming what requires grad (kept where no traced derivative
+    encloses it: then nothing in the trace is known to differentiate it again, and
+    `check_unrolled_length` warns past `WARN_UNROLLED_STEPS`)."""
 
-    def __init__(self, active: bool, steps: int = 1) -> None:
-        self.active, self.steps = active, steps
+    def __init__(self, active: bool, steps: int = 1, *, derivative: bool = False, cause: str | None = None) -> None:
+        self.active, self.steps, self.derivative, self.cause = active, steps, derivative, cause
 
     def __enter__(self) -> None:
+        cause: str | None = _INHERIT
+        if self.derivative:
+            enclosed = _escape_depth("derivative", 1) > 1
+            cause = None if enclosed else self.cause
         if self.active:
-            _escape_unroll(max(_escape_unroll(None, False), 1) * self.steps, False)
+            _escape_unroll(max(_escape_unroll(None, False), 1) * self.steps, False, cause)
 
     def __exit__(self, *exc: Any) -> None:
         if self.active:
             _escape_unroll(None, True)
+        if self.derivative:
+            _escape_depth("derivative", -1)
 
 
 def unrolled_steps() -> int:
@@ -763,24 +795,66 @@ def unrolled_steps() -> int:
     return _escape_unroll(None, False)
 
 
+def _unroll_context(cause: str | None) -> str:
+    """How a derivative is differentiated again, for messages: known (an enclosing traced
+    derivative), or possibly, by a `.backward()` outside (`cause`, see `unroll_scope`)."""
+    if cause is None:
+        return "is differentiated again (tfun.grad of tfun.grad, or a gradient that an outer .backward() reaches)"
+    return f"may be differentiated again ({cause}, so a .backward() outside the compiled function could reach it)"
+
+
+def _unroll_fixes(cause: str | None) -> str:
+    """The ways out, for a loop or op unrolled or refused inside a derivative that may be
+    differentiated again because of `cause` (see `unroll_scope`)."""
+    if cause is None:
+        return ""
+    return (
+        "If the gradient is not differentiated again (a training step that reads it), call the jitted function "
+        "under `torch.no_grad()` or pass those tensors detached (`W.detach()`, or `p.detach()` for each parameter): "
+        "the loop then stays one loop op. "
+    )
+
+
 def check_unrolled_length(op: str, fn: Callable[..., Any], n: int, unroll: Any) -> None:
     """Refuse unrolling a loop of `n` steps (times the enclosing unrolled steps) past
-    `MAX_UNROLLED_STEPS`, unless the loop asks for it (`unroll=True` or `unroll=0`)."""
+    `MAX_UNROLLED_STEPS`, unless the loop asks for it (`unroll=True` or `unroll=0`); past
+    `WARN_UNROLLED_STEPS`, where the unrolling has a `cause` (nothing in the trace is known to
+    differentiate the derivative again), warn (`tfun.errors.PerformanceWarning`) with the fixes."""
     total = unrolled_steps() * n
-    if total <= MAX_UNROLLED_STEPS or unroll is True or (not isinstance(unroll, bool) and unroll == 0):
+    if unroll is True or (not isinstance(unroll, bool) and unroll == 0):
         return
-    raise _errors.JitError(
-        _errors.format_message(
-            f"{op}: under tfun.jit, this loop is inside a gradient that is differentiated again (tfun.grad of "
-            "tfun.grad, or a gradient that an outer .backward() reaches). torch "
-            f"{torch.__version__} has no second derivative of its loop op, so tfun unrolls the loop in the graph; "
-            f"here that is {total} steps (nested loops multiply), more than tfun unrolls unasked "
-            f"({MAX_UNROLLED_STEPS}).",
-            function=_funcinfo.describe(fn),
-            revise="Pass unroll=True to this loop to unroll it all the same (the compile time grows with the steps), "
-            "or take the higher-order derivative outside tfun.jit.",
+    cause = unroll_cause()
+    if total > MAX_UNROLLED_STEPS:
+        raise _errors.JitError(
+            _errors.format_message(
+                f"{op}: under tfun.jit, this loop is inside a gradient that {_unroll_context(cause)}. "
+                f"torch {torch.__version__} has no second derivative of its loop op, so tfun unrolls the loop in the "
+                f"graph; here that is {total} steps (nested loops multiply), more than tfun unrolls unasked "
+                f"({MAX_UNROLLED_STEPS}).",
+                function=_funcinfo.describe(fn),
+                revise=_unroll_fixes(cause) + "Pass unroll=True to this loop to unroll it all the same (the compile "
+                "time grows with the steps), or take the higher-order derivative outside tfun.jit.",
+            )
         )
+    if cause is not None and total > WARN_UNROLLED_STEPS:
+        _escape_warn_unrolled(
+            op, _funcinfo.describe(fn), _funcinfo.location(fn), total, _unroll_context(cause), _unroll_fixes(cause)
+        )
+
+
+@assume_constant
+def _escape_warn_unrolled(op: str, fn: str, where: tuple[str, int] | None, total: int, context: str, fixes: str) -> None:
+    """Plain Python at trace time: the `PerformanceWarning` of `check_unrolled_length`, at the
+    loop body's own file:line."""
+    message = (
+        f"{op} ({fn}): under tfun.jit this loop is unrolled into {total} steps in the graph, because it is "
+        f"inside a gradient that {context}, and torch {torch.__version__} has no "
+        "second derivative of its loop op. Compile time grows with the steps (about 0.4 s a step for a small "
+        f"RNN on a CPU). {fixes}If it is differentiated again (a gradient penalty), pass unroll=True to this "
+        "loop: it is unrolled all the same, without this warning."
     )
+    filename, lineno = where if where is not None else ("<unknown>", 0)
+    warnings.warn_explicit(message, _errors.PerformanceWarning, filename, lineno)
 
 
 def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
@@ -790,13 +864,13 @@ def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
         return
     raise _errors.JitError(
         _errors.format_message(
-            f"{op}: under tfun.jit, this op is inside a gradient that is differentiated again (tfun.grad of "
-            "tfun.grad, or a gradient that an outer .backward() reaches), and torch "
+            f"{op}: under tfun.jit, this op is inside a gradient that {_unroll_context(unroll_cause())}, and torch "
             f"{torch.__version__} has no second derivative of a control-flow op. tfun unrolls scan, fori_loop "
             f"with static bounds and map there, but not {op.rsplit('.', 1)[-1]}.",
             function=_funcinfo.describe(fn),
-            revise="Take the higher-order derivative outside tfun.jit, or write this step without it (e.g. "
-            "tfun.lax.select or torch.where for a cond whose branches are cheap and safe to run both).",
+            revise=_unroll_fixes(unroll_cause()) + "Otherwise take the higher-order derivative outside tfun.jit, "
+            "or write this step without it (e.g. tfun.lax.select or torch.where for a cond whose branches are "
+            "cheap and safe to run both).",
         )
     )
 
