@@ -525,14 +525,14 @@ def _value_and_grad_call(
     elif fl.leaves and holomorphic:
         # torch.func.grad wants a real output: pull back the cotangent 1 instead
         _hop.note_func_reverse()
-        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun)):  # (traced: see below)
+        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun) if closed else None):  # (traced: see below)
             value, pull, aux_leaves = torch.func.vjp(f_flat, *fl.leaves, has_aux=True)  # type: ignore[misc]
         grads = pull(torch.ones_like(value))
     elif fl.leaves:
         # traced with `closed`: the gradient depends on a closed-over tensor that requires
         # grad and stays differentiable, so the loops inside are unrolled (`_hop.unroll_scope`)
         _hop.note_func_reverse()
-        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun)):
+        with _hop.unroll_scope(closed, derivative=True, cause=closure_cause(fun) if closed else None):
             grads, (value, aux_leaves) = torch.func.grad_and_value(
                 f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True
             )(*fl.leaves)
@@ -989,8 +989,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         # traced, the cotangents depend on a closed-over tensor that requires grad: they stay
         # differentiable, so the loops inside are unrolled (torch's HOPs have no second derivative)
         _hop.note_func_reverse()
+        traced_closure = _context.is_tracing() and not _context.functorch_active()
         with _hop.unroll_scope(
-            _context.is_tracing() and not _context.functorch_active(), derivative=True, cause=closure_cause(fun)
+            traced_closure, derivative=True, cause=closure_cause(fun) if traced_closure else None
         ):
             diff_out, torch_vjp_fn, (rest, aux_l) = torch.func.vjp(f_flat, *diff_primals, has_aux=True)  # type: ignore[misc]
     else:

@@ -772,7 +772,9 @@ class unroll_scope:
     `check_unrolled_length` warns past `WARN_UNROLLED_STEPS`)."""
 
     def __init__(self, active: bool, steps: int = 1, *, derivative: bool = False, cause: str | None = None) -> None:
-        self.active, self.steps, self.derivative, self.cause = active, steps, derivative, cause
+        # (eagerly nothing is unrolled and no depth is kept: `derivative` only while tracing)
+        self.active, self.steps, self.cause = active, steps, cause
+        self.derivative = derivative and _context.is_tracing()
 
     def __enter__(self) -> None:
         cause: str | None = _INHERIT
