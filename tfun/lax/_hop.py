@@ -735,14 +735,19 @@ _UNROLL_STACK: list[Any] = [[], None]
 _INHERIT = "<inherit>"
 
 
+def _unroll_stack() -> list[tuple[int, str | None]]:
+    """The unroll stack of the trace running now (a fresh one for a new trace)."""
+    trace = _context.current_trace()
+    if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
+        _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
+    return _UNROLL_STACK[0]
+
+
 @assume_constant
 def _escape_unroll(push: int | None, pop: bool, cause: str | None = _INHERIT) -> int:
     """Push a step count (with its cause: `_INHERIT` takes the innermost one's), pop, or
     neither; return the innermost count, or 0 outside every scope."""
-    trace = _context.current_trace()
-    if _UNROLL_STACK[1] is None or _UNROLL_STACK[1]() is not trace:
-        _UNROLL_STACK[:] = [[], None if trace is None else weakref.ref(trace)]
-    stack = _UNROLL_STACK[0]
+    stack = _unroll_stack()
     if push is not None:
         if cause == _INHERIT:
             cause = stack[-1][1] if stack else None
@@ -756,7 +761,7 @@ def _escape_unroll(push: int | None, pop: bool, cause: str | None = _INHERIT) ->
 def unroll_cause() -> str | None:
     """Trace time: why the innermost unrolled region unrolls where no traced derivative
     encloses it (`unroll_scope`'s `cause`), or None."""
-    stack = _UNROLL_STACK[0] if _UNROLL_STACK[1] is not None and _UNROLL_STACK[1]() is _context.current_trace() else []
+    stack = _unroll_stack()
     return stack[-1][1] if stack else None
 
 
@@ -864,13 +869,14 @@ def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
     differentiated again: a `JitError` (torch's HOPs have no second derivative)."""
     if unrolled_steps() == 0:
         return
+    cause = unroll_cause()
     raise _errors.JitError(
         _errors.format_message(
-            f"{op}: under tfun.jit, this op is inside a gradient that {_unroll_context(unroll_cause())}, and torch "
+            f"{op}: under tfun.jit, this op is inside a gradient that {_unroll_context(cause)}, and torch "
             f"{torch.__version__} has no second derivative of a control-flow op. tfun unrolls scan, fori_loop "
             f"with static bounds and map there, but not {op.rsplit('.', 1)[-1]}.",
             function=_funcinfo.describe(fn),
-            revise=_unroll_fixes(unroll_cause()) + "Otherwise take the higher-order derivative outside tfun.jit, "
+            revise=_unroll_fixes(cause) + "Otherwise take the higher-order derivative outside tfun.jit, "
             "or write this step without it (e.g. tfun.lax.select or torch.where for a cond whose branches are "
             "cheap and safe to run both).",
         )

@@ -10,7 +10,7 @@ import torch
 from .. import _compat, _context, _funcinfo, _rules
 from .._tree import tree_flatten, tree_structure, tree_unflatten
 from . import _hop
-from ._scan import _encodes_bits, _from_real, _mark_bits, _mark_complex, _to_real, _unmark, lower_splitting_complex, empty_outputs, scan, stack_outputs, xs_leaves, zero_length_outputs
+from ._scan import _encodes_bits, _from_real, _mark_bits, _mark_complex, _to_real, _unmark, empty_outputs, lower_splitting_complex, scan, stack_outputs, xs_leaves, zero_length_outputs
 
 X = TypeVar("X")
 Y = TypeVar("Y")
