@@ -564,14 +564,15 @@ class _CotangentMismatchError(TensorMismatchError, ValueError):
     also a `ValueError`, the class JAX raises there."""
 
 
-def _skeleton(treedef: Any, n: int) -> Any:
-    """A tree of structure `treedef` with `n` leaves that stand for nothing, for
-    `_check_cotangents`. Traced, the leaves are empty tensors: Dynamo's optree support fails to
-    rebuild a dict whose leaves are all constants (hunt 29 F3: a custom_vjp taking a dict,
-    "unhashable type: 'list'", a custom_jvp returning one, "length mismatch")."""
+def _skeleton(unflatten: Callable[[list[Any]], Any], n: int) -> Any:
+    """`unflatten` (a treedef's, or a `Partition`'s, whose structure survives a graph break:
+    `_tree.unflatten_kept`) of `n` leaves that stand for nothing, for `_check_cotangents`.
+    Traced, the leaves are empty tensors: Dynamo's optree support fails to rebuild a dict whose
+    leaves are all constants (hunt 29 F3: a custom_vjp taking a dict, "unhashable type:
+    'list'", a custom_jvp returning one, "length mismatch")."""
     if _context.is_tracing():
-        return tree_unflatten(treedef, [torch.empty(0) for _ in range(n)])
-    return tree_unflatten(treedef, list(range(n)))
+        return unflatten([torch.empty(0) for _ in range(n)])
+    return unflatten(list(range(n)))
 
 
 def _check_cotangents(
@@ -799,7 +800,7 @@ class _CustomVjpFunction(torch.autograd.Function):
         meta_per_leaf: list[Any] = [None] * len(spec.diff.leaves)
         for k, m in zip(spec.tensor_pos, spec.in_meta):
             meta_per_leaf[k] = m
-        expected = _skeleton(spec.diff.treedef, len(spec.diff.leaves))
+        expected = _skeleton(spec.diff.unflatten, len(spec.diff.leaves))
         flat = _check_cotangents(
             op,
             spec.bwd,
@@ -1313,7 +1314,7 @@ def _call_jvp_rule(
     prim, tan = require_pair(
         op, spec.jvp_fn, pair, "the jvp rule", "primal_out, tangent_out", "Return `(primal_out, tangent_out)`."
     )
-    expected = _skeleton(spec.out_td, spec.n_out) if out is None else out
+    expected = _skeleton(functools.partial(tree_unflatten, spec.out_td), spec.n_out) if out is None else out
     # the primal output itself comes from `fun`, but as in JAX the rule's must match it
     _check_cotangents(
         op,

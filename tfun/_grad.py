@@ -291,7 +291,8 @@ class _DiffArgs:
     ):
         self.args = tuple(args)
         self.argnums = argnums
-        pl, treedef = tree_flatten_with_path(tuple(args[i] for i in argnums))
+        diff_args = tuple(args[i] for i in argnums)
+        pl, treedef = tree_flatten_with_path(diff_args)
         paths = [f"args[{argnums[p[0].entry]}]{keystr(p[1:])}" for p, _ in pl]
         all_leaves: list[Any] = []
         zeros: list[Any] = []
@@ -307,8 +308,8 @@ class _DiffArgs:
         self.dyn = tuple(dyn)
         self.paths = [paths[k] for k in dyn]
         self.leaves = [all_leaves[k] for k in dyn]
-        self.part = Partition(treedef, tuple(all_leaves), tuple(dyn))
-        self.grad_part = Partition(treedef, tuple(zeros), tuple(dyn))
+        self.part = Partition(treedef, tuple(all_leaves), tuple(dyn), diff_args)
+        self.grad_part = Partition(treedef, tuple(zeros), tuple(dyn), diff_args)
 
     def split(self, flat: Sequence[Any]) -> list[Any]:
         return list(self.grad_part.combine(flat))
@@ -832,7 +833,7 @@ def jvp(
                 revise="Give each tangent its primal's shape and dtype.",
             )
         )
-    prim = Partition(ptd, tuple(leaves), tuple(diff_idx))
+    prim = Partition(ptd, tuple(leaves), tuple(diff_idx), primals)
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], list[Any]]:
@@ -964,7 +965,7 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
         leaves.append(x)
         if isinstance(x, torch.Tensor) and is_inexact(x):
             diff_idx.append(k)
-    prim = Partition(ptd, tuple(leaves), tuple(diff_idx))
+    prim = Partition(ptd, tuple(leaves), tuple(diff_idx), primals)
     box: dict[str, Any] = {}
 
     def f_flat(*diff: torch.Tensor) -> tuple[list[Any], Any]:

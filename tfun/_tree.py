@@ -139,6 +139,40 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+def unflatten_kept(
+    treedef: PyTreeSpec,
+    leaves: Sequence[Leaf],
+    source: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    none_is_leaf: bool = False,
+) -> PyTree:
+    """`tree_unflatten(treedef, leaves)` for a `treedef` flattened from `source` before a call
+    to user code, used after that call.
+
+    Under `torch.compile` a treedef is Dynamo's stand-in for optree's. Where a graph break in
+    the user's code falls between the flatten and the unflatten (a `print` in a loss under a
+    plain `torch.compile(tfun.grad(loss))`), Dynamo rebuilds the stand-in for the code that
+    resumes with a dict node's key record as a pair of lists, which optree's dict unflatten
+    cannot hash (torch 2.11-2.14: a raw `TypeError: unhashable type: 'list'`). That stand-in,
+    and only a stand-in, is taken again from `source` when it fails so; optree's own treedef,
+    and a stand-in that works, are used as they are (flattening `source` again in every trace
+    would cost each transform some hundreds of Dynamo steps). A `TypeError` raised again with
+    the fresh structure (a custom node's own unflatten) propagates.
+    """
+    if not isinstance(leaves, list):
+        leaves = list(leaves)  # (read twice where the stand-in fails)
+    try:
+        return tree_unflatten(treedef, leaves)
+    except TypeError:
+        if type(treedef) is PyTreeSpec:
+            raise
+    return tree_unflatten(tree_structure(source, is_leaf, none_is_leaf=none_is_leaf), leaves)
+
+
+_NO_SOURCE: Any = object()  # a Partition built without the tree its treedef came from
+
+
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """A pytree's leaves split into the dynamic ones and the static rest, with what puts
@@ -148,29 +182,50 @@ class Partition:
     - `dynamic`: the dynamic leaves, in leaf order.
     - `combine(new)`: the pytree again, with `new` in place of the dynamic leaves.
     - `map_static(f)`: the same split with `f` applied to each static leaf.
+    - `with_leaves(leaves)`: the same structure over other leaves, none of them dynamic.
 
-    Build one with `partition`, or directly from leaves a transform has checked one by one.
+    Build one with `partition`, or directly from leaves a transform has checked one by one
+    (then pass `source`, the tree `treedef` was flattened from, with its `is_leaf` and
+    `none_is_leaf`).
+
+    `source` keeps `combine` right across a graph break in the user's code between the two
+    (`unflatten_kept`).
     """
 
     treedef: PyTreeSpec
     leaves: tuple[Any, ...]
     positions: tuple[int, ...]
+    source: Any = dataclasses.field(default=_NO_SOURCE, repr=False, compare=False)
+    is_leaf: Callable[[Any], bool] | None = dataclasses.field(default=None, repr=False, compare=False)
+    none_is_leaf: bool = False
 
     @property
     def dynamic(self) -> list[Any]:
         return [self.leaves[k] for k in self.positions]
 
+    def unflatten(self, leaves: Sequence[Any]) -> PyTree:
+        """The tree of `leaves` (one per leaf) in this partition's structure (`unflatten_kept`
+        where the source is known)."""
+        if self.source is _NO_SOURCE:
+            return tree_unflatten(self.treedef, leaves)
+        return unflatten_kept(self.treedef, leaves, self.source, self.is_leaf, none_is_leaf=self.none_is_leaf)
+
     def combine(self, dynamic: Sequence[Any]) -> PyTree:
         leaves = list(self.leaves)
         for k, x in zip(self.positions, dynamic):
             leaves[k] = x
-        return tree_unflatten(self.treedef, leaves)
+        return self.unflatten(leaves)
 
     def map_static(self, f: Callable[[Any], Any]) -> Partition:
         """The same partition with `f` applied to each static leaf."""
         dynamic = set(self.positions)
         leaves = tuple(x if k in dynamic else f(x) for k, x in enumerate(self.leaves))
-        return Partition(self.treedef, leaves, self.positions)
+        return Partition(self.treedef, leaves, self.positions, self.source, self.is_leaf, self.none_is_leaf)
+
+    def with_leaves(self, leaves: Sequence[Any]) -> Partition:
+        """The same structure over `leaves` (one per leaf), none of them dynamic:
+        `p.with_leaves(xs).combine(())` is the tree of `xs`."""
+        return Partition(self.treedef, tuple(leaves), (), self.source, self.is_leaf, self.none_is_leaf)
 
 
 def partition(
@@ -191,7 +246,8 @@ def partition(
     **Returns:** a `Partition`; `partition(t).combine(partition(t).dynamic)` rebuilds `t`.
     """
     leaves, treedef = tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf)
-    return Partition(treedef, tuple(leaves), tuple(k for k, x in enumerate(leaves) if is_dynamic(x)))
+    positions = tuple(k for k, x in enumerate(leaves) if is_dynamic(x))
+    return Partition(treedef, tuple(leaves), positions, tree, is_leaf, none_is_leaf)
 
 
 def tree_all(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> bool:

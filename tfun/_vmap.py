@@ -205,11 +205,8 @@ def vmap(
             return _per_example_gradients(spec, in_axes, out_axes, axis_size, size, args, kwargs)
 
         # the mapped leaves cross torch.func.vmap; the rest is held here
-        called = Partition(
-            tree_structure((tuple(args), kwargs) if kwargs else tuple(args)),
-            tuple(x for _, _, x in entries),
-            tuple(mapped_pos),
-        )
+        source = (tuple(args), kwargs) if kwargs else tuple(args)
+        called = Partition(tree_structure(source), tuple(x for _, _, x in entries), tuple(mapped_pos), source)
         out_dims: list[Any] = []  # filled by f_flat: torch.func.vmap reads out_dims after the call
         box: dict[str, Any] = {}
 
@@ -389,7 +386,7 @@ def _per_example_gradients(
             leaves.append(b)
             batched.append(b)
         new_args = list(args)
-        for i, tree in zip(argnums, Partition(fl.part.treedef, tuple(leaves), ()).combine(())):
+        for i, tree in zip(argnums, fl.part.with_leaves(leaves).combine(())):
             new_args[i] = tree
         new_axes = tuple(0 if i in argnums else ax for i, ax in enumerate(axes_of))
         lowered, customs = _hop.lowerings(), _hop.custom_rules()
@@ -406,7 +403,7 @@ def _per_example_gradients(
     grads = iter(conj_ct(torch.zeros(b.shape, dtype=b.dtype, device=b.device) if g is None else g) for b, g in zip(batched, found))
     # an integer leaf's gradient: zeros of its dtype and its per-example shape, per example
     flat = [next(grads) if k in dyn else torch.zeros(x.shape, dtype=x.dtype, device=x.device) for k, x in enumerate(leaves)]
-    split = list(Partition(fl.part.treedef, tuple(flat), ()).combine(()))
+    split = list(fl.part.with_leaves(flat).combine(()))
     if not outer:
         values = values.detach()
         aux = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)

@@ -9,7 +9,7 @@ import torch
 
 from .. import _compat, _context, _funcinfo, _rules
 from .._errors import ArgumentValueError, format_message
-from .._tree import PyTreeSpec, tree_flatten, tree_leaves, tree_structure, tree_unflatten
+from .._tree import PyTreeSpec, tree_flatten, tree_leaves, tree_structure, tree_unflatten, unflatten_kept
 from . import _hop
 from ._scan import scan, xs_leaves
 
@@ -299,8 +299,9 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
             # torch traces the body once, so each rule is checked once anyway.
             return checked_combine(a, b)
         if checked[0]:
-            # (inline in the caller's trace, not a HOP body: `td` may be used as it is)
-            out_leaves = tree_leaves(fn(tree_unflatten(td, a), tree_unflatten(td, b)))
+            # (inline in the caller's trace, not a HOP body: `td` may be used, kept across a
+            # graph break in `fn`)
+            out_leaves = tree_leaves(fn(unflatten_kept(td, a, elems), unflatten_kept(td, b, elems)))
             return [x if isinstance(x, torch.Tensor) else _hop.as_tensor(x, r) for x, r in zip(out_leaves, a)]
         out = checked_combine(a, b)
         checked[0] = True
@@ -336,11 +337,13 @@ def _lower_associative_scan(fn: Callable[[Any, Any], Any], elems: Any, reverse: 
         # from its suggested fixes, hunt 26), so under strict export every length is scanned.
         # A static length under non-strict export keeps the log-depth algorithm, which, unlike
         # a `scan`, may read closed-over tensors there.
-        return tree_unflatten(td, _sequential_scan(checked_combine, list(leaves), axis, reverse))
+        out_leaves = _sequential_scan(checked_combine, list(leaves), axis, reverse)
+        return unflatten_kept(td, out_leaves, elems)
     if not hop:
         # Also inside a traced derivative that is differentiated again: plain ops have second
         # derivatives, torch's HOPs none (see _hop.unroll_scope).
-        return tree_unflatten(td, _log_depth_scan(combine, list(leaves), [axis] * n, reverse))
+        out_leaves = _log_depth_scan(combine, list(leaves), [axis] * n, reverse)
+        return unflatten_kept(td, out_leaves, elems)
     _hop.begin_lowering()
     out = _hop.call_hop(
         _hop.torch_associative_scan(), combine, _hop.distinct(leaves), dim=axis, reverse=reverse, combine_mode="pointwise"
