@@ -735,3 +735,65 @@ def test_forward_mode_at_an_expanded_primal(transform, jit):
     want = run(x.contiguous())
     got = (tfun.jit(run, backend="aot_eager") if jit else run)(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# --- linearize ----------------------------------------------------------------------------
+
+
+def _branchy(p, x):
+    # a data-dependent cond and a while_loop: control flow that reads values
+    h = tfun.lax.cond(x.sum() > 0, lambda v: torch.sin(v) * p["w"], lambda v: torch.cos(v) + p["w"], x)
+    n, h = tfun.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1]) * p["b"]), (0, h))
+    return {"h": h, "n": n}
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_linearize_is_jvp_at_the_primals_through_data_dependent_control_flow(sign):
+    p, x = {"w": t(3, seed=3), "b": t(3, seed=4)}, sign * t(3, seed=5).abs()
+    tp, tx = {"w": t(3, seed=6), "b": t(3, seed=7)}, t(3, seed=8)
+    out, f_jvp = tfun.linearize(_branchy, p, x)
+    assert_tree_allclose(out, _branchy(p, x))
+    expected_out, expected_tan = tfun.jvp(_branchy, (p, x), (tp, tx))
+    assert_tree_allclose(out, expected_out)
+    assert_tree_allclose(f_jvp(tp, tx), expected_tan)
+    # linear in the tangents, and its vmap over a basis is the Jacobian
+    assert_tree_allclose(f_jvp(tfun.tree.tree_map(lambda a: 2 * a, tp), 2 * tx), tfun.tree.tree_map(lambda a: 2 * a, expected_tan))
+    zeros = tfun.tree.tree_map(torch.zeros_like, tp)
+    basis = torch.eye(3, dtype=D)
+    cols = tfun.vmap(lambda e: f_jvp(zeros, e)["h"])(basis)
+    torch.testing.assert_close(cols.T, tfun.jacfwd(lambda x: _branchy(p, x)["h"])(x))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.heavy)])
+def test_linearize_f_jvp_under_jit_has_jvps_values(backend):
+    """`tfun.jit(f_jvp)` against eager float64's `tfun.jvp` (a function without control flow:
+    a traced jvp around a loop or branch is torch's refusal under tfun.jit, documented)."""
+    W = t(3, 3, seed=9) / 3
+    f = lambda x: torch.tanh(x @ W).sum() * x  # noqa: E731
+    x, tx = t(3, seed=10), t(3, seed=11)
+    out, f_jvp = tfun.linearize(f, x)
+    torch._dynamo.reset()
+    got = tfun.jit(f_jvp, backend=backend)(tx)
+    torch.testing.assert_close(got, tfun.jvp(f, (x,), (tx,))[1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, f(x))
+
+
+def test_linearize_has_aux_and_matches_jax(jax):
+    f = lambda a, b: ((torch.sin(a) * b).sum(), {"m": a.mean()})
+    a, b, ta, tb = t(3), t(3, seed=1), t(3, seed=2), t(3, seed=3)
+    out, f_jvp, aux = tfun.linearize(f, a, b, has_aux=True)
+    jnp = jax.numpy
+    jout, jf_jvp, jaux = jax.linearize(lambda a, b: ((jnp.sin(a) * b).sum(), {"m": a.mean()}), a.numpy(), b.numpy(), has_aux=True)
+    np.testing.assert_allclose(out.numpy(), np.asarray(jout), rtol=1e-12)
+    np.testing.assert_allclose(aux["m"].numpy(), np.asarray(jaux["m"]), rtol=1e-12)
+    np.testing.assert_allclose(f_jvp(ta, tb).numpy(), np.asarray(jf_jvp(ta.numpy(), tb.numpy())), rtol=1e-12)
+
+
+def test_linearize_errors_name_linearize():
+    _, f_jvp = tfun.linearize(lambda a: torch.sin(a), t(3))
+    with pytest.raises(TensorMismatchError, match=r"tfun\.linearize: each tangent must have the shape and dtype"):
+        f_jvp(t(2))
+    with pytest.raises(ArgumentTypeError, match=r"tfun\.linearize: has_aux must be a bool"):
+        tfun.linearize(lambda a: a, t(3), has_aux=1)
+    with pytest.raises(StructureMismatchError, match=r"tfun\.linearize: with has_aux=True the function must return a pair"):
+        tfun.linearize(lambda a: a, t(3), has_aux=True)

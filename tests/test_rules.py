@@ -1657,3 +1657,26 @@ def test_a_first_call_check_on_fake_tensors_saves_nothing_through_saved_tensor_h
     x = torch.randn(3, generator=g)
     got = lax.cond(torch.tensor(True), lambda a: tfun.grad(lambda z: (z**3).sum())(a), lambda a: a * 2, x)
     torch.testing.assert_close(got, 3 * x**2)
+
+
+# --- make_fx (torch.func.linearize) cannot read a value --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "program, what",
+    [
+        (lambda x: lax.cond(x.sum() > 0, torch.sin, torch.cos, x), r"tfun\.lax\.cond: pred is bool\[\]"),
+        (lambda x: lax.switch((x.sum() > 0).long(), [torch.sin, torch.cos], x), r"tfun\.lax\.switch: index is int64\[\]"),
+        (lambda x: lax.while_loop(lambda c: c.sum() < 10, lambda c: c + 1, x), r"tfun\.lax\.while_loop: cond_fun's output is bool\[\]"),
+        (lambda x: lax.fori_loop(0, (x.abs().sum() * 2).long(), lambda i, c: c * 1.1, x), r"tfun\.lax\.fori_loop: a bound is int64\[\]"),
+    ],
+    ids=["cond", "switch", "while_loop", "fori_loop"],
+)
+def test_a_value_make_fx_cannot_read_is_a_tfun_error_naming_linearize(program, what):
+    x = torch.randn(3)
+    with pytest.raises(ArgumentValueError, match=what + r".*`make_fx` is tracing(.|\n)*tfun\.linearize\(f, \*primals\)") as info:
+        torch.func.linearize(program, x)
+    assert "_local_scalar_dense" in str(info.value.__cause__)  # torch's own error, kept as the cause
+    # the same program under tfun.linearize: the values of tfun.jvp
+    out, f_jvp = tfun.linearize(program, x)
+    torch.testing.assert_close(f_jvp(torch.ones(3)), tfun.jvp(program, (x,), (torch.ones(3),))[1])

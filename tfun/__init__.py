@@ -20,6 +20,7 @@ from ._grad import hessian as hessian
 from ._grad import jacfwd as jacfwd
 from ._grad import jacrev as jacrev
 from ._grad import jvp as jvp
+from ._grad import linearize as linearize
 from ._grad import stop_gradient as stop_gradient
 from ._grad import value_and_grad as value_and_grad
 from ._grad import vjp as vjp
@@ -49,6 +50,7 @@ __all__ = [
     "grad",
     "value_and_grad",
     "jvp",
+    "linearize",
     "vjp",
     "jacfwd",
     "jacrev",

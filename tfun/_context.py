@@ -67,6 +67,15 @@ def is_dynamo_tracing() -> bool:
     return _is_dynamo_compiling()
 
 
+def make_fx_tracing() -> bool:
+    """True while `make_fx` traces (`torch.func.linearize`, `torch.fx.experimental.proxy_tensor.
+    make_fx`, AOTAutograd's tracing): its proxy mode is active, and the value of a tensor it
+    tracks cannot be read (`bool`, `int`, `.item()` fail in torch). About 0.3 us."""
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    return get_mode is not None and key is not None and get_mode(key) is not None
+
+
 def functorch_active() -> bool:
     """Whether a `torch.func` transform (grad, vjp, jvp, vmap, ...) is active on this thread.
     Conservatively True where torch cannot say."""

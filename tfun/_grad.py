@@ -57,6 +57,7 @@ __all__ = [
     "grad",
     "value_and_grad",
     "jvp",
+    "linearize",
     "vjp",
     "jacfwd",
     "jacrev",
@@ -791,7 +792,10 @@ def jvp(
     **Returns:** `(primals_out, tangents_out)`, or `(primals_out, tangents_out, aux)` with
     `has_aux=True`; `tangents_out` has the structure of `primals_out`.
     """
-    op = "tfun.jvp"
+    return _jvp("tfun.jvp", fun, primals, tangents, has_aux)
+
+
+def _jvp(op: str, fun: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any], has_aux: bool) -> tuple[Any, ...]:
     for name, v in (("primals", primals), ("tangents", tangents)):
         if not isinstance(v, (tuple, list)):
             raise ArgumentTypeError(
@@ -851,6 +855,53 @@ def jvp(
     if has_aux:
         return out, tan, _unpack_aux(box, aux_l)
     return out, tan
+
+
+def linearize(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
+    """`fun`'s value at `primals`, and its Jacobian-vector product there as a function of the
+    tangents, as `jax.linearize`.
+
+    Type: `(a -> b) -> a -> (b, T a -> T b)`. Semantics, as a Python function:
+
+    ```python
+    def linearize(fun, *primals):
+        out = fun(*primals)
+        f_jvp = lambda *tangents: jvp(fun, primals, tangents)[1]
+        return out, f_jvp
+    ```
+
+    **Arguments:**
+
+    - `fun`: a function of `len(primals)` positional pytree arguments.
+    - `*primals`: the point to linearize at.
+    - `has_aux`: whether `fun` returns `(output, aux)`.
+
+    **Returns:** `(primals_out, f_jvp)`, or `(primals_out, f_jvp, aux)` with `has_aux=True`.
+    `f_jvp(*tangents)` takes one tangent per primal, each with its primal's structure, shapes
+    and dtypes (as `jvp`'s `tangents`), and returns the tangent of the output.
+
+    Unlike JAX, which evaluates `fun` once and keeps its linearization, `f_jvp` runs `fun`'s
+    forward again with each call (a forward-mode `jvp` at `primals`): the same values, and
+    no graph is kept between calls. So `fun`'s control flow reads data as it does eagerly,
+    and `f_jvp` composes with `tfun.vmap` (`tfun.vmap(f_jvp)(basis)` is the Jacobian) and
+    `tfun.jit`. (`torch.func.linearize` traces `fun` with `make_fx`, which cannot read a
+    predicate's value: a data-dependent `tfun.lax.cond` there is refused with an error that
+    names this function.)
+    """
+    op = "tfun.linearize"
+    primals = tuple(primals)
+    if not isinstance(has_aux, bool):
+        raise ArgumentTypeError(format_message(f"{op}: has_aux must be a bool, got {describe_value(has_aux)}."))
+    out = fun(*primals)
+    aux = None
+    if has_aux:
+        out, aux = _split_aux(op, fun, out)
+
+    def f_jvp(*tangents: Any) -> Any:
+        return _jvp(op, fun, primals, tangents, has_aux)[1]
+
+    f_jvp.__wrapped__ = fun  # type: ignore[attr-defined]  # (errors name the user's function)
+    return (out, f_jvp, aux) if has_aux else (out, f_jvp)
 
 
 def _traced_reverse_mode(

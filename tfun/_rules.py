@@ -590,6 +590,32 @@ def check_concrete(op: str, what: str, value: Any, fn: Callable[..., Any] | None
         )
 
 
+def raise_if_unreadable(
+    op: str, what: str, value: Any, error: BaseException, fn: Callable[..., Any] | None = None
+) -> None:
+    """Where reading `value` (a predicate, an index, a bound) raised `error` because `make_fx`
+    traces it (`torch.func.linearize`; torch's "trying to get value out of a tracing tensor"),
+    a tfun error that says so; otherwise nothing (the caller re-raises `error`)."""
+    if not (
+        isinstance(error, RuntimeError)
+        and isinstance(value, torch.Tensor)
+        and _context.make_fx_tracing()
+        and "_local_scalar_dense" in str(error)
+    ):
+        return
+    raise ArgumentValueError(
+        format_message(
+            f"{op}: {what} is {describe_leaf(value)} whose value is unknown here: `make_fx` is tracing "
+            f"(as `torch.func.linearize` does), which records ops without values, and {op} reads {what} "
+            "to choose what runs.",
+            function=None if fn is None else _funcinfo.describe(fn),
+            revise="For a linearization, use `tfun.linearize(f, *primals)` (it evaluates f on values, "
+            f"as `tfun.jvp` does); to trace the {op.rsplit('.', 1)[-1]} itself into a graph, use `tfun.jit` "
+            "or `torch.export.export`.",
+        )
+    ) from error
+
+
 def check_scalar_predicate(op: str, what: str, pred: Any, fn: Callable[..., Any] | None = None) -> Any:
     """A boolean scalar: Python bool, or a 0-d bool tensor (a numpy bool as the Python bool
     it holds). Returns it."""

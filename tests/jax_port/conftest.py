@@ -205,6 +205,6 @@ def jit(f: Callable[..., Any] | None = None, **kw: Any) -> Any:
 
 
 def linearize(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
-    """`jax.linearize` in this port: tfun has none; `f_lin(*t)` is `tfun.jvp(f, primals, t)[1]`."""
-    y = f(*primals)
-    return y, lambda *t: tfun.jvp(f, primals, t)[1]
+    """`jax.linearize` in this port: `tfun.linearize` (whose `f_lin(*t)` is a `tfun.jvp` at
+    `primals`)."""
+    return tfun.linearize(f, *primals)

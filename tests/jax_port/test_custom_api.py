@@ -4,7 +4,7 @@ Test methods keep JAX's names (`TestCustomJVP.test_basic` is `CustomJVPTest.test
 Translated in our own words; the translation rules are those of
 test_lax_control_flow.py: `jnp` -> `torch`, `jax`/`api` -> `tfun`, float64 throughout,
 Python floats that are differentiated -> 0-d float64 tensors (`T`), `jax.jit` ->
-`tfun.jit(backend="aot_eager")`, `jax.linearize` -> `tfun.jvp`, `jax.random` ->
+`tfun.jit(backend="aot_eager")`, `jax.linearize` -> `tfun.linearize`, `jax.random` ->
 `tfun.random`, error tests check JAX's exception class (tfun's errors subclass it), not
 JAX's message text. JAX's `float0` tangents of integer inputs become tfun's conventions
 (integer primals are constants; their cotangents are zeros of their dtype).

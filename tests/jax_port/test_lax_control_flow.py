@@ -13,7 +13,7 @@ Translation rules:
   float arguments that JAX differentiates become 0-d float64 tensors (`T(x)`).
 - `jax.jit(f)` -> `tfun.jit(f, backend="aot_eager")` (the `jit` helper in conftest);
   `jax.disable_jit()` -> plain eager execution (tfun is eager unless jitted).
-- `jax.linearize(f, x)` -> the `linearize` helper: `f_lin(t) = tfun.jvp(f, (x,), (t,))[1]`.
+- `jax.linearize(f, x)` -> `tfun.linearize(f, x)` (through the port's `linearize` helper).
 - `self.assertAllClose` -> `assert_all_close` (pytrees, float64); `jtu.check_grads` ->
   `check_grads` (finite differences against `tfun.jvp`/`tfun.vjp`, to `order`).
 - `lax.dynamic_index_in_dim(x, i, 0, False)` -> `torch.index_select(x, 0, i.reshape(1))[0]`

@@ -254,7 +254,11 @@ def cond(pred: Any, true_fun: Callable[..., T], false_fun: Callable[..., T], *op
         outs = [_run_guarded(op, (true_fun, false_fun), k, operands, names, p if k == 0 else ~p) for k in (0, 1)]
         return _select_tree(p, outs[0], outs[1])
     _rules.check_concrete(op, "pred", p)
-    taken = 0 if bool(p) else 1
+    try:
+        taken = 0 if bool(p) else 1
+    except RuntimeError as e:
+        _rules.raise_if_unreadable(op, "pred", p, e)
+        raise
     return _run_branch(op, (true_fun, false_fun), taken, operands, ("true_fun", "false_fun"))
 
 
@@ -376,7 +380,11 @@ def switch(index: Any, branches: Sequence[Callable[..., T]], *operands: Any, ope
             result = _select_tree(idx == k, outs[k], result)
         return result
     _rules.check_concrete(op, "index", index)
-    i = min(max(int(index), 0), n - 1)
+    try:
+        i = min(max(int(index), 0), n - 1)
+    except RuntimeError as e:
+        _rules.raise_if_unreadable(op, "index", index, e)
+        raise
     return _run_branch(op, branches, i, operands, names)
 
 

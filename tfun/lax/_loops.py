@@ -28,6 +28,16 @@ def _check_pred(op: str, fn: Callable[..., Any], pred: Any) -> None:
     _rules.check_scalar_predicate(op, "cond_fun's output", pred, fn)
 
 
+def _stops(op: str, cond_fun: Callable[..., Any], pred: Any) -> bool:
+    """Whether an eager while_loop stops at `pred` (cond_fun's output): `not pred`, with
+    make_fx's refusal to read a traced value made a tfun error (`_rules.raise_if_unreadable`)."""
+    try:
+        return not pred
+    except RuntimeError as e:
+        _rules.raise_if_unreadable(op, "cond_fun's output", pred, e, cond_fun)
+        raise
+
+
 def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_val: T) -> T:
     """Apply `body_fun` while `cond_fun` is true.
 
@@ -103,7 +113,7 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
             pred = cond_fun(val)
         if _batching.is_batched(pred):
             return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, rules)
-        if not pred:
+        if _stops(op, cond_fun, pred):
             if state is None:
                 check_body_abstractly(op, "body_fun", body_fun, (val,), treedef, leaves)
                 rules.record("cond")
@@ -128,8 +138,12 @@ def while_loop(cond_fun: Callable[[T], Any], body_fun: Callable[[T], T], init_va
         pred = cf(val)
         if _batching.is_batched(pred):
             return _batched_while(op, cond_fun, body_fun, val, pred, treedef, leaves, rules)
-        if not pred:
-            break
+        try:  # (`_stops` inline: a call per step costs more than the `try`)
+            if not pred:
+                break
+        except RuntimeError as e:
+            _rules.raise_if_unreadable(op, "cond_fun's output", pred, e, cond_fun)
+            raise
         val = bf(val)
         if is_leaf:
             if type(val) is not torch.Tensor and not isinstance(val, torch.Tensor):  # fast path first
@@ -369,7 +383,11 @@ def fori_loop(
 
         return while_loop(w_cond, w_body, (lo, hi, val))[2]
 
-    lo_i, hi_i = int(lower), int(upper)
+    try:
+        lo_i, hi_i = int(lower), int(upper)
+    except RuntimeError as e:
+        _rules.raise_if_unreadable(op, "a bound", upper if isinstance(upper, torch.Tensor) else lower, e)
+        raise
     if hi_i <= lo_i:
         _check_fori_body_once(op, body_fun, lo_i, val, treedef, leaves, dtype, device)
         return val
