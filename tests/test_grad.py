@@ -626,21 +626,24 @@ def test_vjp_inside_jit_has_aux_and_outer_backward():
             torch.testing.assert_close(aux["aux"], torch.ones(4, dtype=D))
 
 
-def test_vjp_inside_jit_differentiates_loops_again_and_refuses_while_loop():
-    """Control flow with a differentiable cotangent (arguments requiring grad, or a closed-over
-    tensor requiring grad) needs a second derivative of a control-flow op, which torch's HOPs
-    lack: a static-length scan is unrolled in the graph (the values are eager's), a while_loop
-    is a JitError naming it."""
+def test_vjp_inside_jit_differentiates_loops_again_or_refuses_at_backward():
+    """Control flow with a differentiable cotangent needs a second derivative of a control-flow
+    op, which torch's HOPs lack. Where a closed-over tensor requires grad, a static-length scan
+    is unrolled in the graph (the values are eager's). Where the primals require grad (nothing
+    in the trace differentiates the cotangents again) the loop stays a loop op and the
+    cotangents are computed first-order: with `unroll=True` the scan is unrolled and exact, and
+    otherwise (a while_loop too) the jitted call gives eager's values and a backward through
+    its cotangents is a JitError at run time naming the function."""
     from tfun import lax
     from tfun.errors import JitError
 
-    def loop(x):
-        return lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2)[0]
+    def loop(x, unroll=1):
+        return lax.scan(lambda c, _: (torch.sin(c), None), x, None, length=2, unroll=unroll)[0]
 
     ones = torch.ones(3, dtype=D)
     w = t(3, seed=4).requires_grad_(True)
     programs = {
-        "arg": lambda x: tfun.vjp(loop, x)[1](ones)[0],
+        "arg, unroll=True": lambda x: tfun.vjp(lambda x: loop(x, True), x)[1](ones)[0],
         "closure": lambda x: tfun.vjp(lambda x: loop(x * w), x.detach())[1](ones)[0],
     }
     for name, prog in programs.items():
@@ -659,9 +662,14 @@ def test_vjp_inside_jit_differentiates_loops_again_and_refuses_while_loop():
     def wloop(x):
         return lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 2, x)
 
-    with pytest.raises(JitError, match="tfun.lax.while_loop: under tfun.jit, this op is inside a gradient") as e:
-        tfun.jit(lambda x: tfun.vjp(wloop, x)[1](ones), backend="aot_eager")(t(3).abs().requires_grad_(True))
-    assert "wloop" in str(e.value) or "test_grad.py" in str(e.value)
+    for f in (loop, wloop):
+        prog = lambda x: tfun.vjp(f, x)[1](ones)[0]
+        x = t(3).abs().requires_grad_(True)
+        got = tfun.jit(prog, backend="aot_eager")(x)
+        torch.testing.assert_close(got.detach(), prog(x.detach()))
+        with pytest.raises(JitError, match=r"^tfun\.vjp: under tfun\.jit, this gradient was computed first-order") as e:
+            (got**2).sum().backward()
+        assert f"{f.__name__} at " in str(e.value) and "test_grad.py" in str(e.value), str(e.value)
 
 
 def test_vjp_inside_vmap_inside_jit_matches_eager():

@@ -549,13 +549,13 @@ def test_compile_options_pass_through():
 # ----------------------------------------------------------------------------------------
 
 
-def _penalty_case(with_control_flow):
+def _penalty_case(with_control_flow, unroll=1):
     torch.manual_seed(1)
     W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
 
     def loss(x):
         if with_control_flow:
-            h, ys = lax.scan(lambda h, xt: (torch.tanh(h @ W + xt),) * 2, torch.zeros(3, dtype=x.dtype), x)
+            h, ys = lax.scan(lambda h, xt: (torch.tanh(h @ W + xt),) * 2, torch.zeros(3, dtype=x.dtype), x, unroll=unroll)
             return ys.sum()
         return torch.tanh(x @ W).sum()
 
@@ -571,8 +571,10 @@ def _penalty_case(with_control_flow):
 def test_gradient_penalty_through_closed_over_parameters_matches_eager(backend, with_control_flow):
     # The gradient w.r.t. x depends on the closed-over W, which requires grad: a penalty on
     # it must send its second-order term to W.grad, as eagerly (it used to be dropped). With a
-    # scan inside: torch's HOPs have no double backward, so tfun unrolls the scan there.
-    W, loss, step, x = _penalty_case(with_control_flow=with_control_flow)
+    # scan inside, torch's HOPs have no double backward: with `unroll=True` the scan is
+    # unrolled in the graph and the penalty is exact; without, the gradient is computed
+    # first-order (the scan stays a loop op) and the penalty's backward is a JitError.
+    W, loss, step, x = _penalty_case(with_control_flow=with_control_flow, unroll=True)
     (step(x) + (W**2).sum()).backward()
     want = W.grad.clone()
     W.grad = None
@@ -582,6 +584,12 @@ def test_gradient_penalty_through_closed_over_parameters_matches_eager(backend, 
     torch.testing.assert_close(W.grad, want)
     if not with_control_flow:
         return
+    W, loss, step, x = _penalty_case(with_control_flow=True)
+    got = tfun.jit(step, backend=backend)(x)
+    torch.testing.assert_close(got.detach(), step(x).detach())
+    with pytest.raises(JitError, match=r"^tfun\.grad: under tfun\.jit, this gradient was computed first-order") as info:
+        (got + (W**2).sum()).backward()
+    assert "loss at " in str(info.value) and "tests/test_jit.py:" in str(info.value)
 
     # A first-order gradient under torch.no_grad() (the loop stays a HOP) equals eager's.
     def first_order(x):
@@ -592,17 +600,21 @@ def test_gradient_penalty_through_closed_over_parameters_matches_eager(backend, 
 
 
 def test_gradient_penalty_through_a_while_loop_and_closed_over_parameters_is_refused():
-    # A while_loop has no static trip count to unroll: refused, never silently dropped,
-    # naming the op and the user's function.
+    # A while_loop has no static trip count to unroll: the gradient is first-order (eager's
+    # value) and the penalty's backward is refused, never silently dropped, naming the user's
+    # function.
     W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
 
     def loss(x):
         return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, torch.tanh(c[1] @ W)), (0, x))[1].sum()
 
     step = lambda x: (tfun.grad(loss)(x) ** 2).sum()
-    with pytest.raises(JitError, match=r"^tfun\.lax\.while_loop: under tfun\.jit, this op is inside a gradient") as info:
-        tfun.jit(step, backend="aot_eager")(torch.randn(5, 3, dtype=torch.float64))
-    assert "tests/test_jit.py:" in str(info.value)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    got = tfun.jit(step, backend="aot_eager")(x)
+    torch.testing.assert_close(got.detach(), step(x).detach())
+    with pytest.raises(JitError, match=r"^tfun\.grad: under tfun\.jit, this gradient was computed first-order") as info:
+        got.backward()
+    assert "loss at " in str(info.value) and "tests/test_jit.py:" in str(info.value)
     assert "outside tfun.jit" in str(info.value)
 
 

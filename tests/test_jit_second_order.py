@@ -134,22 +134,30 @@ def test_second_order_matches_eager_inductor(program):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_gradient_penalty_backward_reaches_arguments_and_parameters(backend):
-    """`.backward()` through a jitted gradient: the second-order terms reach the argument and
-    a parameter the loop closes over, as eagerly."""
+    """`.backward()` through a jitted gradient: with `unroll=True` on the loop, the second-order
+    terms reach the argument and a parameter the loop closes over, as eagerly. Without it the
+    gradient of arguments that require grad is computed first-order with the loop kept as a loop
+    op (`tfun._first_order`), and the backward that reaches it is a JitError at run time that
+    names the loss and `unroll=True`, never a dropped term."""
     w = torch.tensor([0.7, -0.2, 1.1], dtype=D, requires_grad=True)
 
-    def loss(x):
-        return lax.scan(lambda c, _: (torch.tanh(c * w), c.sum()), x, None, length=5)[1].pow(2).sum()
+    def loss(x, unroll=1):
+        return lax.scan(lambda c, _: (torch.tanh(c * w), c.sum()), x, None, length=5, unroll=unroll)[1].pow(2).sum()
 
-    penalty = lambda x: (tfun.grad(loss)(x) ** 2).sum()
     grads = []
-    for run in (penalty, tfun.jit(penalty, backend=backend)):
+    for run in (lambda x: (tfun.grad(loss)(x) ** 2).sum(), tfun.jit(lambda x: (tfun.grad(lambda y: loss(y, True))(x) ** 2).sum(), backend=backend)):
         x = _x(seed=2).requires_grad_(True)
         w.grad = None
         run(x).backward()
         grads.append((x.grad, w.grad))
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want)
+    x = _x(seed=2).requires_grad_(True)
+    penalty = tfun.jit(lambda x: (tfun.grad(loss)(x) ** 2).sum(), backend=backend)(x)
+    with pytest.raises(JitError, match=r"^tfun\.grad: under tfun\.jit, this gradient was computed first-order") as e:
+        penalty.backward()
+    assert "loss at " in str(e.value) and "test_jit_second_order.py:" in str(e.value), str(e.value)
+    assert "unroll=True" in str(e.value)
 
 
 def _refused(fn, pattern):
@@ -341,53 +349,54 @@ def _scan_ops(counts):
 
 
 @pytest.mark.parametrize("how", ["argument", "closure"])
-def test_a_gradient_of_parameters_warns_before_unrolling_and_no_grad_keeps_the_loop_op(how):
+@pytest.mark.parametrize("T", [20, 1500])
+def test_a_gradient_of_parameters_keeps_the_loop_op_and_refuses_a_backward_through_it(how, T):
     """`tfun.jit(tfun.grad(loss))(W)` with `W` an `nn.Parameter` (it requires grad), or a loss
-    closing over one: the gradient stays differentiable (a `.backward()` outside may reach it),
-    so the loop is unrolled, which costs compile time per step (a 1024-step RNN's gradient took
-    minutes to compile). Past `WARN_UNROLLED_STEPS` tfun warns at the loop body's line, naming what
-    requires grad and the fixes; under `torch.no_grad()` (or with `W.detach()`) the loop stays one
-    loop op, with no warning. Values against eager float64 in each case."""
-    assert _hop.WARN_UNROLLED_STEPS == 16
+    closing over one: the usual training step. The loop stays one loop op at any length (it was
+    unrolled, costing about 0.4 s of compile time a step and refused past 1024 steps), with no
+    warning, and the gradient equals eager float64's. It requires grad, as eagerly; a backward
+    that reaches it (a loss at `W - lr * g`) is a JitError naming `unroll=True` at run time, and a
+    backward that reaches only other outputs (a zero cotangent for the gradient) is right."""
     g = torch.Generator().manual_seed(5)
-    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(20, 2, 3, generator=g, dtype=D)
-    want = tfun.grad(_rnn_loss)(W0, xs)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(T, 2, 3, generator=g, dtype=D)
     P = torch.nn.Parameter(W0.clone())
     if how == "argument":
-        fn, args, named = tfun.grad(_rnn_loss), (P, xs), "tfun.grad's argument args[0] requires grad"
-        fixed = (P.detach(), xs)
+        fn, args, want = tfun.value_and_grad(_rnn_loss), (P, xs), tfun.value_and_grad(_rnn_loss)(W0, xs)
     else:
-        fn, args, named = tfun.grad(lambda xs: _rnn_loss(P, xs) + (xs * 0).sum()), (xs,), "closes over a tensor that requires grad"
-        want = tfun.grad(lambda xs: _rnn_loss(W0, xs))(xs)
-        fixed = None
+        closed = lambda xs: _rnn_loss(P, xs) + (xs * 0).sum()
+        fn, args, want = tfun.value_and_grad(closed), (xs,), tfun.value_and_grad(lambda xs: _rnn_loss(W0, xs))(xs)
     torch._dynamo.reset()
     counts: list[int] = []
-    with pytest.warns(tfun.errors.PerformanceWarning, match=r"^tfun\.lax\.scan \(<lambda> at .*test_jit_second_order\.py:\d+\): under tfun\.jit this loop is unrolled into 20 steps") as rec:
-        got = tfun.jit(fn, backend=_scan_ops(counts))(*args)
-    msg = str(rec[0].message)
-    assert named in msg and "torch.no_grad()" in msg and "unroll=True" in msg, msg
-    assert rec[0].filename.endswith("test_jit_second_order.py")
-    if how == "argument":  # unrolled: no loop op (a closure's probe run, dead code, keeps its own)
-        assert counts == [0]
-    torch.testing.assert_close(got.detach(), want)
-    # the fixes the warning names: one loop op, no warning (warnings are errors here)
+    value, grad = tfun.jit(fn, backend=_scan_ops(counts))(*args)  # (warnings are errors here)
+    assert counts and counts[0] >= 1, counts
+    torch.testing.assert_close(value.detach(), want[0])
+    torch.testing.assert_close(grad.detach(), want[1])
+    assert grad.requires_grad and value.requires_grad
+    # the value's own backward is first-order: right
+    value.backward()
+    want_w = tfun.grad(_rnn_loss)(W0, xs)
+    torch.testing.assert_close(P.grad, want_w)
+    # a backward through the gradient
+    P.grad = None
+    value, grad = tfun.jit(fn, backend="aot_eager")(*args)
+    step = (P - 0.1 * grad) if how == "argument" else (xs - 0.1 * grad)
+    with pytest.raises(JitError, match=r"computed first-order.*a backward has reached it") as e:
+        (step**2).sum().backward()
+    assert "_rnn_loss at " in str(e.value) or "<lambda> at " in str(e.value), str(e.value)
+    assert "unroll=True" in str(e.value) and "torch.no_grad()" in str(e.value)
+    # the usual update, under torch.no_grad(): one loop op, the eager gradient
     torch._dynamo.reset()
     counts.clear()
     with torch.no_grad():
-        got = tfun.jit(fn, backend=_scan_ops(counts))(*args)
+        value, grad = tfun.jit(fn, backend=_scan_ops(counts))(*args)
     assert counts and counts[0] >= 1
-    torch.testing.assert_close(got, want)
-    if fixed is not None:
-        torch._dynamo.reset()
-        counts.clear()
-        torch.testing.assert_close(tfun.jit(fn, backend=_scan_ops(counts))(*fixed), want)
-        assert counts and counts[0] >= 1
+    torch.testing.assert_close(grad, want[1])
 
 
-def test_a_gradient_penalty_past_the_warning_length_is_right_and_unroll_true_silences_it():
-    """The case the unrolling is for: a gradient of a Parameter, differentiated again by a
-    `.backward()` outside the jitted function. Past `WARN_UNROLLED_STEPS` it warns and is right;
-    with `unroll=True` on the loop it is right without a warning. Against eager float64."""
+def test_a_gradient_penalty_of_parameters_with_unroll_true_is_right_and_without_is_refused():
+    """The case the exact (unrolled) path is for: a gradient of a Parameter, differentiated again
+    by a `.backward()` outside the jitted function. With `unroll=True` on the loop it equals eager
+    float64; without, the backward is a JitError (the gradient was computed first-order)."""
     g = torch.Generator().manual_seed(6)
     W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(18, 2, 3, generator=g, dtype=D)
 
@@ -400,27 +409,44 @@ def test_a_gradient_penalty_past_the_warning_length_is_right_and_unroll_true_sil
     for unroll in (1, True):
         torch._dynamo.reset()
         P = torch.nn.Parameter(W0.clone())
-        jitted = tfun.jit(tfun.grad(loss), backend="aot_eager", static_argnums=2)
+        gW = tfun.jit(tfun.grad(loss), backend="aot_eager", static_argnums=2)(P, xs, unroll)
         if unroll is True:
-            gW = jitted(P, xs, unroll)
+            (gW**2).sum().backward()
+            torch.testing.assert_close(P.grad, ref.grad)
         else:
-            with pytest.warns(tfun.errors.PerformanceWarning, match="unrolled into 18 steps"):
-                gW = jitted(P, xs, unroll)
-        (gW**2).sum().backward()
-        torch.testing.assert_close(P.grad, ref.grad)
+            with pytest.raises(JitError, match="unroll=True"):
+                (gW**2).sum().backward()
 
 
-def test_past_the_unroll_limit_a_gradient_of_parameters_is_refused_with_the_no_grad_fix(monkeypatch):
-    """Past `MAX_UNROLLED_STEPS`, where only the arguments' `requires_grad` asks for a
-    differentiable gradient, the `JitError` says so and names `torch.no_grad()`, which works."""
-    monkeypatch.setattr(_hop, "MAX_UNROLLED_STEPS", 8)
-    g = torch.Generator().manual_seed(7)
-    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(9, 2, 3, generator=g, dtype=D)
+def test_a_vjp_of_parameters_keeps_the_loop_op_and_refuses_a_backward_through_it():
+    """`tfun.vjp` under tfun.jit with a primal that requires grad: as `tfun.grad`'s training step
+    (one loop op, eager's cotangents; a backward that reaches them is a JitError), and a cotangent
+    that requires grad is refused the same way (the pullback's derivative in it is not kept)."""
+    g = torch.Generator().manual_seed(8)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(30, 2, 3, generator=g, dtype=D)
+    want = tfun.vjp(_rnn_loss, W0, xs)[1](torch.tensor(2.0, dtype=D))[0]
     P = torch.nn.Parameter(W0.clone())
+    counts: list[int] = []
     torch._dynamo.reset()
-    with pytest.raises(JitError, match=r"^tfun\.lax\.scan: under tfun\.jit, this loop is inside a gradient that may be differentiated again \(tfun\.grad's argument args\[0\] requires grad") as e:
-        tfun.jit(tfun.grad(_rnn_loss), backend="aot_eager")(P, xs)
-    assert "torch.no_grad()" in str(e.value) and "test_jit_second_order.py:" in str(e.value)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.testing.assert_close(tfun.jit(tfun.grad(_rnn_loss), backend="aot_eager")(P, xs), tfun.grad(_rnn_loss)(W0, xs))
+    pull = lambda W, xs, ct: tfun.vjp(_rnn_loss, W, xs)[1](ct)[0]
+    got = tfun.jit(pull, backend=_scan_ops(counts))(P, xs, torch.tensor(2.0, dtype=D))
+    assert counts and counts[0] >= 1
+    torch.testing.assert_close(got.detach(), want)
+    with pytest.raises(JitError, match="computed first-order"):
+        (got**2).sum().backward()
+    ct = torch.tensor(2.0, dtype=D, requires_grad=True)
+    got = tfun.jit(pull, backend="aot_eager")(W0, xs, ct)
+    torch.testing.assert_close(got.detach(), want)
+    with pytest.raises(JitError, match="computed first-order"):
+        (got.sum() + ct).backward()
+    # without a loop op the pullback is exactly differentiable in its cotangent (its derivative
+    # was dropped before: the result did not require grad)
+    plain = lambda W, x, ct: tfun.vjp(lambda W: torch.tanh(x @ W).sum(), W)[1](ct)[0]
+    x = torch.randn(2, 3, generator=g, dtype=D)
+    for run in (plain, tfun.jit(plain, backend="aot_eager")):
+        ct = torch.tensor(2.0, dtype=D, requires_grad=True)
+        (run(W0, x, ct) ** 2).sum().backward()
+        if run is plain:
+            want_ct = ct.grad
+        else:
+            torch.testing.assert_close(ct.grad, want_ct)

@@ -28,7 +28,7 @@ import optree
 import torch
 import torch.func
 
-from . import _compat, _context
+from . import _compat, _context, _first_order
 from ._compat import forward_ad_ready, grad_leaf
 from ._errors import (
     ArgumentTypeError,
@@ -491,28 +491,48 @@ def _value_and_grad_call(
         len(fl.leaves) > 0 and _context.is_tracing() and not _context.functorch_active() and not _hop.in_body()
     )
     closed = False
+    # A traced gradient whose result stays differentiable only because its arguments or the
+    # tensors it closes over require grad (an nn.Parameter: a training step), where no traced
+    # derivative encloses it (nothing in the trace differentiates it again), is computed
+    # first-order with its loops kept as loop ops, and a backward that reaches it later is
+    # refused at run time (`_first_order`). Enclosed, or without loop ops or custom rules
+    # inside, it is exact: loops unrolled (`_hop.unroll_scope`) and `create_graph=True`.
+    outermost = tracing and not _hop.in_derivative()
+    first_order_closure = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
-        closed = _probe_closure(f_flat, fl.leaves)
-    if tracing and not closed:
+        counts = _hop.lowerings(), _hop.custom_rules()
+        with _hop.unroll_scope(False, derivative=True):  # (as the real pass: a derivative encloses the loops)
+            closed = _probe_closure(f_flat, fl.leaves)
+        first_order_closure = closed and outermost and (_hop.lowerings(), _hop.custom_rules()) != counts
+    if tracing and (not closed or first_order_closure):
         # Like torch.func's, the results stay differentiable by an outer autograd (a
         # .backward() of a loss built on the gradient, tfun.grad of tfun.grad): with grad
         # mode on, an argument that requires grad stays connected (through a view of its
         # own, so that one tensor passed twice gets a gradient per position) and the graph
         # of the gradient is kept. Detaching them would drop those derivatives without an error.
         outer = torch.is_grad_enabled() and any(x.requires_grad for x in fl.leaves)
+        may_keep_loops = outer and outermost
         with torch.enable_grad():
             leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in fl.leaves]
             lowered, customs = _hop.lowerings(), _hop.custom_rules()
             cause = requires_grad_cause(op, fl.paths, fl.leaves) if outer else None
-            with _hop.unroll_scope(outer, derivative=True, cause=cause):  # the gradient stays differentiable: loops unrolled
+            # the gradient stays differentiable: loops unrolled, unless it may be kept first-order
+            with _hop.unroll_scope(outer and not may_keep_loops, derivative=True, cause=cause):
                 value, aux_leaves = f_flat(*leaves)
-            if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
+            kept_ops = _hop.lowerings() != lowered or _hop.custom_rules() != customs
+            first_order = first_order_closure or (may_keep_loops and kept_ops)
+            if outer and not first_order and _hop.lowerings() != lowered:  # (every lowering refuses it first)
                 _refuse_second_order(op, fun)
-            if outer and _hop.custom_rules() != customs:
+            if outer and not first_order and _hop.custom_rules() != customs:
                 _refuse_custom_second_order(op, fun)
             if value.requires_grad:
                 found = torch.autograd.grad(
-                    value, leaves, grad_outputs=torch.ones_like(value), allow_unused=True, create_graph=outer
+                    value,
+                    leaves,
+                    grad_outputs=torch.ones_like(value),
+                    allow_unused=True,
+                    create_graph=outer and not first_order,
+                    retain_graph=True if first_order else None,  # (first-order: the value stays differentiable)
                 )
             else:
                 # the value does not depend on the arguments (the gradient of a linear function,
@@ -521,7 +541,11 @@ def _value_and_grad_call(
                 # which has no graph, is refused before this: `_refuse_custom_second_order`.)
                 found = (None,) * len(leaves)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
-        if not outer:
+        if first_order:
+            anchors = [x for x in leaves if x.requires_grad] if outer else [value]
+            why = cause if outer else closure_cause(fun)
+            grads = _keep_first_order(op, fun, grads, anchors, why)
+        if not outer and not first_order_closure:
             value = value.detach()
             aux_leaves = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves]
     elif fl.leaves and holomorphic:
@@ -548,6 +572,34 @@ def _value_and_grad_call(
     g = per_arg[0] if single else tuple(per_arg)
     aux = _unpack_aux(box, aux_leaves) if has_aux else None
     return value, g, aux
+
+
+def _keep_first_order(
+    op: str, fun: Callable[..., Any], grads: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], why: str
+) -> tuple[torch.Tensor, ...]:
+    """A traced gradient with loop ops or custom rules inside, kept first-order: the inexact
+    ones through `_first_order.keep_first_order` (differentiable with respect to `anchors`,
+    with a derivative refused at run time where a nonzero cotangent reaches it)."""
+    if not anchors:
+        return tuple(grads)
+    message = format_message(
+        f"{op}: under tfun.jit, this gradient was computed first-order, with the loops, custom rules and fused "
+        f"layers inside kept as single ops ({why}; torch {torch.__version__} has no second derivative of such an "
+        "op), and a backward has reached it (a gradient penalty, or an update such as `W - lr * g` "
+        "differentiated later), which needs its derivative.",
+        function=describe(fun),
+        revise="To differentiate the gradient under tfun.jit, pass unroll=True to each tfun.lax.scan and fori_loop "
+        "inside (their steps are then unrolled into the graph, which differentiates exactly; map, cond, switch, "
+        "while_loop, custom rules and tfun.nn's fused layers have no such form), or take the second-order term "
+        "outside tfun.jit. If the gradient is only meant to be read, update under `torch.no_grad()` or pass "
+        "the parameters detached (`p.detach()`).",
+    )
+    pos = [k for k, g in enumerate(grads) if is_inexact(g)]
+    kept = _first_order.keep_first_order([grads[k] for k in pos], anchors, message)
+    out = list(grads)
+    for k, g in zip(pos, kept):
+        out[k] = g
+    return tuple(out)
 
 
 def requires_grad_cause(op: str, paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> str:
@@ -939,15 +991,20 @@ def _traced_vjp(
     (`custom_vjp`'s bwd, `custom_jvp`'s transposed rule), and tfun.lax control flow lowers to
     torch's HOPs, which autograd differentiates."""
     outer = torch.is_grad_enabled() and any(x.requires_grad for x in primals)
+    # outermost, with loop ops or custom rules inside: kept first-order (see `_value_and_grad_call`)
+    may_keep_loops = outer and not _hop.in_derivative()
     with torch.enable_grad():
         leaves = [x.view_as(x) if outer and x.requires_grad else grad_leaf(x) for x in primals]
         lowered, customs = _hop.lowerings(), _hop.custom_rules()
         cause = f"a primal of {op} requires grad" if outer else None
-        with _hop.unroll_scope(outer, derivative=True, cause=cause):  # the cotangents stay differentiable: loops unrolled
+        # the cotangents stay differentiable: loops unrolled, unless they may be kept first-order
+        with _hop.unroll_scope(outer and not may_keep_loops, derivative=True, cause=cause):
             diff_out, rest_aux = f_flat(*leaves)
-        if outer and _hop.lowerings() != lowered:  # (every lowering refuses it first)
+        kept_ops = _hop.lowerings() != lowered or _hop.custom_rules() != customs
+        first_order = may_keep_loops and kept_ops
+        if outer and not first_order and _hop.lowerings() != lowered:  # (every lowering refuses it first)
             _refuse_second_order(op, fun)
-        if outer and _hop.custom_rules() != customs:
+        if outer and not first_order and _hop.custom_rules() != customs:
             _refuse_custom_second_order(op, fun)
     # outputs that do not depend on the primals (no graph) get no cotangent: their
     # contribution is zero
@@ -955,6 +1012,11 @@ def _traced_vjp(
     graph_out = [diff_out[k] for k in live]
 
     def pull(cts: list[torch.Tensor]) -> list[torch.Tensor]:
+        # A cotangent that requires grad (under grad mode) makes the result differentiable in
+        # it too (the pullback is linear in it): exact through plain ops, but through a loop op
+        # that derivative is a second one, so it is kept first-order there, as the primals'.
+        ct_grad = torch.is_grad_enabled() and any(c.requires_grad for c in cts)
+        keep = first_order or (ct_grad and kept_ops)
         found: Sequence[torch.Tensor | None] = [None] * len(leaves)
         if len(graph_out) > 0:
             with torch.enable_grad():
@@ -964,9 +1026,14 @@ def _traced_vjp(
                     [cts[k] for k in live],
                     allow_unused=True,
                     retain_graph=True,
-                    create_graph=outer,
+                    create_graph=(outer or ct_grad) and not keep,
                 )
-        return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]
+        if keep:
+            anchors = [x for x in leaves if x.requires_grad] + [c for c in cts if c.requires_grad]
+            why = cause if outer else f"a cotangent given to {op}'s pullback requires grad"
+            grads = list(_keep_first_order(op, fun, grads, anchors, why or ""))
+        return grads
 
     if not outer:
         diff_out = [o.detach() for o in diff_out]

@@ -782,6 +782,7 @@ def _scan(a: Tensor, b: Tensor, h0: Tensor, axis: int, reverse: bool) -> Tensor:
             from ._linear_scan_ref import linear_scan_torch
 
             return linear_scan_torch(a, b, h0, axis, reverse)
+        _hop.note_opaque_op()  # (a gradient around it is kept first-order: its backward has no derivative)
         return torch.ops.tfun.linear_scan(a, b, h0, axis, reverse)
     if _context.forward_mode_depth() >= 2:
         # forward mode over forward mode: torch runs the Function's `jvp` outside the outer

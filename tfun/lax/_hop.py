@@ -305,6 +305,15 @@ def note_custom_rule() -> None:
     _escape_count("custom_rules", True)
 
 
+def note_opaque_op() -> None:
+    """Called where tfun puts into traced code an opaque op whose backward has no derivative of
+    its own (the fused RNN ops of `tfun.nn`, the Triton `linear_scan`): counted as a custom
+    rule (`custom_rules`), so that a traced gradient around it that may be differentiated again
+    is kept first-order (`tfun._first_order`) or refused, never differentiated through it."""
+    if _context.is_tracing():
+        _escape_count("custom_rules", True)
+
+
 def func_reverse_modes() -> int:
     """A counter of reverse-mode torch.func transforms applied in traced code."""
     return _escape_count("func_reverse", False)
@@ -795,6 +804,12 @@ class unroll_scope:
         if self.derivative:
             _escape_depth("derivative", -1)
 
+
+def in_derivative() -> bool:
+    """Trace time: whether a traced reverse-mode derivative encloses the code being traced (it
+    differentiates whatever that code computes: a derivative there must stay exact), or the
+    code runs inside a loop unrolled for one."""
+    return _escape_depth("derivative", 0) > 0 or unrolled_steps() > 0
 
 def unrolled_steps() -> int:
     """Trace time: the loop steps unrolled around the code being traced inside a derivative

@@ -335,6 +335,7 @@ class _RNNBase(nn.Module):
         weights = [getattr(self, n) for n in self._flat_weights_names]
         states = [t for t in (h0, c0) if t is not None]
         if all(t.device == x.device and t.dtype == x.dtype for t in (*weights, *states)):
+            _hop.note_opaque_op()  # (traced: a gradient around it is kept first-order)
             return weights
         return None
 
