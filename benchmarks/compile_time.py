@@ -125,6 +125,8 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
     torch.compile(lambda a: (a.sin() + 1).sum())(torch.randn(16))
     if cpp_wrapper:
         torch._inductor.config.cpp_wrapper = True
+    if kind in ("rnn_grad_param", "rnn_grad_no_grad"):
+        return _grad_worker(kind, n)
     with torch.no_grad():
         if kind in ("rnn_scan", "rnn_unrolled"):
             W, U = _rnn_params(torch)
@@ -154,6 +156,42 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
             fn(*args)
         run_s = (time.perf_counter() - t0) / reps
     return {"kind": kind, "n": n, "compile_s": compile_s, "run_s": run_s, "ok": bool(ok), "cpp_wrapper": cpp_wrapper}
+
+
+def _grad_worker(kind: str, n: int) -> dict:
+    """First call of the training step's gradient, `tfun.jit(tfun.value_and_grad(loss))(W, ...)`,
+    with `W` an `nn.Parameter` under grad mode ("rnn_grad_param": the gradient is kept
+    first-order, `tfun/_first_order.py`) or the same call under `torch.no_grad()`
+    ("rnn_grad_no_grad"), Inductor, against eager's gradient."""
+    import torch
+
+    import tfun
+    from tfun import lax
+
+    W0, U = _rnn_params(torch)
+    h0, xs = torch.zeros(4, H), torch.randn(n, 4, D_IN, generator=torch.Generator().manual_seed(1))
+
+    def loss(W, xs):
+        def step(h, x):
+            h = torch.tanh(h @ W + x @ U)
+            return h, h
+
+        return (lax.scan(step, h0, xs)[1] ** 2).mean()
+
+    want = tfun.grad(loss)(W0, xs)
+    P = torch.nn.Parameter(W0.clone())
+    fn = tfun.jit(tfun.value_and_grad(loss))
+    with torch.no_grad() if kind == "rnn_grad_no_grad" else torch.enable_grad():
+        t0 = time.perf_counter()
+        _, g = fn(P, xs)
+        compile_s = time.perf_counter() - t0
+        reps = 5
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(P, xs)
+        run_s = (time.perf_counter() - t0) / reps
+    ok = torch.allclose(g.detach(), want, rtol=1e-3, atol=1e-5)
+    return {"kind": kind, "n": n, "compile_s": compile_s, "run_s": run_s, "ok": bool(ok), "cpp_wrapper": False}
 
 
 def run_point(kind: str, n: int, cpp_wrapper: bool = False, timeout: int = 600) -> dict:
@@ -265,12 +303,17 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--worker", nargs=2)
     ap.add_argument("--cpp-wrapper", action="store_true")
+    ap.add_argument("--grad", action="store_true", help="only the jitted gradient of parameters (the training step)")
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.cpp_wrapper)))
         return
 
     import torch
+
+    if a.grad:
+        grad_section(a.no_write)
+        return
 
     if a.quick:
         scan_T, unrolled_T, chunks, unrolled_chunks, rt_T = [16, 64, 256], [16, 64], [2, 8], [2, 8], 256
@@ -366,6 +409,43 @@ wall time of the first call (trace + compile + one run). Forward only (`torch.no
 {cpp_line}
 
 ![compile time](../docs/assets/compile_time.png)
+"""
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as fh:
+        fh.write(section)
+
+
+def grad_section(no_write: bool) -> None:
+    """First call and steady-state time of a jitted gradient of an `nn.Parameter` (grad mode)
+    against the same call under `torch.no_grad()`, fresh process and empty cache per point."""
+    import torch
+
+    rows = []
+    for T in (16, 64, 256, 1024):
+        cells = [T]
+        for kind in ("rnn_grad_param", "rnn_grad_no_grad"):
+            r = run_point(kind, T)
+            print(r, flush=True)
+            if "error" in r:
+                cells += [r["error"][:60], "-"]
+            else:
+                cells += [f"{r['compile_s']:.2f}" + ("" if r["ok"] else " (WRONG)"), f"{r['run_s'] * 1e3:.2f}"]
+        rows.append(cells)
+    t = table(rows, ["T", "nn.Parameter, grad mode: first call s", "ms per call", "under torch.no_grad(): first call s", "ms per call"])
+    print("\n" + t)
+    if no_write:
+        return
+    section = f"""
+## First call of a jitted gradient of parameters (the training step)
+
+Machine: {machine()}; date: {datetime.date.today().isoformat()}; torch {torch.__version__}.
+Run: `.venv/bin/python benchmarks/compile_time.py --grad`. `tfun.jit(tfun.value_and_grad(loss))(W, xs)`
+for a tanh RNN (B=4, H={H}, input {D_IN}, T steps, float32, Inductor), `W` an `nn.Parameter`:
+under grad mode (the gradient is kept first-order with the loop as one loop op,
+`tfun/_first_order.py`) and under `torch.no_grad()`. Each point is a fresh process with an empty
+Inductor cache after an unrelated warm-up compile; "first call" is trace + compile + one run,
+checked against eager's gradient.
+
+{t}
 """
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as fh:
         fh.write(section)
