@@ -188,18 +188,21 @@ def _run_cell(op_name, context, mode, backend="aot_eager"):
             raise AssertionError(mode)
 
 
-_GRAD_JITS: dict[int, object] = {}
+_GRAD_JITS: dict[int, tuple[object, object]] = {}
 
 
 def jitted_grad(jitted, x, n):
-    """tfun.jit(tfun.grad(loss of g)), built from the same g as `jitted`."""
+    """tfun.jit(tfun.grad(loss of g)), built from the same g as `jitted`. (Kept with `jitted`
+    itself: keyed by `id` alone, a cell whose `jitted` got a freed one's id took that cell's
+    gradient function, another op's, which failed `scan-nested_jit-tfun.grad` in CI once.)"""
     key = id(jitted)
-    if key not in _GRAD_JITS:
+    if key not in _GRAD_JITS or _GRAD_JITS[key][0] is not jitted:
         g = jitted.__tfun_target__
-        _GRAD_JITS[key] = tfun.jit(
-            lambda y, k: tfun.grad(lambda z: total(g(z, k)))(y), static_argnums=1, backend=jitted._options["backend"]
+        _GRAD_JITS[key] = (
+            jitted,
+            tfun.jit(lambda y, k: tfun.grad(lambda z: total(g(z, k)))(y), static_argnums=1, backend=jitted._options["backend"]),
         )
-    return _GRAD_JITS[key](x, n)
+    return _GRAD_JITS[key][1](x, n)
 
 
 MODES = list(MODES_ALL)

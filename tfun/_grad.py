@@ -501,8 +501,12 @@ def _value_and_grad_call(
     first_order_closure = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
         counts = _hop.lowerings(), _hop.custom_rules()
-        with _hop.unroll_scope(False, derivative=True):  # (as the real pass: a derivative encloses the loops)
-            closed = _probe_closure(f_flat, fl.leaves)
+        # (inside a derivative, as the real pass, for a loop with unroll=True; not a `with`
+        # block: a graph break in the function would then abandon the whole frame, and
+        # torch.func.grad below failed on functorch's layer stack, "dynamicLayerStack.size()")
+        _hop.derivative_depth(1)
+        closed = _probe_closure(f_flat, fl.leaves)
+        _hop.derivative_depth(-1)
         first_order_closure = closed and outermost and (_hop.lowerings(), _hop.custom_rules()) != counts
     if tracing and (not closed or first_order_closure):
         # Like torch.func's, the results stay differentiable by an outer autograd (a

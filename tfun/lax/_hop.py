@@ -805,6 +805,14 @@ class unroll_scope:
             _escape_depth("derivative", -1)
 
 
+def derivative_depth(delta: int) -> None:
+    """Trace time: add `delta` to the depth of traced derivatives enclosing the code traced
+    next (`unroll_scope(..., derivative=True)` does so around a block; this is for code that
+    must not be a `with` block)."""
+    if _context.is_tracing():
+        _escape_depth("derivative", delta)
+
+
 def in_derivative() -> bool:
     """Trace time: whether a traced reverse-mode derivative encloses the code being traced (it
     differentiates whatever that code computes: a derivative there must stay exact), or the
