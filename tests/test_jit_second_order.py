@@ -349,8 +349,10 @@ def _scan_ops(counts):
 
 
 @pytest.mark.parametrize("how", ["argument", "closure"])
-@pytest.mark.parametrize("T", [20, 1500])
-def test_a_gradient_of_parameters_keeps_the_loop_op_and_refuses_a_backward_through_it(how, T):
+@pytest.mark.parametrize(
+    "T, backend", [(20, "aot_eager"), (1500, "aot_eager"), (20, "inductor"), pytest.param(1500, "inductor", marks=pytest.mark.heavy)]
+)
+def test_a_gradient_of_parameters_keeps_the_loop_op_and_refuses_a_backward_through_it(how, T, backend):
     """`tfun.jit(tfun.grad(loss))(W)` with `W` an `nn.Parameter` (it requires grad), or a loss
     closing over one: the usual training step. The loop stays one loop op at any length (it was
     unrolled, costing about 0.4 s of compile time a step and refused past 1024 steps), with no
@@ -371,14 +373,19 @@ def test_a_gradient_of_parameters_keeps_the_loop_op_and_refuses_a_backward_throu
     assert counts and counts[0] >= 1, counts
     torch.testing.assert_close(value.detach(), want[0])
     torch.testing.assert_close(grad.detach(), want[1])
+    # through the backend (AOTAutograd, and Inductor's code)
+    jitted = tfun.jit(fn, backend=backend)
+    value, grad = jitted(*args)
+    torch.testing.assert_close(value.detach(), want[0])
+    torch.testing.assert_close(grad.detach(), want[1])
     assert grad.requires_grad and value.requires_grad
     # the value's own backward is first-order: right
     value.backward()
     want_w = tfun.grad(_rnn_loss)(W0, xs)
-    torch.testing.assert_close(P.grad, want_w)
+    torch.testing.assert_close(P.grad, want_w)  # (the closure's loss is `_rnn_loss(P, xs)` too)
     # a backward through the gradient
     P.grad = None
-    value, grad = tfun.jit(fn, backend="aot_eager")(*args)
+    value, grad = jitted(*args)
     step = (P - 0.1 * grad) if how == "argument" else (xs - 0.1 * grad)
     with pytest.raises(JitError, match=r"computed first-order.*a backward has reached it") as e:
         (step**2).sum().backward()

@@ -48,7 +48,7 @@ def _keep_first_order_fake(grads: list[torch.Tensor], anchors: list[torch.Tensor
 
 
 @torch.library.custom_op("tfun::refuse_second_order", mutates_args=())
-def _refuse_second_order(cts: list[torch.Tensor], anchors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+def _refuse_reached(cts: list[torch.Tensor], anchors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
     # (the check reads the cotangents: a device synchronization, paid only by a backward that
     # reaches the gradient)
     if any(bool(torch.any(c != 0)) for c in cts):
@@ -56,8 +56,8 @@ def _refuse_second_order(cts: list[torch.Tensor], anchors: list[torch.Tensor], m
     return [torch.zeros_like(a) for a in anchors]
 
 
-@_refuse_second_order.register_fake
-def _refuse_second_order_fake(cts: list[torch.Tensor], anchors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+@_refuse_reached.register_fake
+def _refuse_reached_fake(cts: list[torch.Tensor], anchors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
     return [torch.zeros_like(a) for a in anchors]
 
 
@@ -72,7 +72,7 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, cts: list[torch.Tensor])
     # (an output no cotangent reached may come as None: it holds nothing to check)
     cts = [c for c in cts if c is not None]
     # (one entry per input, a list for a list: torch checks the structure)
-    return [None] * ctx.n_grads, _refuse_second_order(cts, anchors, ctx.message), None
+    return [None] * ctx.n_grads, _refuse_reached(cts, anchors, ctx.message), None
 
 
 _keep_first_order.register_autograd(_backward, setup_context=_setup_context)

@@ -546,7 +546,8 @@ def _value_and_grad_call(
                 found = (None,) * len(leaves)
         grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
         if first_order:
-            anchors = [x for x in leaves if x.requires_grad] if outer else [value]
+            # (the views of the arguments that require grad; not the fresh leaves of the rest)
+            anchors = [x for x, a in zip(leaves, fl.leaves) if a.requires_grad] if outer else [value]
             why = cause if outer else closure_cause(fun)
             grads = _keep_first_order(op, fun, grads, anchors, why)
         if not outer and not first_order_closure:
@@ -1034,7 +1035,7 @@ def _traced_vjp(
                 )
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]
         if keep:
-            anchors = [x for x in leaves if x.requires_grad] + [c for c in cts if c.requires_grad]
+            anchors = [x for x, p in zip(leaves, primals) if p.requires_grad] + [c for c in cts if c.requires_grad]
             why = cause if outer else f"a cotangent given to {op}'s pullback requires grad"
             grads = list(_keep_first_order(op, fun, grads, anchors, why or ""))
         return grads

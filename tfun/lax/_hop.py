@@ -819,6 +819,12 @@ def in_derivative() -> bool:
     code runs inside a loop unrolled for one."""
     return _escape_depth("derivative", 0) > 0 or unrolled_steps() > 0
 
+
+def fully_unrolled(unroll: Any) -> bool:
+    """Whether a loop's `unroll` asks for every step unrolled (`True` or `0`, as in JAX)."""
+    return unroll is True or (not isinstance(unroll, bool) and unroll == 0)
+
+
 def unrolled_steps() -> int:
     """Trace time: the loop steps unrolled around the code being traced inside a derivative
     that is differentiated again (at least 1 there), or 0 where loops lower to HOPs."""
@@ -851,7 +857,7 @@ def check_unrolled_length(op: str, fn: Callable[..., Any], n: int, unroll: Any) 
     `WARN_UNROLLED_STEPS`, where the unrolling has a `cause` (nothing in the trace is known to
     differentiate the derivative again), warn (`tfun.errors.PerformanceWarning`) with the fixes."""
     total = unrolled_steps() * n
-    if unroll is True or (not isinstance(unroll, bool) and unroll == 0):
+    if fully_unrolled(unroll):
         return
     cause = unroll_cause()
     if total > MAX_UNROLLED_STEPS:

@@ -306,7 +306,7 @@ def scan(
         init = tree_unflatten(carry_def, carry_leaves)
     if _context.is_tracing():
         _hop.check_side_effects(op, "body function", f)
-        if _hop.unrolled_steps() or (_fully_unrolled(unroll) and _hop.in_derivative()):
+        if _hop.unrolled_steps() or (_hop.fully_unrolled(unroll) and _hop.in_derivative()):
             # inside a traced derivative that is differentiated again: no HOP (see _hop). A
             # symbolic length is specialized: each length is its own unrolled graph. Every step
             # unrolled (`unroll=True`) inside any traced derivative: no HOP either, so that a
@@ -640,18 +640,13 @@ def _lower_scan_as(
     return tree_unflatten(c_td, carry_flat), ys
 
 
-def _fully_unrolled(unroll: int | bool) -> bool:
-    """Whether `unroll` asks for every step unrolled (`True` or `0`, as in JAX)."""
-    return unroll is True or (not isinstance(unroll, bool) and unroll == 0)
-
-
 def unroll_steps(unroll: int | bool, n: int) -> int:
     """The steps per compiled iteration that `unroll` asks for, for a loop of `n` steps: a
     Python int even where `n` is a symbolic length (a jitted function's trace at a second
     length), where `min(unroll, n)` put a symbolic block size into the body's graph, which
     torch's scan could not save for its backward (hunt 26, F1). `len(range(n))` is a Python
     int (Dynamo specializes `range`: that length gets its own graph)."""
-    if _fully_unrolled(unroll):
+    if _hop.fully_unrolled(unroll):
         return len(range(n))
     k = int(unroll)  # False is 1
     return k if n >= k else len(range(n))
