@@ -628,12 +628,11 @@ def test_vjp_inside_jit_has_aux_and_outer_backward():
 
 def test_vjp_inside_jit_differentiates_loops_again_or_refuses_at_backward():
     """Control flow with a differentiable cotangent needs a second derivative of a control-flow
-    op, which torch's HOPs lack. Where a closed-over tensor requires grad, a static-length scan
-    is unrolled in the graph (the values are eager's). Where the primals require grad (nothing
-    in the trace differentiates the cotangents again) the loop stays a loop op and the
-    cotangents are computed first-order: with `unroll=True` the scan is unrolled and exact, and
-    otherwise (a while_loop too) the jitted call gives eager's values and a backward through
-    its cotangents is a JitError at run time naming the function."""
+    op, which torch's HOPs lack. Where the primals require grad, or the function closes over a
+    tensor that requires grad (nothing in the trace differentiates the cotangents again), the
+    loop stays a loop op and the cotangents are computed first-order: with `unroll=True` the
+    scan is unrolled and exact, and otherwise (a while_loop too) the jitted call gives eager's
+    values and a backward through its cotangents is a JitError at run time naming the function."""
     from tfun import lax
     from tfun.errors import JitError
 
@@ -644,7 +643,7 @@ def test_vjp_inside_jit_differentiates_loops_again_or_refuses_at_backward():
     w = t(3, seed=4).requires_grad_(True)
     programs = {
         "arg, unroll=True": lambda x: tfun.vjp(lambda x: loop(x, True), x)[1](ones)[0],
-        "closure": lambda x: tfun.vjp(lambda x: loop(x * w), x.detach())[1](ones)[0],
+        "closure, unroll=True": lambda x: tfun.vjp(lambda x: loop(x * w, True), x.detach())[1](ones)[0],
     }
     for name, prog in programs.items():
         grads = []
@@ -662,14 +661,19 @@ def test_vjp_inside_jit_differentiates_loops_again_or_refuses_at_backward():
     def wloop(x):
         return lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 2, x)
 
-    for f in (loop, wloop):
+    def closed(x):
+        return loop(x * w)
+
+    for f, closure in ((loop, False), (wloop, False), (closed, True)):
         prog = lambda x: tfun.vjp(f, x)[1](ones)[0]
-        x = t(3).abs().requires_grad_(True)
+        x = t(3).abs().requires_grad_(not closure)
         got = tfun.jit(prog, backend="aot_eager")(x)
-        torch.testing.assert_close(got.detach(), prog(x.detach()))
+        torch.testing.assert_close(got.detach(), prog(x.detach()).detach())
+        assert got.requires_grad
         with pytest.raises(JitError, match=r"^tfun\.vjp: under tfun\.jit, this gradient was computed first-order") as e:
             (got**2).sum().backward()
         assert f"{f.__name__} at " in str(e.value) and "test_grad.py" in str(e.value), str(e.value)
+        assert ("closes over a tensor that requires grad" in str(e.value)) == closure, str(e.value)
 
 
 def test_vjp_inside_vmap_inside_jit_matches_eager():

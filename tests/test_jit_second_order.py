@@ -1,13 +1,15 @@
 """Second-order reverse mode through tfun.lax loops under tfun.jit, against eager float64.
 
-torch's control-flow HOPs have no double backward. Inside a traced derivative whose result is
-differentiated again (`tfun.grad` of `tfun.grad`, a gradient penalty `.backward()`, a
-`tfun.vjp` whose cotangents require grad, a gradient depending on a closed-over parameter),
-tfun unrolls `scan`, `fori_loop` with static bounds and `map`, and runs `associative_scan`'s
-tensor algorithm, in the graph (`tfun.lax._hop.unroll_scope`). Every such path must give
-eager's values; `cond`, `switch`, `while_loop` and a loop past the unroll limit are a
-`JitError` naming the op and the user's function.
-"""
+torch's control-flow HOPs have no double backward. Inside a traced derivative that the trace
+differentiates again (`tfun.grad` of `tfun.grad`, `tfun.jvp` of `tfun.grad`), tfun unrolls
+`scan`, `fori_loop` with static bounds and `map`, and runs `associative_scan`'s tensor
+algorithm, in the graph (`tfun.lax._hop.unroll_scope`). Every such path must give eager's
+values; `cond`, `switch`, `while_loop` and a loop past the unroll limit are a `JitError`
+naming the op and the user's function. The outermost traced derivative, whose result stays
+differentiable only because its arguments or the tensors it closes over require grad (a
+training step with `nn.Parameter`s), keeps its loops as loop ops and is computed
+first-order: a backward that reaches it is refused at run time, and `unroll=True` on the
+loops makes it exact (`tfun/_first_order.py`)."""
 
 from __future__ import annotations
 
@@ -457,3 +459,51 @@ def test_a_vjp_of_parameters_keeps_the_loop_op_and_refuses_a_backward_through_it
             want_ct = ct.grad
         else:
             torch.testing.assert_close(ct.grad, want_ct)
+
+
+@pytest.mark.parametrize("T, backend", [(20, "aot_eager"), (1500, "aot_eager"), (20, "inductor")])
+def test_a_vjp_of_a_function_closing_over_a_parameter_keeps_the_loop_op(T, backend):
+    """`tfun.vjp` under tfun.jit of a function that closes over an `nn.Parameter` (input
+    gradients inside a training step): as `tfun.grad`'s closure case, one loop op at any length
+    (it was unrolled, with a PerformanceWarning, and refused past 1024 steps), eager float64's
+    outputs and cotangents, the output's backward reaching the parameter exactly, and a
+    backward through the cotangents refused at run time; with `unroll=True` that backward is
+    exact."""
+    g = torch.Generator().manual_seed(9)
+    W0, xs = torch.randn(3, 3, generator=g, dtype=D) * 0.4, torch.randn(T, 2, 3, generator=g, dtype=D)
+    P = torch.nn.Parameter(W0.clone())
+
+    def loss(xs, unroll=1):
+        h, ys = lax.scan(lambda h, x: (torch.tanh(h @ P + x), h.sum()), torch.zeros(2, 3, dtype=D), xs, unroll=unroll)
+        return (h**2).sum() + ys.sum()
+
+    def step(xs, ct, unroll=1):
+        out, pull = tfun.vjp(lambda xs: loss(xs, unroll), xs)
+        return out, pull(ct)[0]
+
+    ct = torch.tensor(2.0, dtype=D)
+    want_out, want_gx = step(xs, ct)
+    want_out.backward()
+    want_p, P.grad = P.grad, None
+    torch._dynamo.reset()
+    counts: list[int] = []
+    out, gx = tfun.jit(step, backend=_scan_ops(counts))(xs, ct)  # (warnings are errors here)
+    assert counts and counts[0] >= 1, counts
+    run = tfun.jit(step, backend=backend)
+    out, gx = run(xs, ct)
+    torch.testing.assert_close(out.detach(), want_out.detach())
+    torch.testing.assert_close(gx.detach(), want_gx.detach())
+    assert out.requires_grad and gx.requires_grad
+    out.backward()
+    torch.testing.assert_close(P.grad, want_p)
+    out, gx = run(xs, ct)
+    with pytest.raises(JitError, match=r"computed first-order.*closes over a tensor that requires grad"):
+        (gx**2).sum().backward()
+    if T <= 20:
+        # a penalty on the input gradient, with the loop unrolled: exact
+        P.grad = None
+        (step(xs, ct, True)[1] ** 2).sum().backward()
+        want_p, P.grad = P.grad, None
+        torch._dynamo.reset()
+        (tfun.jit(step, backend=backend, static_argnums=2)(xs, ct, True)[1] ** 2).sum().backward()
+        torch.testing.assert_close(P.grad, want_p)

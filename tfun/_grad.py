@@ -963,30 +963,41 @@ def linearize(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> 
 
 def _traced_reverse_mode(
     op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
-) -> bool:
+) -> tuple[bool, bool]:
     """Whether `tfun.vjp` differentiates with `torch.autograd.grad` (as `tfun.grad` does when
-    traced, see `_value_and_grad_call`) rather than `torch.func.vjp`: when traced by Dynamo,
-    which cannot trace a torch.func transform around tfun's control-flow ops or a custom
-    function's rule, unless the function closes over a tensor that requires grad (its
-    cotangents depend on that tensor: torch.func keeps them differentiable; with control flow
-    inside that is refused, as in `tfun.grad`), or inside a torch.func transform.
-    `f_flat(*leaves)` returns `(differentiable outputs, rest)`."""
+    traced, see `_value_and_grad_call`) rather than `torch.func.vjp`, and whether it does so
+    first-order for a closed-over tensor: `(autograd, first_order_closure)`.
+
+    Autograd when traced by Dynamo, which cannot trace a torch.func transform around tfun's
+    control-flow ops or a custom function's rule, but not inside a torch.func transform or a
+    HOP body. A function that closes over a tensor that requires grad (a module's parameter)
+    has cotangents that depend on that tensor and stay differentiable (torch.func keeps them
+    so, with the loops inside unrolled: `_hop.unroll_scope`), unless no traced derivative
+    encloses this one and the function has loop ops or custom rules inside: then autograd
+    computes them first-order, with the loops kept as loop ops, as `tfun.grad`'s training step
+    (`_first_order`). `f_flat(*leaves)` returns `(differentiable outputs, rest)`."""
     if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active() or _hop.in_body():
         # inside a torch.func transform (`vmap` of `vjp` under tfun.jit) autograd would see
         # the transform's wrapped tensors, whose graph it cannot follow; inside a HOP body
         # autograd is off: torch.func.vjp there
-        return False
+        return False, False
     if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
+        outermost = not _hop.in_derivative()
+        counts = _hop.lowerings(), _hop.custom_rules()
+        # (inside a derivative, as the real pass, for a loop with unroll=True: see `_value_and_grad_call`)
+        _hop.derivative_depth(1)
         with torch.enable_grad():
             outs, _ = f_flat(*[x.detach() for x in leaves])
+        _hop.derivative_depth(-1)
         if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
-            # (torch.func.vjp, with the loops inside unrolled: `_hop.unroll_scope`)
-            return False
-    return True
+            if outermost and (_hop.lowerings(), _hop.custom_rules()) != counts:
+                return True, True
+            return False, False
+    return True, False
 
 
 def _traced_vjp(
-    op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], primals: Sequence[torch.Tensor]
+    op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], primals: Sequence[torch.Tensor], closure: bool = False
 ) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[torch.Tensor]], Any]:
     """`torch.func.vjp(f_flat, *primals, has_aux=True)` by reverse-mode autograd, for traced
     code: `f_flat` runs once, on fresh leaves (or, where a primal requires grad and grad mode
@@ -994,7 +1005,9 @@ def _traced_vjp(
     as with torch.func); the returned function pulls back with `torch.autograd.grad`, keeping
     the graph so that it may be called more than once. Custom functions use their rules
     (`custom_vjp`'s bwd, `custom_jvp`'s transposed rule), and tfun.lax control flow lowers to
-    torch's HOPs, which autograd differentiates."""
+    torch's HOPs, which autograd differentiates. With `closure` (`_traced_reverse_mode`), the
+    function closes over a tensor that requires grad: its outputs stay attached to it and the
+    cotangents are kept first-order, anchored on those outputs."""
     outer = torch.is_grad_enabled() and any(x.requires_grad for x in primals)
     # outermost, with loop ops or custom rules inside: kept first-order (see `_value_and_grad_call`)
     may_keep_loops = outer and not _hop.in_derivative()
@@ -1006,7 +1019,7 @@ def _traced_vjp(
         with _hop.unroll_scope(outer and not may_keep_loops, derivative=True, cause=cause):
             diff_out, rest_aux = f_flat(*leaves)
         kept_ops = _hop.lowerings() != lowered or _hop.custom_rules() != customs
-        first_order = may_keep_loops and kept_ops
+        first_order = closure or (may_keep_loops and kept_ops)
         if outer and not first_order and _hop.lowerings() != lowered:  # (every lowering refuses it first)
             _refuse_second_order(op, fun)
         if outer and not first_order and _hop.custom_rules() != customs:
@@ -1035,12 +1048,15 @@ def _traced_vjp(
                 )
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]
         if keep:
-            anchors = [x for x, p in zip(leaves, primals) if p.requires_grad] + [c for c in cts if c.requires_grad]
-            why = cause if outer else f"a cotangent given to {op}'s pullback requires grad"
+            # (the views of the primals that require grad, or the outputs, through which the
+            # closed-over tensor's graph runs; and the cotangents that require grad)
+            anchors = [x for x, p in zip(leaves, primals) if p.requires_grad] if outer else []
+            anchors += (graph_out if closure else []) + [c for c in cts if c.requires_grad]
+            why = cause if outer else closure_cause(fun) if closure else f"a cotangent given to {op}'s pullback requires grad"
             grads = list(_keep_first_order(op, fun, grads, anchors, why or ""))
         return grads
 
-    if not outer:
+    if not outer and not closure:
         diff_out = [o.detach() for o in diff_out]
         rest_aux = tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, rest_aux)
     return diff_out, pull, rest_aux
@@ -1107,8 +1123,9 @@ def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[
 
     diff_primals = prim.dynamic
     torch_vjp_fn: Callable[[list[torch.Tensor]], Sequence[Any]] | None
-    if _traced_reverse_mode(op, fun, f_flat, diff_primals):
-        diff_out, torch_vjp_fn, (rest, aux_l) = _traced_vjp(op, fun, f_flat, diff_primals)
+    autograd, first_order_closure = _traced_reverse_mode(op, fun, f_flat, diff_primals)
+    if autograd:
+        diff_out, torch_vjp_fn, (rest, aux_l) = _traced_vjp(op, fun, f_flat, diff_primals, first_order_closure)
     elif diff_primals:
         # traced, the cotangents depend on a closed-over tensor that requires grad: they stay
         # differentiable, so the loops inside are unrolled (torch's HOPs have no second derivative)
