@@ -125,7 +125,7 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
     torch.compile(lambda a: (a.sin() + 1).sum())(torch.randn(16))
     if cpp_wrapper:
         torch._inductor.config.cpp_wrapper = True
-    if kind in ("rnn_grad_param", "rnn_grad_no_grad"):
+    if kind in ("rnn_grad_param", "rnn_vjp_closure", "rnn_grad_no_grad"):
         return _grad_worker(kind, n)
     with torch.no_grad():
         if kind in ("rnn_scan", "rnn_unrolled"):
@@ -162,7 +162,8 @@ def _grad_worker(kind: str, n: int) -> dict:
     """First call of the training step's gradient, `tfun.jit(tfun.value_and_grad(loss))(W, ...)`,
     with `W` an `nn.Parameter` under grad mode ("rnn_grad_param": the gradient is kept
     first-order, `tfun/_first_order.py`) or the same call under `torch.no_grad()`
-    ("rnn_grad_no_grad"), Inductor, against eager's gradient."""
+    ("rnn_grad_no_grad"), Inductor, against eager's gradient; or ("rnn_vjp_closure") the input's
+    cotangent from `tfun.vjp` of a loss that closes over the `nn.Parameter` (kept first-order too)."""
     import torch
 
     import tfun
@@ -178,17 +179,26 @@ def _grad_worker(kind: str, n: int) -> dict:
 
         return (lax.scan(step, h0, xs)[1] ** 2).mean()
 
-    want = tfun.grad(loss)(W0, xs)
     P = torch.nn.Parameter(W0.clone())
-    fn = tfun.jit(tfun.value_and_grad(loss))
+    if kind == "rnn_vjp_closure":
+
+        def input_grad(xs):
+            out, pull = tfun.vjp(lambda xs: loss(P, xs), xs)
+            return out, pull(torch.ones_like(out))[0]
+
+        want = tfun.grad(lambda xs: loss(W0, xs))(xs)
+        fn, args = tfun.jit(input_grad), (xs,)
+    else:
+        want = tfun.grad(loss)(W0, xs)
+        fn, args = tfun.jit(tfun.value_and_grad(loss)), (P, xs)
     with torch.no_grad() if kind == "rnn_grad_no_grad" else torch.enable_grad():
         t0 = time.perf_counter()
-        _, g = fn(P, xs)
+        _, g = fn(*args)
         compile_s = time.perf_counter() - t0
         reps = 5
         t0 = time.perf_counter()
         for _ in range(reps):
-            fn(P, xs)
+            fn(*args)
         run_s = (time.perf_counter() - t0) / reps
     ok = torch.allclose(g.detach(), want, rtol=1e-3, atol=1e-5)
     return {"kind": kind, "n": n, "compile_s": compile_s, "run_s": run_s, "ok": bool(ok), "cpp_wrapper": False}
@@ -422,7 +432,7 @@ def grad_section(no_write: bool) -> None:
     rows = []
     for T in (16, 64, 256, 1024):
         cells = [T]
-        for kind in ("rnn_grad_param", "rnn_grad_no_grad"):
+        for kind in ("rnn_grad_param", "rnn_vjp_closure", "rnn_grad_no_grad"):
             r = run_point(kind, T)
             print(r, flush=True)
             if "error" in r:
@@ -430,7 +440,18 @@ def grad_section(no_write: bool) -> None:
             else:
                 cells += [f"{r['compile_s']:.2f}" + ("" if r["ok"] else " (WRONG)"), f"{r['run_s'] * 1e3:.2f}"]
         rows.append(cells)
-    t = table(rows, ["T", "nn.Parameter, grad mode: first call s", "ms per call", "under torch.no_grad(): first call s", "ms per call"])
+    t = table(
+        rows,
+        [
+            "T",
+            "nn.Parameter, grad mode: first call s",
+            "ms per call",
+            "tfun.vjp, loss closing over it: first call s",
+            "ms per call",
+            "under torch.no_grad(): first call s",
+            "ms per call",
+        ],
+    )
     print("\n" + t)
     if no_write:
         return
@@ -441,7 +462,9 @@ Machine: {machine()}; date: {datetime.date.today().isoformat()}; torch {torch.__
 Run: `.venv/bin/python benchmarks/compile_time.py --grad`. `tfun.jit(tfun.value_and_grad(loss))(W, xs)`
 for a tanh RNN (B=4, H={H}, input {D_IN}, T steps, float32, Inductor), `W` an `nn.Parameter`:
 under grad mode (the gradient is kept first-order with the loop as one loop op,
-`tfun/_first_order.py`) and under `torch.no_grad()`. Each point is a fresh process with an empty
+`tfun/_first_order.py`) and under `torch.no_grad()`; and the input's cotangent,
+`tfun.jit(lambda xs: tfun.vjp(lambda xs: loss(W, xs), xs))` then the pullback of ones inside, with
+the loss closing over `W` (kept first-order as well). Each point is a fresh process with an empty
 Inductor cache after an unrelated warm-up compile; "first call" is trace + compile + one run,
 checked against eager's gradient.
 
