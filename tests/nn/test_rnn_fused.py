@@ -227,14 +227,14 @@ def test_op_not_taken_in_transforms_loop_bodies_second_order_or_export(fused_cal
     _close([ep.module()(x)], [oracle(xs)[0].detach()], 1e-4, 2e-5)
 
 
-@pytest.mark.parametrize("how", ["argument", "closure"])
+@pytest.mark.parametrize("how", ["argument", "closure", "vjp_closure"])
 def test_a_jitted_gradient_through_the_fused_layer_is_first_order_and_a_backward_through_it_is_refused(how):
     """`tfun.jit(tfun.grad(f))` where `f` runs the layer and the gradient may be differentiated
     again (its argument requires grad, or the layer's parameters do): the fused op stays (its
     backward has no derivative), the gradient is eager float64's, and a backward that reaches it
     (a penalty) is a JitError naming `f`, not a raw torch error at compile time ("no autograd
     formula was registered" for `tfun.lstm_onednn_backward`, before session 38) nor a dropped
-    term."""
+    term. The same for `tfun.vjp` of `f` (the parameters closed over)."""
     from tfun.errors import JitError
 
     layer, oracle = _layers()
@@ -256,11 +256,15 @@ def test_a_jitted_gradient_through_the_fused_layer_is_first_order_and_a_backward
         targets.extend(str(n.target) for n in gm.graph.nodes)
         return gm
 
-    got = tfun.jit(lambda x: tfun.grad(f)(x), backend=backend)(arg)
+    if how == "vjp_closure":
+        op, step = "vjp", lambda x: tfun.vjp(f, x)[1](torch.tensor(1.0))[0]
+    else:
+        op, step = "grad", lambda x: tfun.grad(f)(x)
+    got = tfun.jit(step, backend=backend)(arg)
     assert any("lstm_onednn" in t or "rnn_fused" in t for t in targets), targets
     _close([got.detach()], [want.detach()], 1e-4, 2e-5)
     assert got.requires_grad
-    with pytest.raises(JitError, match=r"^tfun\.grad: under tfun\.jit, this gradient was computed first-order") as e:
+    with pytest.raises(JitError, match=rf"^tfun\.{op}: under tfun\.jit, this gradient was computed first-order") as e:
         got.pow(2).sum().backward()
     assert "f at " in str(e.value) and "test_rnn_fused.py:" in str(e.value), str(e.value)
 
