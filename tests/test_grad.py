@@ -720,6 +720,59 @@ def test_jacrev_of_an_integer_output_is_a_tfun_error(dtype, how):
     assert "output[0]: a tensor of shape (3,)" in str(info.value)
 
 
+def _jac_scan(x, w):
+    from tfun import lax
+
+    h, ys = lax.scan(lambda h, _: (torch.tanh(h @ w), h.sum()), x, None, length=5)
+    return {"h": h, "ys": ys[:3]}
+
+
+def _jac_while(x, w):
+    from tfun import lax
+
+    return lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 1.5 + w[0], x)
+
+
+def _jac_cond(x, w):
+    from tfun import lax
+
+    return lax.cond(x.sum() > 0, lambda a: torch.sin(a @ w), lambda a: a * 2, x)
+
+
+@pytest.mark.parametrize(
+    "f, backend",
+    [(_jac_scan, "aot_eager"), (_jac_while, "aot_eager"), (_jac_cond, "aot_eager"), (_jac_scan, "inductor")],
+    ids=["scan_pytree", "while_loop", "cond", "scan_pytree-inductor"],
+)
+def test_jacrev_of_control_flow_under_jit_equals_eager(f, backend):
+    """`tfun.jit(tfun.jacrev(f))` with a loop or branch inside (JAX compiles it; it was a
+    JitError, torch.compile cannot trace torch.func.jacrev around a HOP): one traced pullback
+    per output element, with both argnums, against eager float64. A closed-over `nn.Parameter`
+    keeps the Jacobian attached to it (first-order: a backward through it is refused at run
+    time), and `jacrev` of `jacrev` is exact."""
+    from tfun.errors import JitError
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 3, generator=g, dtype=D).abs(), torch.randn(3, 3, generator=g, dtype=D) * 0.4
+    want = tfun.jacrev(f, argnums=(0, 1))(x, w)
+    torch._dynamo.reset()
+    got = tfun.jit(tfun.jacrev(f, argnums=(0, 1)), backend=backend)(x, w)
+    assert_close_tree(got, want)
+    P = torch.nn.Parameter(w.clone())
+    closed = lambda x: f(x, P)  # noqa: E731
+    got = tfun.jit(tfun.jacrev(closed), backend=backend)(x)
+    assert_close_tree(tfun.tree.tree_map(torch.Tensor.detach, got), tfun.tree.tree_map(torch.Tensor.detach, tfun.jacrev(closed)(x)))
+    leaves = [j for j in tfun.tree.tree_leaves(got) if j.requires_grad]
+    if f is not _jac_while:  # (its Jacobian in `x` is 1.5 ** steps: it does not depend on `w`)
+        assert leaves
+    if leaves:
+        with pytest.raises(JitError, match=r"^tfun\.jacrev: under tfun\.jit, this gradient was computed first-order"):
+            sum(j.sum() for j in leaves).backward()
+    if f is _jac_scan and backend == "aot_eager":
+        jj = lambda x: tfun.jacrev(tfun.jacrev(lambda x: f(x, w)["h"]))(x)  # noqa: E731
+        torch.testing.assert_close(tfun.jit(jj, backend=backend)(x), jj(x))
+
+
 # (jacfwd and hessian of a loop under tfun.jit are refused: docs/porting.md, jit-jacfwd-of-loop)
 @pytest.mark.parametrize(
     "transform, jit", [("jvp", False), ("jvp", True), ("jacfwd", False), ("hessian", False)],

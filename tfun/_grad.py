@@ -1458,6 +1458,8 @@ def _jac(op: str, forward: bool, fun: Callable[..., Any], argnums: Any, has_aux:
         elif any(x.is_complex() for x in fl.leaves):
             _hop.note_func_reverse()
             jac, aux_l = _jacrev_flat(f_flat, fl.leaves)  # torch.func.jacrev refuses complex inputs
+        elif _has_traced_loops(f_flat, fl.leaves):
+            jac, aux_l = _traced_jacrev(op, fun, f_flat, fl.leaves)
         else:
             _hop.note_func_reverse()
             jac, aux_l = torch.func.jacrev(f_flat, argnums=tuple(range(len(fl.leaves))), has_aux=True)(*fl.leaves)
@@ -1497,6 +1499,54 @@ _JAC_DOC = """
     """
 
 
+def _has_traced_loops(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> bool:
+    """Traced code outside torch.func transforms and HOP bodies only: whether `f_flat` lowers a
+    loop or branch op (a probe on detached leaves; its ops feed nothing and AOTAutograd drops
+    them). torch.func.jacrev cannot be traced around such an op; `_traced_jacrev` takes it."""
+    if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active() or _hop.in_body():
+        return False
+    lowered = _hop.lowerings()
+    f_flat(*[x.detach() for x in leaves])
+    return _hop.lowerings() != lowered
+
+
+def _traced_jacrev(
+    op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
+) -> tuple[list[list[torch.Tensor]], Any]:
+    """`jac[k][i]` of real outputs by reverse mode in traced code with control flow inside:
+    `tfun.vjp`'s traced pullback (`_traced_vjp`, autograd through the HOPs, which Dynamo
+    traces) applied to one basis cotangent per output element, so the graph holds one backward
+    per output element (JAX's jacrev vmaps one pullback instead). Arguments or closed-over
+    tensors that require grad are handled as in `tfun.vjp`: kept first-order with loop ops,
+    or exact with the loops unrolled."""
+
+    def f_vjp(*ls: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+        outs, aux = f_flat(*ls)
+        return list(outs), aux
+
+    autograd, first_order_closure = _traced_reverse_mode(op, fun, f_vjp, leaves)
+    if not autograd:
+        # a closed-over tensor that requires grad, inside another traced derivative (or with
+        # `unroll=True` loops): exact, with the loops unrolled (`_hop.unroll_scope`)
+        _hop.note_func_reverse()
+        with _hop.unroll_scope(True, derivative=True, cause=closure_cause(fun)):
+            return torch.func.jacrev(f_flat, argnums=tuple(range(len(leaves))), has_aux=True)(*leaves)  # type: ignore[no-any-return]
+    outs, pull, aux = _traced_vjp(op, fun, f_vjp, leaves, first_order_closure)
+    jac: list[list[torch.Tensor]] = []
+    for k, o in enumerate(outs):
+        n = o.numel()
+        if n == 0:
+            jac.append([torch.zeros((*o.shape, *x.shape), dtype=x.dtype, device=x.device) for x in leaves])
+            continue
+        basis = torch.eye(n, dtype=o.dtype, device=o.device)
+        rows = []
+        for j in range(n):
+            cts = [basis[j].reshape(o.shape) if m == k else torch.zeros_like(q) for m, q in enumerate(outs)]
+            rows.append(pull(cts))
+        jac.append([torch.stack([r[i] for r in rows]).reshape((*o.shape, *x.shape)) for i, x in enumerate(leaves)])
+    return jac, aux
+
+
 def jacfwd(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
 ) -> Callable[..., Any]:
@@ -1510,7 +1560,11 @@ def jacrev(
 
 
 jacfwd.__doc__ = "The Jacobian by forward mode (`vmap` of `jvp`), as `jax.jacfwd`." + _JAC_DOC
-jacrev.__doc__ = "The Jacobian by reverse mode (`vmap` of `vjp`), as `jax.jacrev`." + _JAC_DOC
+jacrev.__doc__ = (
+    "The Jacobian by reverse mode (`vmap` of `vjp`), as `jax.jacrev`. Under `tfun.jit`, with a loop or "
+    "branch inside `fun`, it pulls back one basis cotangent per output element instead (torch.compile cannot "
+    "trace a `vmap` around a loop op), so the compiled graph grows with the output's size." + _JAC_DOC
+)
 
 
 def hessian(
