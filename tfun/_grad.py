@@ -477,7 +477,7 @@ def _value_and_grad_call(
     # Dynamo traces when there is no control flow) takes that case; with control flow
     # inside, torch has no second derivative of a HOP, so it is refused, never dropped.
     # Whether the function closes over such a tensor is learned at trace time by a probe
-    # (`_probe_closure`); its ops feed nothing and AOTAutograd drops them before anything runs.
+    # (`_probe`); its ops feed nothing and AOTAutograd drops them before anything runs.
     # (`len(...) > 0`, not `bool(list)`: Dynamo 2.11 cannot trace the builtin `bool` of a list)
     #
     # Inside a torch.func transform (`tfun.vmap`, `tfun.jacfwd`, `tfun.jvp` around the
@@ -500,14 +500,8 @@ def _value_and_grad_call(
     outermost = tracing and not _hop.in_derivative()
     first_order_closure = False
     if tracing and torch.is_grad_enabled() and not any(x.requires_grad for x in fl.leaves):
-        counts = _hop.lowerings(), _hop.custom_rules()
-        # (inside a derivative, as the real pass, for a loop with unroll=True; not a `with`
-        # block: a graph break in the function would then abandon the whole frame, and
-        # torch.func.grad below failed on functorch's layer stack, "dynamicLayerStack.size()")
-        _hop.derivative_depth(1)
-        closed = _probe_closure(f_flat, fl.leaves)
-        _hop.derivative_depth(-1)
-        first_order_closure = closed and outermost and (_hop.lowerings(), _hop.custom_rules()) != counts
+        closed, lowered_ops, custom_ops = _probe(f_flat, fl.leaves, derivative=True)
+        first_order_closure = closed and outermost and (lowered_ops or custom_ops)
     if tracing and (not closed or first_order_closure):
         # Like torch.func's, the results stay differentiable by an outer autograd (a
         # .backward() of a loss built on the gradient, tfun.grad of tfun.grad): with grad
@@ -621,13 +615,26 @@ def closure_cause(fun: Callable[..., Any]) -> str:
     return f"{describe(fun)} closes over a tensor that requires grad (a module's parameter)"
 
 
-def _probe_closure(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]) -> bool:
-    """Traced code only: evaluate `f_flat` once on detached arguments. Returns whether its
-    value requires grad all the same (through a closed-over tensor that requires grad: a
-    module's parameter, a captured weight)."""
+def _probe(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor], derivative: bool) -> tuple[bool, bool, bool]:
+    """Traced code only: evaluate `f_flat` once on detached arguments (`f_flat(*leaves)`
+    returns `(outputs, rest)`, the outputs a tensor or a sequence of them; the probe's ops feed
+    nothing and AOTAutograd drops them). Returns whether an output requires grad all the same
+    (through a closed-over tensor that requires grad: a module's parameter, a captured
+    weight), whether it lowered loop or branch ops, and whether it applied custom rules or
+    opaque ops. With `derivative`, it runs inside a traced derivative, as the real pass does
+    (a loop with unroll=True then runs its steps in Python). (Not a `with` block: a graph break
+    in the function would then abandon the whole frame, and torch.func.grad after it failed on
+    functorch's layer stack, "dynamicLayerStack.size()".)"""
+    lowered, customs = _hop.lowerings(), _hop.custom_rules()
+    if derivative:
+        _hop.derivative_depth(1)
     with torch.enable_grad():
-        value, _ = f_flat(*[x.detach() for x in leaves])
-    return bool(value.requires_grad)
+        outs, _ = f_flat(*[x.detach() for x in leaves])
+    if derivative:
+        _hop.derivative_depth(-1)
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    closed = any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
+    return closed, _hop.lowerings() != lowered, _hop.custom_rules() != customs
 
 
 def _refuse_custom_second_order(op: str, fun: Callable[..., Any]) -> None:
@@ -983,16 +990,9 @@ def _traced_reverse_mode(
         return False, False
     if torch.is_grad_enabled() and not any(x.requires_grad for x in leaves):
         outermost = not _hop.in_derivative()
-        counts = _hop.lowerings(), _hop.custom_rules()
-        # (inside a derivative, as the real pass, for a loop with unroll=True: see `_value_and_grad_call`)
-        _hop.derivative_depth(1)
-        with torch.enable_grad():
-            outs, _ = f_flat(*[x.detach() for x in leaves])
-        _hop.derivative_depth(-1)
-        if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
-            if outermost and (_hop.lowerings(), _hop.custom_rules()) != counts:
-                return True, True
-            return False, False
+        closed, lowered_ops, custom_ops = _probe(f_flat, leaves, derivative=True)
+        if closed:
+            return (True, True) if outermost and (lowered_ops or custom_ops) else (False, False)
     return True, False
 
 
@@ -1505,9 +1505,7 @@ def _has_traced_loops(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
     them). torch.func.jacrev cannot be traced around such an op; `_traced_jacrev` takes it."""
     if not (len(leaves) > 0 and _context.is_tracing()) or _context.functorch_active() or _hop.in_body():
         return False
-    lowered = _hop.lowerings()
-    f_flat(*[x.detach() for x in leaves])
-    return _hop.lowerings() != lowered
+    return _probe(f_flat, leaves, derivative=False)[1]
 
 
 def _traced_jacrev(
