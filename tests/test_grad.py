@@ -771,6 +771,9 @@ def test_jacrev_of_control_flow_under_jit_equals_eager(f, backend):
     if f is _jac_scan and backend == "aot_eager":
         jj = lambda x: tfun.jacrev(tfun.jacrev(lambda x: f(x, w)["h"]))(x)  # noqa: E731
         torch.testing.assert_close(tfun.jit(jj, backend=backend)(x), jj(x))
+        # has_aux: the aux is the function's, undifferentiated
+        with_aux = tfun.jacrev(lambda x: (f(x, w)["ys"], f(x, w)["h"].norm()), has_aux=True)
+        assert_close_tree(tfun.jit(with_aux, backend=backend)(x), with_aux(x))
 
 
 # (jacfwd and hessian of a loop under tfun.jit are refused: docs/porting.md, jit-jacfwd-of-loop)
