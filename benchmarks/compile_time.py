@@ -127,6 +127,8 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
         torch._inductor.config.cpp_wrapper = True
     if kind in ("rnn_grad_param", "rnn_vjp_closure", "rnn_grad_no_grad"):
         return _grad_worker(kind, n)
+    if kind == "rnn_jacrev":
+        return _jacrev_worker(n)
     with torch.no_grad():
         if kind in ("rnn_scan", "rnn_unrolled"):
             W, U = _rnn_params(torch)
@@ -202,6 +204,36 @@ def _grad_worker(kind: str, n: int) -> dict:
         run_s = (time.perf_counter() - t0) / reps
     ok = torch.allclose(g.detach(), want, rtol=1e-3, atol=1e-5)
     return {"kind": kind, "n": n, "compile_s": compile_s, "run_s": run_s, "ok": bool(ok), "cpp_wrapper": False}
+
+
+def _jacrev_worker(n: int) -> dict:
+    """First call of `tfun.jit(tfun.jacrev(last))(W)`: the Jacobian of a tanh RNN's last state
+    (`n` units, so `n` output elements, 50 steps) in its (n, n) weight, Inductor, against eager's
+    Jacobian. Under tfun.jit a jacrev with a loop inside pulls back one cotangent per output
+    element, so the graph holds `n` backwards of the loop."""
+    import torch
+
+    import tfun
+    from tfun import lax
+
+    g = torch.Generator().manual_seed(2)
+    W, xs = torch.randn(n, n, generator=g) * (0.5 / n**0.5), torch.randn(50, n, generator=g)
+
+    def last(W):
+        return lax.scan(lambda h, x: (torch.tanh(h @ W + x), None), torch.zeros(n), xs)[0]
+
+    want = tfun.jacrev(last)(W)
+    fn = tfun.jit(tfun.jacrev(last))
+    t0 = time.perf_counter()
+    J = fn(W)
+    compile_s = time.perf_counter() - t0
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(W)
+    run_s = (time.perf_counter() - t0) / reps
+    ok = torch.allclose(J, want, rtol=1e-3, atol=1e-5)
+    return {"kind": "rnn_jacrev", "n": n, "compile_s": compile_s, "run_s": run_s, "ok": bool(ok), "cpp_wrapper": False}
 
 
 def run_point(kind: str, n: int, cpp_wrapper: bool = False, timeout: int = 600) -> dict:
@@ -314,6 +346,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2)
     ap.add_argument("--cpp-wrapper", action="store_true")
     ap.add_argument("--grad", action="store_true", help="only the jitted gradient of parameters (the training step)")
+    ap.add_argument("--jacrev", action="store_true", help="only the jitted jacrev of a loop, by output size")
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.cpp_wrapper)))
@@ -323,6 +356,9 @@ def main() -> None:
 
     if a.grad:
         grad_section(a.no_write)
+        return
+    if a.jacrev:
+        jacrev_section(a.no_write)
         return
 
     if a.quick:
@@ -467,6 +503,41 @@ under grad mode (the gradient is kept first-order with the loop as one loop op,
 the loss closing over `W` (kept first-order as well). Each point is a fresh process with an empty
 Inductor cache after an unrelated warm-up compile; "first call" is trace + compile + one run,
 checked against eager's gradient.
+
+{t}
+"""
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as fh:
+        fh.write(section)
+
+
+def jacrev_section(no_write: bool) -> None:
+    """First call of a jitted jacrev of a loop by the number of output elements (one backward
+    of the loop each in the graph), fresh process and empty cache per point."""
+    import torch
+
+    rows = []
+    for n in (4, 16, 32, 64):
+        r = run_point("rnn_jacrev", n)
+        print(r, flush=True)
+        if "error" in r:
+            rows.append([n, r["error"][:60], "-"])
+        else:
+            rows.append([n, f"{r['compile_s']:.2f}" + ("" if r["ok"] else " (WRONG)"), f"{r['run_s'] * 1e3:.2f}"])
+    t = table(rows, ["output elements", "first call s", "ms per call"])
+    print("\n" + t)
+    if no_write:
+        return
+    section = f"""
+### A jitted jacrev of a loop, by output size
+
+Machine: {machine()}; date: {datetime.date.today().isoformat()}; torch {torch.__version__}.
+Run: `.venv/bin/python benchmarks/compile_time.py --jacrev`. `tfun.jit(tfun.jacrev(last))(W)`, `last`
+the final state of a tanh RNN of 50 steps with `n` units (so `n` output elements), `W` its (n, n)
+weight, float32, Inductor. Under tfun.jit a jacrev with a loop inside pulls back one basis
+cotangent per output element (torch.compile cannot trace a vmap around a loop op), so the graph
+holds `n` backwards of the loop; past 32 elements (`tfun._grad.WARN_JACREV_ROWS`) it warns. Each
+point is a fresh process with an empty Inductor cache after an unrelated warm-up compile; "first
+call" is trace + compile + one run, checked against eager's Jacobian.
 
 {t}
 """

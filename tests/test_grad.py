@@ -750,7 +750,7 @@ def test_jacrev_of_control_flow_under_jit_equals_eager(f, backend):
     per output element, with both argnums, against eager float64. A closed-over `nn.Parameter`
     keeps the Jacobian attached to it (first-order: a backward through it is refused at run
     time), and `jacrev` of `jacrev` is exact."""
-    from tfun.errors import JitError
+    from tfun.errors import JitError, PerformanceWarning
 
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(2, 3, generator=g, dtype=D).abs(), torch.randn(3, 3, generator=g, dtype=D) * 0.4
@@ -770,10 +770,41 @@ def test_jacrev_of_control_flow_under_jit_equals_eager(f, backend):
             sum(j.sum() for j in leaves).backward()
     if f is _jac_scan and backend == "aot_eager":
         jj = lambda x: tfun.jacrev(tfun.jacrev(lambda x: f(x, w)["h"]))(x)  # noqa: E731
-        torch.testing.assert_close(tfun.jit(jj, backend=backend)(x), jj(x))
+        # (the outer one pulls back each of the inner Jacobian's 36 elements: past the limit)
+        with pytest.warns(PerformanceWarning, match=r"these 36 output elements"):
+            torch.testing.assert_close(tfun.jit(jj, backend=backend)(x), jj(x))
         # has_aux: the aux is the function's, undifferentiated
         with_aux = tfun.jacrev(lambda x: (f(x, w)["ys"], f(x, w)["h"].norm()), has_aux=True)
         assert_close_tree(tfun.jit(with_aux, backend=backend)(x), with_aux(x))
+
+
+def test_a_jitted_jacrev_of_a_loop_warns_past_its_row_limit_and_stays_exact():
+    """`tfun.jit(tfun.jacrev(f))` with a loop inside builds one backward of the loop per output
+    element: past `WARN_JACREV_ROWS` of them (summed over the outputs) a `PerformanceWarning`
+    at the function's own line names the count and the ways out; at the limit, none (the
+    suite turns warnings into errors). The Jacobian is eager float64's either way."""
+    from tfun import _grad
+    from tfun.errors import PerformanceWarning
+
+    limit = _grad.WARN_JACREV_ROWS
+
+    def f(w, n):  # outputs: `n - 1` elements and 1
+        ys = tfun.lax.scan(lambda h, x: (torch.tanh(h * w + x), h), torch.zeros((), dtype=D), torch.ones(n, dtype=D))[1]
+        return ys[1:], ys.sum()
+
+    w = torch.tensor(0.7, dtype=D)
+    for n, warns in ((limit, False), (limit + 1, True)):
+        torch._dynamo.reset()
+        want = tfun.jacrev(lambda w: f(w, n))(w)
+        jitted = tfun.jit(tfun.jacrev(lambda w: f(w, n)), backend="aot_eager")
+        if warns:
+            with pytest.warns(PerformanceWarning, match=rf"^tfun\.jacrev \(<lambda> at .*test_grad\.py:\d+\): .* these {n} output elements") as info:
+                got = jitted(w)
+            assert {r.filename for r in info if r.category is PerformanceWarning} == {__file__}
+            assert "call tfun.jacrev outside tfun.jit" in str(info[0].message)
+        else:
+            got = jitted(w)
+        assert_close_tree(got, want)
 
 
 # (jacfwd and hessian of a loop under tfun.jit are refused: docs/porting.md, jit-jacfwd-of-loop)

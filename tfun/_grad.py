@@ -21,6 +21,7 @@ complex inputs only with `holomorphic=True`.
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,12 +29,13 @@ import optree
 import torch
 import torch.func
 
-from . import _compat, _context, _first_order
+from . import _compat, _context, _first_order, _funcinfo
 from ._compat import forward_ad_ready, grad_leaf
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
     JitError,
+    PerformanceWarning,
     StructureMismatchError,
     TensorMismatchError,
     format_message,
@@ -1508,6 +1510,31 @@ def _has_traced_loops(f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
     return _probe(f_flat, leaves, derivative=False)[1]
 
 
+#: Most output elements whose Jacobian a traced `tfun.jacrev` with a loop or branch inside
+#: builds without a `PerformanceWarning`: it pulls back one basis cotangent per output element,
+#: so the compiled graph holds that many backwards of the loop. Measured on a 2-core CPU, torch
+#: 2.13, Inductor (`benchmarks/compile_time.py --jacrev`, benchmarks/RESULTS.md): the first call
+#: for a tanh RNN of 50 steps takes 6.2 s at 4 output elements, 22.1 s at 32 and 40.2 s at 64.
+WARN_JACREV_ROWS = 32
+
+
+@_hop.assume_constant
+def _escape_warn_jacrev_rows(op: str, fn: str, where: tuple[str, int] | None, rows: int) -> None:
+    """Plain Python at trace time: the `PerformanceWarning` of a traced jacrev of many output
+    elements, at the function's own file:line."""
+    message = (
+        f"{op} ({fn}): under tfun.jit, with a loop or branch inside, the Jacobian of these {rows} output "
+        "elements pulls back one basis cotangent per element (torch.compile cannot trace the vmap JAX uses "
+        f"around a loop op), so the compiled graph holds {rows} backwards of the loop and its compile time "
+        "grows with them (about half a second each with Inductor for a small RNN on a CPU). If the Jacobian is not "
+        "needed inside the compiled function, call tfun.jacrev outside tfun.jit (eagerly it vmaps one "
+        "pullback); if only some rows are, pull back those cotangents with tfun.vjp; for a gradient of a "
+        "scalar, use tfun.grad (one backward)."
+    )
+    filename, lineno = where if where is not None else ("<unknown>", 0)
+    warnings.warn_explicit(message, PerformanceWarning, filename, lineno)
+
+
 def _traced_jacrev(
     op: str, fun: Callable[..., Any], f_flat: Callable[..., Any], leaves: Sequence[torch.Tensor]
 ) -> tuple[list[list[torch.Tensor]], Any]:
@@ -1530,6 +1557,9 @@ def _traced_jacrev(
         with _hop.unroll_scope(True, derivative=True, cause=closure_cause(fun)):
             return torch.func.jacrev(f_flat, argnums=tuple(range(len(leaves))), has_aux=True)(*leaves)  # type: ignore[no-any-return]
     outs, pull, aux = _traced_vjp(op, fun, f_vjp, leaves, first_order_closure)
+    rows = sum(o.numel() for o in outs)
+    if rows > WARN_JACREV_ROWS:
+        _escape_warn_jacrev_rows(op, describe(fun), _funcinfo.location(fun), rows)
     jac: list[list[torch.Tensor]] = []
     for k, o in enumerate(outs):
         n = o.numel()
@@ -1561,7 +1591,8 @@ jacfwd.__doc__ = "The Jacobian by forward mode (`vmap` of `jvp`), as `jax.jacfwd
 jacrev.__doc__ = (
     "The Jacobian by reverse mode (`vmap` of `vjp`), as `jax.jacrev`. Under `tfun.jit`, with a loop or "
     "branch inside `fun`, it pulls back one basis cotangent per output element instead (torch.compile cannot "
-    "trace a `vmap` around a loop op), so the compiled graph grows with the output's size." + _JAC_DOC
+    "trace a `vmap` around a loop op), so the compiled graph grows with the output's size; past 32 output elements "
+    "it warns (`tfun.errors.PerformanceWarning`). Outside `tfun.jit` it always vmaps one pullback." + _JAC_DOC
 )
 
 
