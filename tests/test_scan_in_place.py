@@ -25,6 +25,15 @@ pytestmark = pytest.mark.skipif(_compat.CustomGraphPass is object, reason="no cu
 
 lax = tfun.lax
 OFF = {"post_grad_custom_post_pass": None}
+
+
+@pytest.fixture(autouse=True)
+def _compile_every_graph():
+    """Inductor's caches off: these tests count the rewrites (`REWRITES`), which a graph taken
+    from a cache (tfun.jit lets the caches keep loop graphs: `_compat.loop_hop_cache_marks`)
+    does not run again."""
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
 #: the tests of scans (and maps) rewritten: not on a torch whose C++ backend can fail on a kernel
 #: indexed by a loaded value (there the pass leaves scans to torch; the last test checks that)
 scan_rewrite = pytest.mark.skipif(

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
 
 _FWD_READY = False
 
@@ -977,6 +977,91 @@ def _custom_graph_pass() -> type:
 
 
 CustomGraphPass: type = _custom_graph_pass()
+
+
+#: torch's control-flow HOPs that tfun.jit's graphs hold (`map_impl` is `map`'s;
+#: `while_loop_stack_output` is the forward of a differentiated `while_loop`).
+_LOOP_HOPS = ("cond", "while_loop", "while_loop_stack_output", "scan", "map_impl")
+
+
+_HOP_PROXIES_PATCHED = False
+
+
+def hop_calls_take_proxies() -> None:
+    """Let a graph module whose code calls a control-flow HOP be rebuilt from its code.
+
+    Unpickling an `fx.GraphModule` re-traces its code symbolically, calling each op on
+    `fx.Proxy` arguments. torch 2.11-2.14's `cond`, `scan` and `while_loop` (and its
+    `while_loop_stack_output`) first check that their operands are tensors or ints
+    (`validate_subgraph_args_types`), which a proxy is not, so such a module cannot be rebuilt.
+    AOTAutograd's cache pickles the backward graph with each entry, and its subgraphs (a loop
+    body, a branch) are rebuilt when the entry is read: an entry whose backward holds a HOP
+    inside another's body (a scan in a cond branch) failed to load, with a logged traceback,
+    and was compiled again. The check now passes proxies through (the HOP then records itself
+    in the graph being traced, as it does for any proxy); tensors are checked as before.
+    Feature-detected (the check refusing a proxy); idempotent; called by
+    `loop_hop_cache_marks`."""
+    global _HOP_PROXIES_PATCHED
+    if _HOP_PROXIES_PATCHED:
+        return
+    _HOP_PROXIES_PATCHED = True
+    utils = importlib.import_module("torch._higher_order_ops.utils")
+    check = getattr(utils, "validate_subgraph_args_types", None)
+    if check is None:  # pragma: no cover - a torch without the check
+        return
+    probe = torch.fx.Proxy(torch.fx.Graph().placeholder("x"))
+    try:
+        check((probe,))
+        return  # pragma: no cover - a torch whose check takes proxies
+    except AssertionError:
+        pass
+
+    def validate_subgraph_args_types(lifted_args: Any) -> None:
+        if any(isinstance(a, torch.fx.Proxy) for a in lifted_args):
+            return
+        check(lifted_args)
+
+    validate_subgraph_args_types.__doc__ = "tfun: proxies pass (see tfun._compat.hop_calls_take_proxies)"
+    for name in ("cond", "scan", "while_loop", "associative_scan", "switch"):
+        try:
+            module = importlib.import_module(f"torch._higher_order_ops.{name}")
+        except ImportError:
+            continue
+        if getattr(module, "validate_subgraph_args_types", None) is check:
+            module.validate_subgraph_args_types = validate_subgraph_args_types
+
+
+def loop_hop_cache_marks() -> dict[str, str]:
+    """The value for Inductor's `unsafe_marked_cacheable_functions` option that lets its
+    compiled-graph caches (the FX graph cache and AOTAutograd's) keep graphs holding torch's
+    control-flow HOPs, or `{}` where this torch has no such option.
+
+    torch 2.11-2.14 bypass both caches for any graph with a HOP, by caution rather than a known
+    fault (pytorch/pytorch#123325: user-defined Triton kernels, whose HOP reads a side table;
+    #135877 added this opt-in), so every process compiled tfun's loops from scratch. For these
+    HOPs the cache key is sound: their operands are the loop bodies and branches, submodules
+    whose code Inductor's key pickles with the graph's, tensors and constants. The mark's
+    value, this torch's version, is part of the key. Before marking, tfun's fixes to torch's
+    rules for these HOPs (autograd, vmap, Inductor's per-step input asserts) are applied, so that
+    every graph compiled and cached with the marks was compiled under the same rules (tfun
+    applies each on its first traced loop otherwise; tfun's own source is in its passes' key)."""
+    from torch._inductor import config
+
+    if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
+        return {}
+    cond_autograd_fixes()
+    cond_vmap_fixes()
+    scan_autograd_fixes()
+    scan_vmap_fixes()
+    while_loop_autograd_fixes()
+    subgraph_input_asserts_off()
+    hop_calls_take_proxies()
+    marks = {}
+    for name in _LOOP_HOPS:
+        op = getattr(torch.ops.higher_order, name, None)
+        if isinstance(op, torch._ops.HigherOrderOperator):
+            marks[f"{op.__module__}.{op.__name__}"] = torch.__version__
+    return marks
 
 
 def inductor_unrolled_reduction_size() -> int:

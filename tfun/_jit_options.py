@@ -75,4 +75,11 @@ def compile_options(options: dict[str, Any]) -> dict[str, Any]:
     if "cpp.min_chunk_size" not in inductor:
         inductor["cpp.min_chunk_size"] = _min_chunk_size()
         added = True
+    if "unsafe_marked_cacheable_functions" not in inductor:
+        marks = _compat.loop_hop_cache_marks()
+        if marks:
+            from torch._inductor import config
+
+            inductor["unsafe_marked_cacheable_functions"] = {**config.unsafe_marked_cacheable_functions, **marks}
+            added = True
     return {**options, "options": inductor} if added else options
