@@ -120,6 +120,9 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
 
     import tfun
 
+    if os.environ.get("TFUN_BENCH_NO_LOOP_CACHE"):
+        # the caches as torch leaves them: bypassed for any graph with a loop (`--warm`'s baseline)
+        tfun._compat.loop_hop_cache_marks = lambda: {}
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     # warm the C++ toolchain / inductor imports with an unrelated compile
     torch.compile(lambda a: (a.sin() + 1).sum())(torch.randn(16))
@@ -238,14 +241,19 @@ def _jacrev_worker(n: int) -> dict:
 
 def run_point(kind: str, n: int, cpp_wrapper: bool = False, timeout: int = 600) -> dict:
     with tempfile.TemporaryDirectory(prefix="tfun-inductor-cache-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-        env.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, str(n)]
-        if cpp_wrapper:
-            cmd.append("--cpp-wrapper")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        wall = time.perf_counter() - t0
+        return _run_in(cache, kind, n, cpp_wrapper, timeout)
+
+
+def _run_in(cache: str, kind: str, n: int, cpp_wrapper: bool = False, timeout: int = 600, **env_extra: str) -> dict:
+    """One worker process with Inductor's caches in `cache`."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), **env_extra)
+    env.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, str(n)]
+    if cpp_wrapper:
+        cmd.append("--cpp-wrapper")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"kind": kind, "n": n, "error": " | ".join(tail)[:300], "cpp_wrapper": cpp_wrapper}
@@ -347,6 +355,7 @@ def main() -> None:
     ap.add_argument("--cpp-wrapper", action="store_true")
     ap.add_argument("--grad", action="store_true", help="only the jitted gradient of parameters (the training step)")
     ap.add_argument("--jacrev", action="store_true", help="only the jitted jacrev of a loop, by output size")
+    ap.add_argument("--warm", action="store_true", help="only the first call in a second process (a warm cache)")
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.cpp_wrapper)))
@@ -359,6 +368,9 @@ def main() -> None:
         return
     if a.jacrev:
         jacrev_section(a.no_write)
+        return
+    if a.warm:
+        warm_section(a.no_write)
         return
 
     if a.quick:
@@ -538,6 +550,48 @@ cotangent per output element (torch.compile cannot trace a vmap around a loop op
 holds `n` backwards of the loop; past 32 elements (`tfun._grad.WARN_JACREV_ROWS`) it warns. Each
 point is a fresh process with an empty Inductor cache after an unrelated warm-up compile; "first
 call" is trace + compile + one run, checked against eager's Jacobian.
+
+{t}
+"""
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as fh:
+        fh.write(section)
+
+
+def warm_section(no_write: bool) -> None:
+    """The first call in a fresh process whose Inductor cache an earlier process filled with
+    the same program, with tfun.jit's loop graphs cached (its default) and as torch leaves them
+    (bypassed for any graph with a loop)."""
+    import torch
+
+    rows = []
+    for kind, n in (("rnn_scan", 256), ("rnn_scan", 1024), ("rnn_grad_param", 256), ("rnn_grad_param", 1024)):
+        cells = [kind, n]
+        for baseline in (True, False):
+            extra = {"TFUN_BENCH_NO_LOOP_CACHE": "1"} if baseline else {}
+            with tempfile.TemporaryDirectory(prefix="tfun-inductor-cache-") as cache:
+                cold = _run_in(cache, kind, n, **extra)
+                warm = _run_in(cache, kind, n, **extra)
+            print(cold, warm, flush=True)
+            for r in (cold, warm):
+                cells.append(r.get("error", "")[:40] or f"{r['compile_s']:.2f}" + ("" if r["ok"] else " (WRONG)"))
+        rows.append(cells)
+    t = table(rows, ["program", "T", "torch's caching: first process s", "second process s",
+                     "tfun.jit's: first process s", "second process s"])
+    print("\n" + t)
+    if no_write:
+        return
+    section = f"""
+### The first call in a second process (a warm Inductor cache)
+
+Machine: {machine()}; date: {datetime.date.today().isoformat()}; torch {torch.__version__}.
+Run: `.venv/bin/python benchmarks/compile_time.py --warm`. Two processes one after the other with
+one Inductor cache directory, each timing the first call (trace + compile + one run, checked
+against eager) of the same program: `rnn_scan`, the tanh RNN's forward (`tfun.jit`, no grad);
+`rnn_grad_param`, its training step `tfun.jit(tfun.value_and_grad(loss))(W, xs)` with `W` an
+`nn.Parameter`. "torch's caching": Inductor's FX graph cache and AOTAutograd's cache bypass every
+graph holding a loop (`TFUN_BENCH_NO_LOOP_CACHE=1`, the state before); "tfun.jit's": its loops'
+HOPs marked cacheable (`tfun._compat.loop_hop_cache_marks`), so the second process takes the
+compiled graphs from the cache and still traces with Dynamo.
 
 {t}
 """
