@@ -19,8 +19,10 @@ def test_the_defaults_go_only_to_inductor_in_its_default_mode():
     assert isinstance(added["post_grad_custom_pre_pass"], PostGradPass)
     assert isinstance(added["post_grad_custom_post_pass"], ScanInPlacePass)
     assert added["cpp.min_chunk_size"] >= 512
-    marks = _compat.loop_hop_cache_marks()
-    assert marks and added["unsafe_marked_cacheable_functions"].items() >= marks.items()
+    marks = added["unsafe_marked_cacheable_functions"]
+    assert {"torch.ops.higher_order.scan", "torch.ops.higher_order.while_loop", "torch.ops.higher_order.cond"} <= set(marks)
+    assert len(set(marks.values())) == 1 and torch.__version__ in next(iter(marks.values()))
+    assert _compat.loop_hop_cache_marks("k") == dict.fromkeys(marks, "k")
     kept = _jit_options.compile_options({"options": {"cpp_wrapper": True}, "dynamic": True})
     assert kept["options"]["cpp_wrapper"] is True and kept["dynamic"] is True
     assert isinstance(kept["options"]["post_grad_custom_pre_pass"], PostGradPass)
@@ -116,7 +118,8 @@ def test_loop_graphs_are_taken_from_inductors_caches_with_eagers_values_and_grad
     functions`, `_compat.loop_hop_cache_marks`), so a second compile of the same program (a new
     process, or after `torch._dynamo.reset()`) takes the compiled forward and backward from the
     caches instead of compiling them again. Both the first and the cached compile give eager
-    float64's values and gradients; with the option set to `{}` the caches are bypassed again."""
+    float64's values and gradients; with the option set to `{}` the caches are bypassed again
+    (checked for the first program)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache
@@ -145,5 +148,6 @@ def test_loop_graphs_are_taken_from_inductors_caches_with_eagers_values_and_grad
     # (an entry that fails to load counts as a miss: `_compat.hop_calls_take_proxies`)
     assert aot.get("autograd_cache_hit", 0) >= 1 and "autograd_cache_miss" not in aot, aot
     assert "fxgraph_cache_miss" not in inductor and "fxgraph_cache_bypass" not in inductor, inductor
-    inductor, aot = run(options={"unsafe_marked_cacheable_functions": {}})
-    assert inductor.get("fxgraph_cache_bypass", 0) >= 1 and aot.get("autograd_cache_bypass", 0) >= 1, (inductor, aot)
+    if name == "scan":  # (one program suffices for torch's own choice)
+        inductor, aot = run(options={"unsafe_marked_cacheable_functions": {}})
+        assert inductor.get("fxgraph_cache_bypass", 0) >= 1 and aot.get("autograd_cache_bypass", 0) >= 1, (inductor, aot)

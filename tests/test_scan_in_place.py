@@ -32,7 +32,7 @@ def _compile_every_graph():
     """Inductor's caches off: these tests count the rewrites (`REWRITES`), which a graph taken
     from a cache (tfun.jit lets the caches keep loop graphs: `_compat.loop_hop_cache_marks`)
     does not run again."""
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 #: the tests of scans (and maps) rewritten: not on a torch whose C++ backend can fail on a kernel
 #: indexed by a loaded value (there the pass leaves scans to torch; the last test checks that)

@@ -1031,20 +1031,22 @@ def hop_calls_take_proxies() -> None:
             module.validate_subgraph_args_types = validate_subgraph_args_types
 
 
-def loop_hop_cache_marks() -> dict[str, str]:
+def loop_hop_cache_marks(key: str) -> dict[str, str]:
     """The value for Inductor's `unsafe_marked_cacheable_functions` option that lets its
     compiled-graph caches (the FX graph cache and AOTAutograd's) keep graphs holding torch's
-    control-flow HOPs, or `{}` where this torch has no such option.
+    control-flow HOPs, each marked with `key` (part of the cache key), or `{}` where this torch
+    has no such option.
 
     torch 2.11-2.14 bypass both caches for any graph with a HOP, by caution rather than a known
     fault (pytorch/pytorch#123325: user-defined Triton kernels, whose HOP reads a side table;
     #135877 added this opt-in), so every process compiled tfun's loops from scratch. For these
     HOPs the cache key is sound: their operands are the loop bodies and branches, submodules
-    whose code Inductor's key pickles with the graph's, tensors and constants. The mark's
-    value, this torch's version, is part of the key. Before marking, tfun's fixes to torch's
-    rules for these HOPs (autograd, vmap, Inductor's per-step input asserts) are applied, so that
-    every graph compiled and cached with the marks was compiled under the same rules (tfun
-    applies each on its first traced loop otherwise; tfun's own source is in its passes' key)."""
+    whose code Inductor's key pickles with the graph's, tensors and constants. Before marking,
+    tfun's fixes to torch's rules for these HOPs (autograd, vmap, Inductor's per-step input
+    asserts) are applied, so that every graph compiled and cached with the marks was compiled
+    under the same rules (tfun applies each on its first traced loop otherwise); `key` names
+    torch's version and tfun's source (`tfun._jit_options`), so another tfun's rules never
+    reuse an entry, with or without tfun's passes."""
     from torch._inductor import config
 
     if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
@@ -1060,7 +1062,7 @@ def loop_hop_cache_marks() -> dict[str, str]:
     for name in _LOOP_HOPS:
         op = getattr(torch.ops.higher_order, name, None)
         if isinstance(op, torch._ops.HigherOrderOperator):
-            marks[f"{op.__module__}.{op.__name__}"] = torch.__version__
+            marks[f"{op.__module__}.{op.__name__}"] = key
     return marks
 
 

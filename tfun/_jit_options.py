@@ -25,7 +25,15 @@ batch of 4 and a state of 32, 1024 steps: forward 8.6 -> 3.5 ms, forward+backwar
   kernel of fewer than `SERIAL_ELEMENTS` (16,384) elements runs on one thread, whatever the
   number of threads; larger kernels are split as torch would split them.
 
-Both apply when tfun.jit compiles with Inductor in its default mode: not with a `mode=`
+And one default for the first call, **loop graphs kept in Inductor's caches**: torch bypasses
+its FX graph cache and AOTAutograd's cache for any graph holding a control-flow HOP; tfun.jit
+marks the loop HOPs cacheable (`unsafe_marked_cacheable_functions`,
+`_compat.loop_hop_cache_marks`, keyed by torch's version and tfun's source), so a second
+process compiling the same program takes its compiled graphs from the cache (a small RNN's
+training step: first call 2.6 -> 1.7 s; `benchmarks/compile_time.py --warm`).
+`{"unsafe_marked_cacheable_functions": {}}` leaves torch's choice.
+
+These apply when tfun.jit compiles with Inductor in its default mode: not with a `mode=`
 (torch.compile takes `mode` or `options`, never both; `"max-autotune"` tunes the GEMMs the pass
 would remove), not with another `backend=`, and each leaves an Inductor option the caller sets
 in `options` alone (`{"post_grad_custom_pre_pass": None}` turns the pass off,
@@ -42,7 +50,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from ._inductor_pass import PostGradPass
+from ._inductor_pass import PostGradPass, _source_hash
 from ._scan_in_place import ScanInPlacePass
 
 __all__ = ["SERIAL_ELEMENTS", "compile_options"]
@@ -76,7 +84,7 @@ def compile_options(options: dict[str, Any]) -> dict[str, Any]:
         inductor["cpp.min_chunk_size"] = _min_chunk_size()
         added = True
     if "unsafe_marked_cacheable_functions" not in inductor:
-        marks = _compat.loop_hop_cache_marks()
+        marks = _compat.loop_hop_cache_marks(f"torch {torch.__version__}, tfun {_source_hash()}")
         if marks:
             from torch._inductor import config
 
