@@ -122,7 +122,7 @@ def worker(kind: str, n: int, cpp_wrapper: bool) -> dict:
 
     if os.environ.get("TFUN_BENCH_NO_LOOP_CACHE"):
         # the caches as torch leaves them: bypassed for any graph with a loop (`--warm`'s baseline)
-        tfun._compat.loop_hop_cache_marks = lambda: {}
+        tfun._compat.loop_hop_cache_marks = lambda key: {}
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     # warm the C++ toolchain / inductor imports with an unrelated compile
     torch.compile(lambda a: (a.sin() + 1).sum())(torch.randn(16))
