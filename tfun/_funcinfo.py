@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import types
+import warnings
 from typing import Any, Callable
 
 
@@ -55,6 +56,15 @@ def location(fn: Callable[..., Any]) -> tuple[str, int] | None:
     without code)."""
     code = getattr(unwrap_callable(fn), "__code__", None)
     return None if code is None else (str(code.co_filename), int(code.co_firstlineno))
+
+
+def warn_at(where: tuple[str, int] | None, message: str, category: type[Warning]) -> None:
+    """`message` as a `category` warning at `where` (a user function's `location`), whatever
+    the call stack: tfun's trace-time warnings are issued from inside torch.compile's tracing,
+    whose frames say nothing to the user. Plain Python: call it from code Dynamo does not
+    trace (a `_hop.assume_constant` function, given `location(fn)` as a constant)."""
+    filename, lineno = where if where is not None else ("<unknown>", 0)
+    warnings.warn_explicit(message, category, filename, lineno)
 
 
 def describe_code(code: types.CodeType, name: str | None = None) -> str:

@@ -21,7 +21,6 @@ complex inputs only with `holomorphic=True`.
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -1531,8 +1530,7 @@ def _escape_warn_jacrev_rows(op: str, fn: str, where: tuple[str, int] | None, ro
         "pullback); if only some rows are, pull back those cotangents with tfun.vjp; for a gradient of a "
         "scalar, use tfun.grad (one backward)."
     )
-    filename, lineno = where if where is not None else ("<unknown>", 0)
-    warnings.warn_explicit(message, PerformanceWarning, filename, lineno)
+    _funcinfo.warn_at(where, message, PerformanceWarning)
 
 
 def _traced_jacrev(

@@ -63,7 +63,6 @@ import collections
 import functools
 import itertools
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -889,8 +888,7 @@ def _escape_warn_unrolled(op: str, fn: str, where: tuple[str, int] | None, total
         f"RNN on a CPU). {fixes}If it is differentiated again (a gradient penalty), pass unroll=True to this "
         "loop: it is unrolled all the same, without this warning."
     )
-    filename, lineno = where if where is not None else ("<unknown>", 0)
-    warnings.warn_explicit(message, _errors.PerformanceWarning, filename, lineno)
+    _funcinfo.warn_at(where, message, _errors.PerformanceWarning)
 
 
 def refuse_unrolled(op: str, fn: Callable[..., Any]) -> None:
