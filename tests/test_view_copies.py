@@ -153,7 +153,10 @@ def _args(T, B=4, H=6, dtype=torch.float64):
 def test_a_differentiated_scan_body_has_no_copying_view_left_and_equals_float64(T, unroll, reverse):
     loss = _loss(unroll, reverse)
     want = tfun.grad(loss, argnums=(0, 1, 2))(*_args(T))
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+    # compiled in float64 (to eager's last digits) and float32; the unrolled cells, whose
+    # graphs hold 3-4 bodies and take 4x as long to compile, in float32 only
+    dtypes = ((torch.float64, 1e-10), (torch.float32, 1e-4)) if unroll == 1 else ((torch.float32, 1e-4),)
+    for dtype, tol in dtypes:
         got, codes = run_and_get_code(tfun.jit(tfun.grad(loss, argnums=(0, 1, 2))), *_args(T, dtype=dtype))
         for g, w in zip(got, want):
             assert g.dtype == dtype
@@ -161,6 +164,7 @@ def test_a_differentiated_scan_body_has_no_copying_view_left_and_equals_float64(
         assert _fallback_copies(codes) == []
 
 
+@pytest.mark.heavy  # CI's second torch phase leaves it out (39 s there); the module's other tests stay
 def test_the_callers_own_pass_slot_keeps_the_aten_calls_and_the_rewrite_still_applies_after():
     loss = _loss(3, False)
     args = _args(7, dtype=torch.float32)
