@@ -479,9 +479,16 @@ def _cond_programs():
 _COND_PROGRAMS = _cond_programs()
 
 
+# Every program under Inductor, the default backend: Dynamo and AOTAutograd as under aot_eager,
+# then tfun's passes and Inductor's code (`heavy`: left out of CI's second torch phase);
+# aot_eager too for the three programs without a loop (its cells of the six loop programs
+# took 100 worker-seconds of CI, tracing the same programs again)
+_COND_AOT_EAGER = ("a_branch_of_constants", "switch_with_a_branch_of_constants", "a_cond_of_unbatched_operands_in_a_branch")
+_COND_CELLS = [pytest.param(n, "inductor", marks=pytest.mark.heavy) for n in _COND_PROGRAMS] + [(n, "aot_eager") for n in _COND_AOT_EAGER]
+
+
 @_SLOW_BATCHING
-@pytest.mark.parametrize("backend", _BACKENDS)
-@pytest.mark.parametrize("name", list(_COND_PROGRAMS))
+@pytest.mark.parametrize(("name", "backend"), _COND_CELLS)
 def test_cond_on_an_unbatched_predicate_under_jit_of_vmap_has_eagers_values_and_gradients(name, backend):
     """`tfun.jit(tfun.vmap(f))` where `f` has a cond/switch on an unbatched predicate, in
     loop bodies and with branches that batch their outputs differently: the value, the
