@@ -363,6 +363,35 @@ def test_per_example_gradients_of_parameters_that_require_grad_stay_differentiab
     torch.testing.assert_close(got, want)
 
 
+def test_per_example_gradients_of_arguments_that_require_grad_unroll_a_long_loop_with_a_warning():
+    """Per-example gradients in arguments that require grad stay differentiable, so a loop
+    inside is unrolled in the graph (torch's loop ops have no second derivative): past
+    `WARN_UNROLLED_STEPS` (16) a `PerformanceWarning` at the loop body's own line names the
+    steps and the ways out (`tfun._funcinfo.warn_at`); at 16 steps, none (the suite turns
+    warnings into errors). The gradients are eager's either way, in float64."""
+    from tfun.errors import PerformanceWarning
+    from tfun.lax import _hop
+
+    def f(w, x):
+        return tfun.lax.scan(lambda c, xt: (torch.tanh(c * w + xt), None), torch.zeros(3, dtype=D), x)[0].sum()
+
+    g = torch.Generator().manual_seed(3)
+    assert _hop.WARN_UNROLLED_STEPS == 16
+    for T, warns in ((16, False), (17, True)):
+        torch._dynamo.reset()
+        w = torch.randn(4, 3, dtype=D, generator=g, requires_grad=True)
+        x = torch.randn(4, T, 3, dtype=D, generator=g)
+        jitted = tfun.jit(tfun.vmap(tfun.grad(f)), backend="aot_eager")
+        if warns:
+            with pytest.warns(PerformanceWarning, match=rf"^tfun\.lax\.scan \(<lambda> at .*test_vmap\.py:\d+\): under tfun\.jit this loop is unrolled into {T} steps") as info:
+                got = jitted(w, x)
+            assert {r.filename for r in info if r.category is PerformanceWarning} == {__file__}
+            assert "torch.no_grad()" in str(info[0].message)
+        else:
+            got = jitted(w, x)
+        torch.testing.assert_close(got, tfun.vmap(tfun.grad(f))(w, x))
+
+
 def test_per_example_gradients_under_jit_check_out_axes_as_eagerly():
     """An out_axes past a per-example scalar's gradient: the same ArgumentValueError eagerly
     (torch.func's vmap) and under jit (the rewrite places the batch dimension itself)."""
