@@ -405,3 +405,119 @@ def test_a_dict_across_a_graph_break_under_plain_torch_compile(program, backend)
         )
     for a, b in zip(tt.tree_leaves(got), tt.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# --- under Dynamo: the commonest structures from a table built before tracing ----------------
+#
+# Under Dynamo, optree's functions run as Dynamo's Python stand-ins, traced instruction by
+# instruction (about 335 instructions to flatten one tensor). A leaf, `None` and a tuple or list
+# of up to six leaves and `None`s take their treedef from `_tree._TRACED` instead, built in plain
+# Python by the same stand-in. Compared here, in the same trace, with what the stand-in builds:
+# treedef fields (as `==` compares them), leaves, key paths and the rebuilt tree, for trees on
+# both sides of the table's edge (nested, longer, other containers, `is_leaf`).
+
+# (mostly the table's items, so that most lists are in it)
+_FAST_ITEMS = st.sampled_from(["tensor", "none", "tensor", "none", "int", "float", "nested", "dict"])
+
+
+def _fast_item(kind: str, k: int) -> Any:
+    t = torch.full((2,), float(k))
+    return {
+        "tensor": t,
+        "none": None,
+        "int": k,
+        "float": k + 0.5,
+        "nested": (t, None),
+        "dict": {"b": t, "a": None},
+    }[kind]
+
+
+@st.composite
+def _fast_trees(draw: Any) -> Any:
+    top = draw(st.sampled_from(["tuple", "list", "tensor", "none", "int", "dict"]))
+    if top in ("tuple", "list"):
+        kinds = draw(st.lists(_FAST_ITEMS, max_size=8))
+        items = [_fast_item(kind, k) for k, kind in enumerate(kinds)]
+        return tuple(items) if top == "tuple" else items
+    return _fast_item(top if top != "none" else "none", 7)
+
+
+def _traced_against_stand_in(tree: Any, none_is_leaf: bool, is_leaf: Any) -> tuple[Any, ...]:
+    import optree
+
+    from tfun import _compat, _tree
+
+    key = _tree._structure_key(tree, is_leaf, none_is_leaf)
+
+    def run(tree: Any) -> Any:
+        leaves, td = tt.tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf)
+        ref_leaves, ref_td = optree.tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=_tree.NAMESPACE)
+        paths = tt.tree_flatten_with_path(tree, is_leaf, none_is_leaf=none_is_leaf)[0]
+        ref_paths = optree.tree_flatten_with_accessor(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=_tree.NAMESPACE)[0]
+        structure = tt.tree_structure(tree, is_leaf, none_is_leaf=none_is_leaf)
+        from_table = key is not None and td is getattr(_tree._TRACED, key)[0]
+        return (
+            from_table,
+            _compat._spec_fields_equal(td, ref_td),
+            _compat._spec_fields_equal(structure, ref_td),
+            len(leaves) == len(ref_leaves) and all(a is b for a, b in zip(leaves, ref_leaves)),
+            [tt.keystr(p) for p, _ in paths] == [tt.keystr(p) for p in ref_paths],
+            all(x is y for (_, x), y in zip(paths, ref_leaves)),
+            len(tt.tree_leaves(tree, is_leaf, none_is_leaf=none_is_leaf)) == len(ref_leaves),
+            tt.tree_unflatten(td, leaves),
+        )
+
+    torch._dynamo.reset()
+    return key, torch.compile(run, backend="eager", fullgraph=True)(tree)
+
+
+@given(tree=_fast_trees(), none_is_leaf=st.booleans(), with_is_leaf=st.booleans())
+def test_traced_trees_take_the_treedef_dynamos_stand_in_builds(tree, none_is_leaf, with_is_leaf):
+    is_leaf = (lambda x: False) if with_is_leaf else None
+    key, (from_table, same_def, same_structure, same_leaves, same_paths, paths_leaves, n_leaves, rebuilt) = (
+        _traced_against_stand_in(tree, none_is_leaf, is_leaf)
+    )
+    # the table is used exactly where `_structure_key` finds the tree in it
+    assert from_table == (key is not None)
+    if isinstance(tree, torch.Tensor) or type(tree) in (int, float):
+        assert key is not None  # a leaf, whatever `is_leaf`
+    if type(tree) in (tuple, list) and len(tree) <= 6 and is_leaf is None:
+        simple = all(x is None or isinstance(x, (torch.Tensor, int, float)) for x in tree)
+        assert (key is not None) == simple
+    assert same_def and same_structure and same_leaves and same_paths and paths_leaves and n_leaves
+    assert tt.tree_structure(rebuilt, none_is_leaf=none_is_leaf) == tt.tree_structure(tree, none_is_leaf=none_is_leaf)
+    for a, b in zip(tt.tree_leaves(rebuilt, none_is_leaf=none_is_leaf), tt.tree_leaves(tree, none_is_leaf=none_is_leaf)):
+        assert a is b or (isinstance(a, torch.Tensor) and torch.equal(a, b)) or a == b
+
+
+def test_the_traced_treedef_table_covers_what_it_says():
+    """Every tuple and list of up to six leaves and `None`s, both `none_is_leaf`s, a leaf and
+    `None`; each entry the stand-in's treedef of its structure (torch 2.11-2.14 have the
+    stand-in: an empty table would silently turn the fast path off)."""
+    import optree
+
+    from tfun import _compat, _tree
+
+    table = vars(_tree._TRACED)
+    n = _compat.TRACED_TREEDEF_MAX_LEN
+    assert n == 6 and _tree._HAS_TRACED
+    expected = 2 + 1 + 2 * sum(2**k for k in range(n + 1)) + 2 * (n + 1)
+    assert len(table) == expected
+    assert _tree._structure_key((torch.ones(1),) * n, None, False) == "t" + "*" * n
+    assert _tree._structure_key((torch.ones(1),) * (n + 1), None, False) is None
+    # each key's entry is the stand-in's treedef (and optree's key paths) of the tree it names
+    stand_in = torch._dynamo.polyfills.pytree.tree_flatten.__torch_dynamo_polyfill__
+    for key, (spec, paths) in table.items():
+        none_is_leaf = key.endswith("1")
+        code = key[:-1] if none_is_leaf else key
+        items = [torch.ones(1) if c == "*" else None for c in code[1:]]
+        if code in ("*", "n"):
+            tree = torch.ones(1) if code == "*" else None
+        else:
+            tree = tuple(items) if code[0] == "t" else items
+        assert _tree._structure_key(tree, None, none_is_leaf) == key
+        leaves, want = stand_in(tree, none_is_leaf=none_is_leaf, namespace=_tree.NAMESPACE)
+        assert _compat._spec_fields_equal(spec, want), key
+        want_paths = optree.tree_flatten_with_accessor(tree, none_is_leaf=none_is_leaf, namespace=_tree.NAMESPACE)[0]
+        assert [tt.keystr(p) for p in paths] == [tt.keystr(p) for p in want_paths], key
+        assert len(leaves) == len(paths) == spec.num_leaves, key

@@ -13,15 +13,17 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import itertools
 import types
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "dynamo_treedefs", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "traced_by_dynamo", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
 
 _FWD_READY = False
 
@@ -1734,3 +1736,95 @@ def _static_trips(while_loop: Any) -> int | None:
     module = getattr(getattr(while_loop, "cond_subgraph", None), "graph_module", None)
     trips = getattr(module, "meta", {}).get(STATIC_TRIPS)
     return trips if isinstance(trips, int) and not isinstance(trips, bool) and trips >= 1 else None
+
+
+# ----------------------------------------------------------------------------------------
+# Dynamo's stand-in treedefs, built ahead of tracing for the commonest structures
+# ----------------------------------------------------------------------------------------
+
+def traced_by_dynamo() -> bool:
+    """`False`; where Dynamo traces the call, `True` (its stand-in, `_traced_by_dynamo`, answers).
+
+    `torch.compiler.is_dynamo_compiling()` answers the same, but Dynamo marks a frame that asks
+    it (or calls anything that does) as having "inconsistent side effects" and then compiles
+    that frame even where it records no operation. Code that runs eagerly after a graph break
+    has each function it calls met by Dynamo as a frame of its own: a `tfun.tree.tree_flatten`
+    that asked was compiled so, and handed Dynamo's stand-in treedef to the eager code that
+    called it, where optree's treedef belongs. A function with a stand-in registered by
+    `torch._dynamo.substitute_in_graph` is not marked: such a frame records nothing and is left
+    to run eagerly, where this answers `False`. Where this torch cannot register a stand-in
+    (no `substitute_in_graph`), it is `False` everywhere (`_TRACED_BY_DYNAMO_WORKS`)."""
+    return False
+
+
+def _register_traced_by_dynamo() -> bool:
+    substitute = getattr(importlib.import_module("torch._dynamo"), "substitute_in_graph", None)
+    if substitute is None:  # pragma: no cover - a torch without it (2.11-2.14 have it)
+        return False
+
+    @substitute(traced_by_dynamo)
+    def _traced_by_dynamo() -> bool:
+        return True
+
+    return True
+
+
+#: Whether `traced_by_dynamo` answers `True` under Dynamo on this torch.
+_TRACED_BY_DYNAMO_WORKS = _register_traced_by_dynamo()
+
+#: The longest tuple / list `dynamo_treedefs` builds treedefs for.
+TRACED_TREEDEF_MAX_LEN = 6
+
+
+def dynamo_treedefs(namespace: str) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """Dynamo's stand-in treedefs (with the key paths of their leaves) for the structures a
+    control-flow op meets most, built here in plain Python, keyed as `tfun._tree` keys them.
+
+    Under Dynamo, optree's functions run as Dynamo's Python stand-ins
+    (`torch._dynamo.polyfills.pytree`), which Dynamo traces instruction by instruction: one
+    flatten of a single tensor costs about 335 traced instructions, most of them building the
+    frozen dataclass that stands in for optree's `PyTreeSpec`; a `tfun.lax.scan` lowering
+    flattens a dozen trees, and that is about half of Dynamo's work on a small scan (torch
+    2.13). The structures built here are a leaf, `None`, and a tuple or a list of up to
+    `TRACED_TREEDEF_MAX_LEN` items each a leaf or `None`, with `none_is_leaf` false and true;
+    each is what Dynamo's stand-in `tree_flatten` returns for such a tree (it is called here,
+    outside tracing, on a tree of that structure), so a treedef from this table and one
+    Dynamo builds compare equal and unflatten alike. Keys: `"*"` a leaf, `"n"` `None` (not a
+    leaf), `"t"` / `"l"` then one letter per item (`"*"` a leaf, `"n"` `None`), then `"1"`
+    for `none_is_leaf`. Empty where this torch has no such stand-in (then every tree is
+    flattened by the stand-ins, as before).
+    """
+    try:
+        polyfill = importlib.import_module("torch._dynamo.polyfills.pytree")
+    except ImportError:  # pragma: no cover - a torch without Dynamo's optree stand-ins
+        return {}
+    # (the module's `tree_flatten` calls optree's; the stand-in Dynamo traces hangs off it)
+    flatten = getattr(getattr(polyfill, "tree_flatten", None), "__torch_dynamo_polyfill__", None)
+    spec_class = getattr(polyfill, "PyTreeSpec", None)
+    if flatten is None or spec_class is None:
+        return {}  # pragma: no cover - another torch's layout: no table, no fast path
+    table: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+
+    def add(key: str, skeleton: Any, none_is_leaf: bool) -> bool:
+        _, spec = flatten(skeleton, none_is_leaf=none_is_leaf, namespace=namespace)
+        if type(spec) is not spec_class:  # pragma: no cover - another torch's layout
+            return False
+        accessors = tuple(
+            optree.tree_flatten_with_accessor(skeleton, none_is_leaf=none_is_leaf, namespace=namespace)[0]
+        )
+        table[key] = (spec, accessors)
+        return True
+
+    leaf = 0
+    if not add("*", leaf, False):
+        return {}  # pragma: no cover - another torch's layout: no table, no fast path
+    for none_is_leaf, suffix in ((False, ""), (True, "1")):
+        add("*" + suffix, leaf, none_is_leaf)
+        kinds = ("*",) if none_is_leaf else ("*", "n")
+        for n in range(TRACED_TREEDEF_MAX_LEN + 1):
+            for items in itertools.product(kinds, repeat=n):
+                values = [leaf if k == "*" else None for k in items]
+                add("t" + "".join(items) + suffix, tuple(values), none_is_leaf)
+                add("l" + "".join(items) + suffix, list(values), none_is_leaf)
+    add("n", None, False)
+    return table
