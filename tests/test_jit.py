@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 
 import pytest
@@ -154,13 +155,65 @@ def test_a_warning_raised_as_an_error_while_compiling_says_so():
     msg = str(info.value)
     assert "* UserWarning: TensorFloat32 tensor cores available but not enabled (a note)" in msg
     assert "warnings filter in effect turns warnings into errors" in msg
-    assert 'message="TensorFloat32 tensor cores available but not enabled ")' in msg
+    assert r'message=r"TensorFloat32 tensor cores available but not enabled \(a note")' in msg
     assert "limitation of the installed torch" not in msg and "Revise that line" not in msg
     # the filter it suggests lets the same call compile
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=_jit._warning_pattern(info.value.dynamo_error.inner_exception))
         assert tfun.jit(lambda x: x * 2, backend=warning_backend)(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_the_suggested_filter_escapes_what_a_regex_reads_specially():
+    """The pattern tfun.jit suggests for a warning raised as an error matches that warning's
+    message: torch's "`torch.jit.script_method` is deprecated. ..." gave "`torch" (cut at the
+    first dot) before."""
+    message = "`torch.jit.script_method` is deprecated. Please switch to `torch.compile` or `torch.export`."
+    pattern = _jit._warning_pattern(DeprecationWarning(message))
+    assert pattern == r"`torch\.jit\.script_method` is deprecated\. Please switch to `t"
+    assert re.match(pattern, message)
+    assert _jit._warning_pattern(UserWarning('a "quoted" (x)')) == "a "  # cut at the first quote
+
+
+_WARNINGS_AS_ERRORS_PROGRAM = """
+import warnings
+warnings.simplefilter("error")
+import torch
+import tfun
+from tfun import lax
+
+W = torch.randn(3, requires_grad=True, dtype=torch.float64)
+
+
+def f(x):
+    return lax.scan(lambda c, xt: (torch.tanh(c * W + xt), None), torch.zeros(3, dtype=torch.float64), x)[0].sum()
+
+
+x = torch.randn(20, 3, dtype=torch.float64)
+got = tfun.jit(tfun.grad(f), backend="aot_eager")(x)
+want = tfun.grad(f)(x)
+print("max abs difference", float((got - want).abs().max().detach()))
+"""
+
+
+def test_a_jitted_gradient_of_a_loop_compiles_under_warnings_as_errors():
+    """`python -W error`: the first compile of a traced gradient of a scan closing over a
+    parameter imports torch's `torch.utils.mkldnn` (through the HOP partitioner), whose import
+    deprecates `torch.jit.script_method` (torch 2.11, 2.13): that failed the compile with a
+    JitError naming torch's warning. tfun.jit compiles with that one message ignored until the
+    import happened (`_compat.torch_import_warnings_ignored`). A fresh process, since the
+    module is imported once."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", _WARNINGS_AS_ERRORS_PROGRAM], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("max abs difference")[1]) < 1e-12
 
 
 def _compile_worker_failure(worker_tail: str) -> str:

@@ -493,7 +493,7 @@ class Jitted:
     ) -> Any:
         fwd_level = _compat.forward_ad_level()
         try:
-            with _SettingsScope():
+            with _SettingsScope(), _compat.torch_import_warnings_ignored():
                 if _compat.compile_takes_recompile_limit:
                     out = compiled(*dyn_args, **dyn_kwargs)
                 else:
@@ -798,11 +798,13 @@ def _raised_warning(e: BaseException) -> Warning | None:
 
 
 def _warning_pattern(w: Warning) -> str:
-    """A `filterwarnings` message pattern for `w` (matched at the start of the message): its
-    first line up to the first character a regex or a quoted string would read specially,
-    at most 60 characters."""
+    """A `filterwarnings` message pattern for `w` (matched at the start of the message), to be
+    shown as a raw string: its first line up to the first quote, at most 60 characters, with
+    the characters a regex reads specially escaped. (It stopped at the first such character:
+    torch's "`torch.jit.script_method` is deprecated" gave the pattern "`torch".)"""
     first = str(w).strip().splitlines()[0] if str(w).strip() else ""
-    return re.match(r"[^.^$*+?{}\[\]\\|()'\"]{0,60}", first).group(0)  # type: ignore[union-attr]
+    text = re.match(r"[^'\"]{0,60}", first).group(0)  # type: ignore[union-attr]
+    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
 def _failed_tracing_control_flow(e: BaseException) -> bool:
@@ -1394,7 +1396,7 @@ def translate_error(
             "That is a warning issued while compiling, raised as an exception because the warnings filter in "
             "effect turns warnings into errors (`python -W error`, `warnings.simplefilter(\"error\")`, pytest's "
             "filterwarnings = [\"error\"]); it is not a failure of the compiler nor of your code. Ignore that "
-            f"warning in the filter (e.g. `warnings.filterwarnings(\"ignore\", message=\"{_warning_pattern(warning)}\")`), "
+            f"warning in the filter (e.g. `warnings.filterwarnings(\"ignore\", message=r\"{_warning_pattern(warning)}\")`), "
             "or let warnings be warnings while tfun.jit compiles."
         )
     elif revise is default_revise and isinstance(e, BackendCompilerFailed) and _failed_tracing_control_flow(e):
