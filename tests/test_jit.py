@@ -200,9 +200,9 @@ def test_a_jitted_gradient_of_a_loop_compiles_under_warnings_as_errors():
     """`python -W error`: the first compile of a traced gradient of a scan closing over a
     parameter imports torch's `torch.utils.mkldnn` (through the HOP partitioner), whose import
     deprecates `torch.jit.script_method` (torch 2.11, 2.13): that failed the compile with a
-    JitError naming torch's warning. tfun.jit compiles with that one message ignored until the
-    import happened (`_compat.torch_import_warnings_ignored`). A fresh process, since the
-    module is imported once."""
+    JitError naming torch's warning. tfun.jit imports it when tfun is imported, with that one
+    message ignored (`_compat.import_torch_scripted_modules`). A fresh process, since the module
+    is imported once."""
     import os
     import subprocess
     import sys

@@ -9,7 +9,6 @@ feature-detected in `tfun/lax/_hop.py`, the one module that calls them.)
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -25,7 +24,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "dynamo_treedefs", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "torch_import_warnings_ignored", "traced_by_dynamo", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "dynamo_treedefs", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "import_torch_scripted_modules", "traced_by_dynamo", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
 
 _FWD_READY = False
 
@@ -1435,25 +1434,23 @@ cond_autograd_fixes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _SCRIPTS_AT_IMPORT = "torch.utils.mkldnn"
 
 
-@contextlib.contextmanager
-def torch_import_warnings_ignored() -> Any:
-    """Until torch's `torch.utils.mkldnn` is imported: a scope that ignores the deprecation
-    warning about `torch.jit.script_method` its import issues. After that, nothing.
+def import_torch_scripted_modules() -> None:
+    """Import torch's `torch.utils.mkldnn` now (once; about 16 ms), with the deprecation warning
+    about `torch.jit.script_method` its import issues ignored.
 
     A traced gradient of a loop imports it (torch's HOP partitioner imports
     `torch._inductor.compile_fx`, which imports it), with `backend="aot_eager"` too: under
     `python -W error` or pytest's `filterwarnings = ["error"]`, `tfun.jit(tfun.grad(f))` of a scan
     closing over a parameter failed its first compile on that warning (torch 2.11, 2.13; 2.14
-    no longer warns there). It is about torch's code, not the caller's; tfun.jit compiles inside
-    this scope. Only that message, only that category, only until the import happened (the
-    warning cannot come again: the module scripts its classes once); every other warning
-    reaches the caller's filter as before."""
+    no longer warns there). It is about torch's code, not the caller's. Imported here, when
+    tfun.jit is imported, the warning cannot come again (the module scripts its classes once);
+    only that message and category are ignored, and only around this import, so no filter is
+    touched while anything is compiled or run."""
     if _SCRIPTS_AT_IMPORT in sys.modules:
-        yield
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
-        yield
+        importlib.import_module(_SCRIPTS_AT_IMPORT)
 
 
 def compile_error(e: BaseException) -> BaseException:

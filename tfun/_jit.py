@@ -493,7 +493,7 @@ class Jitted:
     ) -> Any:
         fwd_level = _compat.forward_ad_level()
         try:
-            with _SettingsScope(), _compat.torch_import_warnings_ignored():
+            with _SettingsScope():
                 if _compat.compile_takes_recompile_limit:
                     out = compiled(*dyn_args, **dyn_kwargs)
                 else:
@@ -641,6 +641,10 @@ def _bind_static(fun: Callable[..., Any], static_pos: dict[int, Any], static_kw:
 
 #: Numbers the code objects of static specializations (see `Jitted._compile`).
 _SPECIALIZATIONS = itertools.count()
+
+# torch's module that scripts its classes at import, imported now with its deprecation warning
+# ignored: a traced gradient of a loop imports it while compiling, which failed under `-W error`
+_compat.import_torch_scripted_modules()
 
 
 class _WeakKey:
