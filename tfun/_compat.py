@@ -24,7 +24,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "dynamo_treedefs", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "import_torch_scripted_modules", "traced_by_dynamo", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
+__all__ = ["add_batch_dim", "bitcast", "close_forward_ad_levels", "compile_error", "compile_takes_recompile_limit", "complex_of_float", "CustomGraphPass", "cond_autograd_fixes", "cond_vmap_fixes", "cpp_transposes_indirect_index", "comptime_local_sizes", "current_interpreter", "dynamo_comptime", "dynamo_inspects_wrapped_functions", "dynamo_treedefs", "fake_mode_of", "forward_ad_level", "forward_ad_level_active", "forward_ad_ready", "functorch_interpreters", "functorch_missing", "get_unwrapped", "grad_leaf", "hop_calls_take_proxies", "import_torch_scripted_modules", "is_batchedtensor", "is_exporting", "is_functionaltensor", "is_functorch_wrapped_tensor", "is_gradtrackingtensor", "is_hashable", "loop_hop_cache_marks", "maybe_get_bdim", "maybe_get_level", "outside_fake_mode", "peek_interpreter_stack", "raised_args", "record_raised", "same_treedef", "scan_autograd_fixes", "selective_checkpoint_vmaps", "sizes_now", "scan_backward_dense", "scan_vmap_batch_first", "scan_vmap_fixes", "subgraph_input_asserts_off", "traced_by_dynamo", "triton_launcher", "unwrap_batched", "unwrap_for_grad", "vmap_decrement_nesting", "vmap_increment_nesting", "while_loop_autograd_fixes", "wrap_for_grad", "wraps"]
 
 _FWD_READY = False
 
@@ -1778,7 +1778,7 @@ def traced_by_dynamo() -> bool:
     called it, where optree's treedef belongs. A function with a stand-in registered by
     `torch._dynamo.substitute_in_graph` is not marked: such a frame records nothing and is left
     to run eagerly, where this answers `False`. Where this torch cannot register a stand-in
-    (no `substitute_in_graph`), it is `False` everywhere (`_TRACED_BY_DYNAMO_WORKS`)."""
+    (no `substitute_in_graph`), it is `False` everywhere (`TRACED_BY_DYNAMO_WORKS`)."""
     return False
 
 
@@ -1795,7 +1795,7 @@ def _register_traced_by_dynamo() -> bool:
 
 
 #: Whether `traced_by_dynamo` answers `True` under Dynamo on this torch.
-_TRACED_BY_DYNAMO_WORKS = _register_traced_by_dynamo()
+TRACED_BY_DYNAMO_WORKS = _register_traced_by_dynamo()
 
 #: The longest tuple / list `dynamo_treedefs` builds treedefs for.
 TRACED_TREEDEF_MAX_LEN = 6
@@ -1841,10 +1841,9 @@ def dynamo_treedefs(namespace: str) -> dict[str, tuple[Any, tuple[Any, ...]]]:
         return True
 
     leaf = 0
-    if not add("*", leaf, False):
-        return {}  # pragma: no cover - another torch's layout: no table, no fast path
     for none_is_leaf, suffix in ((False, ""), (True, "1")):
-        add("*" + suffix, leaf, none_is_leaf)
+        if not add("*" + suffix, leaf, none_is_leaf):
+            return {}  # pragma: no cover - another torch's layout: no table, no fast path
         kinds = ("*",) if none_is_leaf else ("*", "n")
         for n in range(TRACED_TREEDEF_MAX_LEN + 1):
             for items in itertools.product(kinds, repeat=n):
