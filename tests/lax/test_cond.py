@@ -549,24 +549,27 @@ def test_a_branch_or_body_returning_what_it_reads_compiles(case, backend):
     attribute view of an operand read in a branch (`a.T`: Dynamo lifted it as a second
     operand sharing memory with the first), and branch outputs in different memory layouts,
     each with a message about views the program did not have. Values and every input's
-    gradient against eager float64, each branch taken by one of two calls."""
+    gradient against eager float64, each branch taken by one of two calls: the jitted `f`'s
+    values in grad mode (inputs requiring grad, then its `.backward()`) and under no_grad,
+    and `tfun.jit(tfun.grad(loss))`. (A jitted `loss` differentiated outside, next to `f` on
+    inputs that required no grad, compiled the same two paths a third time.)"""
     f = _RETURNS_WHAT_IT_READS[case]
     loss = lambda x, W1, W2: (f(x, W1, W2) ** 2).sum()
     torch._dynamo.reset()
     jf = tfun.jit(f, backend=backend)
     jgrad = tfun.jit(tfun.grad(loss, argnums=(0, 1, 2)), backend=backend)
-    jloss = tfun.jit(loss, backend=backend)
     g = torch.Generator().manual_seed(7)
     for sign in (1.0, -1.0):
         x = sign * (torch.rand(5, 3, dtype=torch.float64, generator=g) + 0.1)
         W1, W2 = torch.randn(3, 3, dtype=torch.float64, generator=g), torch.randn(3, 3, dtype=torch.float64, generator=g)
-        torch.testing.assert_close(jf(x, W1, W2), f(x, W1, W2), rtol=1e-12, atol=1e-12)
         with torch.no_grad():  # (inference: torch's lowering refused the aliasing here too, hunt 27)
             torch.testing.assert_close(jf(x, W1, W2), f(x, W1, W2), rtol=1e-12, atol=1e-12)
         want = tfun.grad(loss, argnums=(0, 1, 2))(x, W1, W2)
         for a, b in zip(jgrad(x, W1, W2), want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         args = [t.clone().requires_grad_() for t in (x, W1, W2)]
-        jloss(*args).backward()
+        out = jf(*args)
+        torch.testing.assert_close(out.detach(), f(x, W1, W2), rtol=1e-12, atol=1e-12)
+        (out**2).sum().backward()
         for a, b in zip(args, want):  # (no `.grad` for an input the function does not read)
             torch.testing.assert_close(torch.zeros_like(b) if a.grad is None else a.grad, b, rtol=1e-12, atol=1e-12)
