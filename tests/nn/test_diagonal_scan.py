@@ -81,7 +81,10 @@ def test_traced_runs_the_chunked_real_algorithm_with_the_recurrences_values_and_
     monkeypatch.setattr(ds, "_log_depth", lambda *a: pytest.fail("traced call ran the complex log-depth scan"))
     monkeypatch.setattr(ds, "_chunked", lambda *a: called.append(1) or chunked(*a))
     f = tfun.jit(ds.diagonal_scan, backend=backend)
-    for length in (19, 8, 67):  # 3 chunks; 1; 9 chunks (a second level)
+    # 3 chunks; 1 (no padding); 9 chunks (a second level, over 2 chunks, over 1). Under Inductor
+    # (each length its own graph) 19 is left out: 67's graph holds every piece of 19's
+    # (padded chunks, a second level, one chunk), and aot_eager traces all three lengths
+    for length in (19, 8, 67) if backend == "aot_eager" else (8, 67):
         check(f, inputs(2, length, 3, seed=length), rtol=1e-9, atol=1e-9)
     assert called
 
