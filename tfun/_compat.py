@@ -355,6 +355,25 @@ def is_hashable(value: Any) -> bool:
 is_hashable._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def scan_hop() -> Any:
+    """torch's scan higher-order op itself (`torch._higher_order_ops.scan.scan_op`), or None
+    where this torch has none.
+
+    Under Dynamo tfun calls it directly with its flat lists (`tfun.lax._hop.scan_flat`) instead
+    of through torch's Python wrapper `scan()`, which flattens the same lists again with torch's
+    pytree, validates and builds its own `functools.partial` for Dynamo's scan handler: Python
+    that Dynamo traces one instruction at a time (a seventh of the traced instructions of a
+    jitted scan's gradient). Dynamo's handler takes any `functools.partial` with a `combine_fn`
+    keyword (torch 2.11, 2.13 and 2.14.1: checked by tests/test_compat.py), and the graph it
+    records is the wrapper's.
+    """
+    try:
+        from torch._higher_order_ops.scan import scan_op
+    except ImportError:  # pragma: no cover - a torch without torch's scan op
+        return None
+    return scan_op
+
+
 _SCAN_AUTOGRAD_PATCHED = False
 
 

@@ -636,3 +636,49 @@ def test_integer_constants_through_loops_and_branches_under_jit_with_gradients(b
     for a, b in zip(tfun.tree.tree_leaves(aux), want_leaves):
         assert torch.equal(a, b), (a, b)
     torch.testing.assert_close(xr.grad, want_g)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_traced_scan_calls_torchs_scan_op_without_its_python_wrapper(reverse, monkeypatch):
+    """Under tfun.jit, tfun calls torch's scan op itself with its flat lists
+    (`_hop.scan_flat`, `_compat.scan_hop`): torch's Python `scan()` would flatten them again,
+    Python that Dynamo traces one instruction at a time. `reverse` flips `xs` and every y as
+    the wrapper did, the ys wrapped in the dicts that carry an int's dtype (grad mode) or a
+    complex pair (no grad) across the HOP included: eager float64's values and gradients."""
+    import torch._higher_order_ops.scan as torch_scan_module  # noqa: F401 - the submodule
+
+    module = __import__("sys").modules["torch._higher_order_ops.scan"]
+
+    def no_wrapper(*args, **kwargs):
+        raise AssertionError("torch's scan() wrapper was called under tfun.jit")
+
+    def f(h0, xs, W):
+        def step(h, x):
+            h = torch.tanh(h @ W + x)
+            return h, {"h": h * 2.0, "n": h.argmax()}
+
+        return lax.scan(step, h0, xs, reverse=reverse)
+
+    def c(z, zs):  # complex carry and ys under no_grad (they cross as real pairs)
+        return lax.scan(lambda a, b: (a * 0.5 + b, a.conj()), z, zs, reverse=reverse)
+
+    g = torch.Generator().manual_seed(3)
+    h0, xs, W = torch.randn(3, generator=g), torch.randn(6, 3, generator=g), torch.randn(3, 3, generator=g) * 0.5
+    loss = lambda h0, xs, W: (f(h0, xs, W)[0] ** 2).sum() + (f(h0, xs, W)[1]["h"] * torch.arange(6.0)[:, None]).sum()  # noqa: E731
+    want = f(*(t.double() for t in (h0, xs, W)))
+    want_g = tfun.grad(loss, argnums=(0, 1, 2))(*(t.double() for t in (h0, xs, W)))
+    z = torch.randn(2, dtype=torch.complex64, generator=g)
+    zs = torch.randn(5, 2, dtype=torch.complex64, generator=g)
+    want_c = c(z.to(torch.complex128), zs.to(torch.complex128))
+    monkeypatch.setattr(module, "scan", no_wrapper)
+    torch._dynamo.reset()
+    got = tfun.jit(f, backend="aot_eager")(h0, xs, W)
+    got_g = tfun.jit(tfun.grad(loss, argnums=(0, 1, 2)), backend="aot_eager")(h0, xs, W)
+    with torch.no_grad():
+        got_c = tfun.jit(c, backend="aot_eager")(z, zs)
+    assert got[1]["n"].dtype == torch.int64
+    assert_tree_allclose(tree_map(lambda t: t.double() if t.is_floating_point() else t, got), want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(tree_map(lambda t: t.to(torch.complex128), got_c), want_c, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -146,6 +146,49 @@ def torch_scan() -> Callable[..., Any]:
     return _scan
 
 
+def _scan_flat_body(*args: Any, combine_fn: Callable[[list[Any], list[Any]], Any], num_init: int) -> Any:
+    """The body torch's scan op calls with its flat arguments: `combine_fn(carry, x)` with the
+    flat carry and the flat slice of `xs` as lists (torch's `wrap_combine_fn_flat` for lists)."""
+    return combine_fn(list(args[:num_init]), list(args[num_init:]))
+
+
+def scan_flat(
+    body: Callable[[list[Any], list[Any]], Any], init: list[Any], xs: list[Any], reverse: bool
+) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+    """torch's scan of `body(carry_list, x_list) -> (carry_list, (ys_list, extra_list))` over
+    flat lists along dim 0: `(carry_list, (ys_list, extra_list))`, the ys stacked along dim 0.
+
+    Under Dynamo the scan op is called directly (`_compat.scan_hop`): the graph is the one
+    torch's wrapper `scan()` records (the same op, `xs` and the ys flipped for `reverse`), and
+    Dynamo does not trace the wrapper's Python. Eagerly and at the top level of a non-strict
+    export (where the wrapper compiles the op itself) it goes through the wrapper
+    (`call_hop`)."""
+    scan = torch_scan()
+    op = _compat.scan_hop()
+    if op is None or not _context.is_dynamo_tracing():
+        return call_hop(scan, body, init, xs, dim=0, reverse=reverse)
+    if reverse:
+        xs = [torch.flip(t, [0]) for t in xs]
+    combine = functools.partial(_scan_flat_body, combine_fn=body, num_init=len(init))
+    carry, (ys, extra) = op(combine, list(init), list(xs), ())
+    if reverse:
+        ys, extra = _flipped(ys), _flipped(extra)
+    return list(carry), (list(ys), list(extra))
+
+
+def _flipped(tree: Any) -> Any:
+    """`tree` (tensors in lists, tuples and dicts: the ys of a scan body, some wrapped in the
+    dicts that carry their dtype or complex pairs across the HOP) with each tensor flipped
+    along dim 0."""
+    if isinstance(tree, torch.Tensor):
+        return tree.flip([0])
+    if isinstance(tree, dict):
+        return {k: _flipped(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_flipped(v) for v in tree)
+    return tree
+
+
 def torch_while_loop() -> Callable[..., Any]:
     fn = getattr(torch, "while_loop", None)
     if fn is None:

@@ -623,7 +623,7 @@ def _lower_scan_as(
     init_flat = [t.clone() for t in init_flat] if n_c else init_flat
     operands = _hop.distinct(list(init_flat) + list(xs_flat))  # e.g. scan(cell, (h0, h0), xs)
     init_flat, xs_flat = operands[: len(init_flat)], operands[len(init_flat) :]
-    carry_flat, (ys, _) = _hop.call_hop(_hop.torch_scan(), body, init_flat, xs_flat, dim=0, reverse=reverse)
+    carry_flat, (ys, _) = _hop.scan_flat(body, init_flat, xs_flat, reverse)
     carry_flat = list(carry_flat)[:n_c]
     if encode:
         carry_flat = [_from_floating(t, d) for t, d in zip(carry_flat, c_dtypes)]
