@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -645,9 +646,8 @@ def test_traced_scan_calls_torchs_scan_op_without_its_python_wrapper(reverse, mo
     Python that Dynamo traces one instruction at a time. `reverse` flips `xs` and every y as
     the wrapper did, the ys wrapped in the dicts that carry an int's dtype (grad mode) or a
     complex pair (no grad) across the HOP included: eager float64's values and gradients."""
-    import torch._higher_order_ops.scan as torch_scan_module  # noqa: F401 - the submodule
-
-    module = __import__("sys").modules["torch._higher_order_ops.scan"]
+    # (the submodule: `torch._higher_order_ops.scan` as an attribute is the function)
+    module = importlib.import_module("torch._higher_order_ops.scan")
 
     def no_wrapper(*args, **kwargs):
         raise AssertionError("torch's scan() wrapper was called under tfun.jit")
